@@ -1,0 +1,526 @@
+//! Central's store: every SQL statement of the central API. It owns API tokens, the ownership map
+//! (dedicated inference id → team, region) together with the read model of each DI fed from the
+//! regions' change feeds, the pending creates that make a create exactly-once across central and
+//! region, idempotency records, and the feed cursors. Sealing and policy are the caller's: rows
+//! hold what they are given.
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgPool;
+use uuid::Uuid;
+
+pub use sqlx;
+
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/central");
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("the name is already used by another dedicated inference of this team")]
+    NameTaken,
+    #[error("not found")]
+    NotFound,
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ApiToken {
+    pub id: Uuid,
+    pub team_id: Uuid,
+    pub scopes: Vec<String>,
+    pub rate_limit_per_hour: Option<i32>,
+    pub revoked: bool,
+}
+
+/// A dedicated inference as central knows it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Owned {
+    pub id: Uuid,
+    pub team_id: Uuid,
+    pub region: String,
+    pub name: String,
+    pub state: String,
+    pub status: String,
+    /// The public JSON of the DI as last reported by its region (absent while pending).
+    pub body: Option<String>,
+}
+
+/// What an `Idempotency-Key` already stands for.
+#[derive(Debug, Clone)]
+pub enum IdempotencyState {
+    /// First use: the caller may proceed (and must complete or release the key).
+    Fresh,
+    /// Same key, different request: refuse.
+    Mismatch,
+    /// A request with this key was accepted but has no stored response yet (it crashed or is in
+    /// flight); `di_id` says which create it belongs to, when it is one.
+    Unfinished { di_id: Option<Uuid> },
+    /// Replay this.
+    Done {
+        status_code: u16,
+        sealed_body: Vec<u8>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CreateBegin {
+    Started,
+    KeyTaken,
+}
+
+pub struct NewCreate<'a> {
+    pub di_id: Uuid,
+    pub team_id: Uuid,
+    pub region: &'a str,
+    pub name: &'a str,
+    pub fingerprint: &'a [u8],
+    pub sealed_intent: &'a [u8],
+    pub idempotency_key: Option<&'a str>,
+}
+
+/// One region's view of a DI, to merge into the read model.
+pub struct ReadModelUpdate<'a> {
+    pub id: Uuid,
+    pub team_id: Uuid,
+    pub region: &'a str,
+    pub name: &'a str,
+    pub status: &'a str,
+    pub body: Option<&'a serde_json::Value>,
+    pub gone: bool,
+    pub seq: i64,
+}
+
+#[derive(Clone)]
+pub struct CentralStore {
+    pool: PgPool,
+}
+
+impl CentralStore {
+    pub fn new(pool: PgPool) -> CentralStore {
+        CentralStore { pool }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    pub async fn migrate(&self) -> std::result::Result<(), sqlx::migrate::MigrateError> {
+        MIGRATOR.run(&self.pool).await
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // API tokens
+
+    pub async fn api_token_create(
+        &self,
+        team_id: Uuid,
+        name: &str,
+        token_hash: &[u8],
+        scopes: &[String],
+        rate_limit_per_hour: Option<i32>,
+    ) -> Result<Uuid> {
+        let id = Uuid::new_v4();
+        sqlx::query(
+            "INSERT INTO api_tokens (id, team_id, name, token_hash, scopes, rate_limit_per_hour) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(id)
+        .bind(team_id)
+        .bind(name)
+        .bind(token_hash)
+        .bind(scopes)
+        .bind(rate_limit_per_hour)
+        .execute(&self.pool)
+        .await?;
+        Ok(id)
+    }
+
+    pub async fn api_token_by_hash(&self, token_hash: &[u8]) -> Result<Option<ApiToken>> {
+        Ok(sqlx::query_as(
+            "SELECT id, team_id, scopes, rate_limit_per_hour, revoked_at IS NOT NULL AS revoked FROM api_tokens WHERE token_hash = $1",
+        )
+        .bind(token_hash)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    pub async fn api_token_revoke(&self, id: Uuid) -> Result<()> {
+        let done = sqlx::query(
+            "UPDATE api_tokens SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Creates: begin (ownership row + intent + key, one transaction), then confirm or abort.
+
+    /// Reserves the id and the name, records how to re-drive the create, and claims the
+    /// idempotency key for it, all in one transaction. `NameTaken` when the team already has a DI
+    /// of that name; `KeyTaken` when the key already stands for another request.
+    pub async fn create_begin(&self, new: &NewCreate<'_>) -> Result<CreateBegin> {
+        let mut tx = self.pool.begin().await?;
+        if let Some(key) = new.idempotency_key {
+            let claimed = sqlx::query(
+                "INSERT INTO idempotency_keys (team_id, key, fingerprint, di_id) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+            )
+            .bind(new.team_id)
+            .bind(key)
+            .bind(new.fingerprint)
+            .bind(new.di_id)
+            .execute(&mut *tx)
+            .await?;
+            if claimed.rows_affected() == 0 {
+                return Ok(CreateBegin::KeyTaken);
+            }
+        }
+        let inserted = sqlx::query(
+            "INSERT INTO dedicated_inferences (id, team_id, region, name, state, status) VALUES ($1, $2, $3, $4, 'pending', 'new')",
+        )
+        .bind(new.di_id)
+        .bind(new.team_id)
+        .bind(new.region)
+        .bind(new.name)
+        .execute(&mut *tx)
+        .await;
+        if let Err(sqlx::Error::Database(e)) = &inserted {
+            if e.constraint() == Some("dedicated_inferences_team_name") {
+                return Err(StoreError::NameTaken);
+            }
+        }
+        inserted?;
+        sqlx::query("INSERT INTO pending_creates (di_id, fingerprint, sealed) VALUES ($1, $2, $3)")
+            .bind(new.di_id)
+            .bind(new.fingerprint)
+            .bind(new.sealed_intent)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(CreateBegin::Started)
+    }
+
+    /// The pending create of the team's DI with this name, if its request had this fingerprint:
+    /// a client retrying a create it never got an answer to.
+    pub async fn pending_create_by_name(
+        &self,
+        team_id: Uuid,
+        name: &str,
+        fingerprint: &[u8],
+    ) -> Result<Option<Uuid>> {
+        Ok(sqlx::query_scalar(
+            "SELECT d.id FROM dedicated_inferences d JOIN pending_creates p ON p.di_id = d.id
+             WHERE d.team_id = $1 AND d.name = $2 AND d.state <> 'gone' AND p.fingerprint = $3",
+        )
+        .bind(team_id)
+        .bind(name)
+        .bind(fingerprint)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    pub async fn pending_create(&self, di_id: Uuid) -> Result<Option<Vec<u8>>> {
+        Ok(
+            sqlx::query_scalar("SELECT sealed FROM pending_creates WHERE di_id = $1")
+                .bind(di_id)
+                .fetch_optional(&self.pool)
+                .await?,
+        )
+    }
+
+    /// The team that owns a pending create.
+    pub async fn pending_create_team(&self, di_id: Uuid) -> Result<Option<Uuid>> {
+        Ok(sqlx::query_scalar(
+            "SELECT d.team_id FROM pending_creates p JOIN dedicated_inferences d ON d.id = p.di_id WHERE p.di_id = $1",
+        )
+        .bind(di_id)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// Pending creates older than `age`: what recovery re-drives.
+    pub async fn pending_creates_older_than(&self, age: std::time::Duration) -> Result<Vec<Uuid>> {
+        Ok(sqlx::query_scalar(
+            "SELECT di_id FROM pending_creates WHERE created_at < now() - make_interval(secs => $1) ORDER BY created_at LIMIT 100",
+        )
+        .bind(age.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// The region has the DI: the ownership row goes live with the region's view, the intent is
+    /// dropped, and the response is stored for replays of every idempotency key of this create.
+    pub async fn create_confirm(
+        &self,
+        update: &ReadModelUpdate<'_>,
+        status_code: u16,
+        sealed_response: &[u8],
+    ) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        apply(&mut tx, update).await?;
+        sqlx::query(
+            "UPDATE dedicated_inferences SET state = 'live' WHERE id = $1 AND state = 'pending'",
+        )
+        .bind(update.id)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE idempotency_keys SET status_code = $2, sealed_body = $3 WHERE di_id = $1 AND status_code IS NULL",
+        )
+        .bind(update.id)
+        .bind(status_code as i32)
+        .bind(sealed_response)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("DELETE FROM pending_creates WHERE di_id = $1")
+            .bind(update.id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The region refused the create: nothing exists there, so nothing may remain here.
+    pub async fn create_abort(&self, di_id: Uuid) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("DELETE FROM idempotency_keys WHERE di_id = $1")
+            .bind(di_id)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM pending_creates WHERE di_id = $1")
+            .bind(di_id)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM dedicated_inferences WHERE id = $1 AND state = 'pending'")
+            .bind(di_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Ownership map and read model
+
+    /// The team's DI by id, whatever its state; `None` for unknown ids and other teams' DIs.
+    pub async fn dedicated_inference(&self, id: Uuid, team_id: Uuid) -> Result<Option<Owned>> {
+        Ok(sqlx::query_as(
+            "SELECT id, team_id, region, name, state, status, body::text AS body FROM dedicated_inferences
+             WHERE id = $1 AND team_id = $2",
+        )
+        .bind(id)
+        .bind(team_id)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// One page of the team's live DIs (public JSON bodies), oldest first, with the total.
+    pub async fn dedicated_inference_list(
+        &self,
+        team_id: Uuid,
+        region: Option<&str>,
+        name: Option<&str>,
+        page: i64,
+        per_page: i64,
+    ) -> Result<(Vec<String>, i64)> {
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT body::text, count(*) OVER () FROM dedicated_inferences
+             WHERE team_id = $1 AND state = 'live' AND body IS NOT NULL
+               AND ($2::text IS NULL OR region = $2) AND ($3::text IS NULL OR name = $3)
+             ORDER BY created_at, id LIMIT $4 OFFSET $5",
+        )
+        .bind(team_id)
+        .bind(region)
+        .bind(name)
+        .bind(per_page)
+        .bind((page - 1).saturating_mul(per_page))
+        .fetch_all(&self.pool)
+        .await?;
+        let total = match rows.first() {
+            Some((_, total)) => *total,
+            None => sqlx::query_scalar(
+                "SELECT count(*) FROM dedicated_inferences WHERE team_id = $1 AND state = 'live' AND body IS NOT NULL
+                   AND ($2::text IS NULL OR region = $2) AND ($3::text IS NULL OR name = $3)",
+            )
+            .bind(team_id)
+            .bind(region)
+            .bind(name)
+            .fetch_one(&self.pool)
+            .await?,
+        };
+        Ok((rows.into_iter().map(|(body, _)| body).collect(), total))
+    }
+
+    /// Merges a region's view of a DI; a view older than the one held is ignored.
+    pub async fn read_model_apply(&self, update: &ReadModelUpdate<'_>) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        apply(&mut tx, update).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Renames the team's DI ahead of forwarding a patch that changes its name.
+    pub async fn rename(&self, id: Uuid, team_id: Uuid, name: &str) -> Result<()> {
+        let renamed = sqlx::query("UPDATE dedicated_inferences SET name = $3, updated_at = now() WHERE id = $1 AND team_id = $2")
+            .bind(id)
+            .bind(team_id)
+            .bind(name)
+            .execute(&self.pool)
+            .await;
+        match renamed {
+            Err(sqlx::Error::Database(e))
+                if e.constraint() == Some("dedicated_inferences_team_name") =>
+            {
+                Err(StoreError::NameTaken)
+            }
+            Err(e) => Err(e.into()),
+            Ok(_) => Ok(()),
+        }
+    }
+
+    pub async fn cursor(&self, region: &str) -> Result<i64> {
+        Ok(
+            sqlx::query_scalar("SELECT last_seq FROM region_cursors WHERE region = $1")
+                .bind(region)
+                .fetch_optional(&self.pool)
+                .await?
+                .unwrap_or(0),
+        )
+    }
+
+    pub async fn cursor_set(&self, region: &str, last_seq: i64) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO region_cursors (region, last_seq) VALUES ($1, $2)
+             ON CONFLICT (region) DO UPDATE SET last_seq = greatest(region_cursors.last_seq, excluded.last_seq)",
+        )
+        .bind(region)
+        .bind(last_seq)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Idempotency keys
+
+    /// Claims `key` for a request with `fingerprint`, or says what the key already stands for.
+    pub async fn idempotency_begin(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        fingerprint: &[u8],
+    ) -> Result<IdempotencyState> {
+        let claimed = sqlx::query(
+            "INSERT INTO idempotency_keys (team_id, key, fingerprint) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+        )
+        .bind(team_id)
+        .bind(key)
+        .bind(fingerprint)
+        .execute(&self.pool)
+        .await?;
+        if claimed.rows_affected() == 1 {
+            return Ok(IdempotencyState::Fresh);
+        }
+        let row: Option<(Vec<u8>, Option<Uuid>, Option<i32>, Option<Vec<u8>>, DateTime<Utc>)> = sqlx::query_as(
+            "SELECT fingerprint, di_id, status_code, sealed_body, created_at FROM idempotency_keys WHERE team_id = $1 AND key = $2",
+        )
+        .bind(team_id)
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(match row {
+            None => IdempotencyState::Fresh,
+            Some((stored, _, _, _, _)) if stored != fingerprint => IdempotencyState::Mismatch,
+            Some((_, _, Some(code), Some(body), _)) => IdempotencyState::Done {
+                status_code: code as u16,
+                sealed_body: body,
+            },
+            Some((_, di_id, _, _, _)) => IdempotencyState::Unfinished { di_id },
+        })
+    }
+
+    pub async fn idempotency_complete(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        status_code: u16,
+        sealed_body: &[u8],
+    ) -> Result<()> {
+        sqlx::query("UPDATE idempotency_keys SET status_code = $3, sealed_body = $4 WHERE team_id = $1 AND key = $2")
+            .bind(team_id)
+            .bind(key)
+            .bind(status_code as i32)
+            .bind(sealed_body)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Forgets a key whose request had no lasting effect, so that a retry runs it again.
+    pub async fn idempotency_release(&self, team_id: Uuid, key: &str) -> Result<()> {
+        sqlx::query("DELETE FROM idempotency_keys WHERE team_id = $1 AND key = $2 AND status_code IS NULL AND di_id IS NULL")
+            .bind(team_id)
+            .bind(key)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Drops keys older than `age` (replays are promised for 24 hours).
+    pub async fn idempotency_purge(&self, age: std::time::Duration) -> Result<u64> {
+        Ok(sqlx::query(
+            "DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)
+               AND (di_id IS NULL OR di_id NOT IN (SELECT di_id FROM pending_creates))",
+        )
+        .bind(age.as_secs_f64())
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+}
+
+async fn apply(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    u: &ReadModelUpdate<'_>,
+) -> Result<()> {
+    let state = if u.gone { "gone" } else { "live" };
+    // Insert covers a DI central has never seen (e.g. its create row was lost); the update is
+    // guarded by `region_seq` so that a slow, older view never overwrites a newer one.
+    let result = sqlx::query(
+        "INSERT INTO dedicated_inferences (id, team_id, region, name, state, status, body, region_seq)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+         ON CONFLICT (id) DO UPDATE SET
+             name = excluded.name, status = excluded.status, body = excluded.body, region_seq = excluded.region_seq,
+             state = CASE WHEN excluded.state = 'gone' THEN 'gone'
+                          WHEN dedicated_inferences.state = 'gone' THEN 'gone' ELSE 'live' END,
+             updated_at = now()
+         WHERE dedicated_inferences.region_seq <= excluded.region_seq",
+    )
+    .bind(u.id)
+    .bind(u.team_id)
+    .bind(u.region)
+    .bind(u.name)
+    .bind(state)
+    .bind(u.status)
+    .bind(u.body)
+    .bind(u.seq)
+    .execute(&mut **tx)
+    .await;
+    match result {
+        Err(sqlx::Error::Database(e))
+            if e.constraint() == Some("dedicated_inferences_team_name") =>
+        {
+            // The region is the source of truth; a name clash here means central's reservation
+            // is stale. Keep the region's state and let the name index be repaired by the next
+            // change rather than dropping the update.
+            tracing::warn!(id = %u.id, "read model name clash; keeping the previous view");
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+        Ok(_) => Ok(()),
+    }
+}

@@ -1,0 +1,919 @@
+//! Central's application methods: one per public operation. Each authorises, validates, talks to
+//! central's store and the owning region, and returns a `Reply` (status + JSON bytes) so that
+//! idempotent replays can return the stored bytes unchanged.
+
+use api_types::public::{
+    AcceleratorInfo, AcceleratorList, AccessToken, CaResponse, CreateRequest, CreateResponse,
+    DedicatedInference, DedicatedInferenceEnvelope, EventInfo, EventList, GpuModelConfig,
+    GpuModelConfigsResponse, Links, Meta, Size, SizesResponse, TokenCreateRequest, TokenEnvelope,
+    TokenList, UpdateRequest,
+};
+use api_types::regional::{
+    self, Accelerator, CaCertificate, Event, NewToken, Page, Record, RecordEnvelope, Token,
+};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use central_store::{CreateBegin, IdempotencyState, NewCreate, ReadModelUpdate, StoreError};
+use reqwest::Method;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+use crate::auth::Principal;
+use crate::body::Parsed;
+use crate::error::ApiError;
+use crate::regions::RegionCallError;
+use crate::{validate, App};
+
+/// A response as bytes: what handlers return and what idempotency records replay.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    fn json<T: Serialize>(status: StatusCode, value: &T) -> Reply {
+        Reply {
+            status,
+            body: serde_json::to_vec(value).expect("response types serialise"),
+        }
+    }
+
+    fn empty(status: StatusCode) -> Reply {
+        Reply {
+            status,
+            body: Vec::new(),
+        }
+    }
+}
+
+impl IntoResponse for Reply {
+    fn into_response(self) -> Response {
+        if self.body.is_empty() {
+            return self.status.into_response();
+        }
+        let mut response = (self.status, self.body).into_response();
+        response.headers_mut().insert(
+            axum::http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
+    }
+}
+
+/// Everything needed to (re-)send a create to its region, sealed at rest in `pending_creates`.
+#[derive(Serialize, Deserialize)]
+struct CreateIntent {
+    request: regional::CreateRequest,
+    token_value: String,
+}
+
+/// Page parameters, already validated.
+#[derive(Debug, Clone, Copy)]
+pub struct Paging {
+    pub page: i64,
+    pub per_page: i64,
+}
+
+const RETRY_AFTER_SECS: u64 = 5;
+const MANAGED_TOKEN_NAME: &str = "managed";
+
+fn fingerprint(method: &str, path: &str, canonical: &str) -> Vec<u8> {
+    let mut h = Sha256::new();
+    h.update(method.as_bytes());
+    h.update(b" ");
+    h.update(path.as_bytes());
+    h.update(b"\n");
+    h.update(canonical.as_bytes());
+    h.finalize().to_vec()
+}
+
+fn response_aad(team_id: Uuid) -> String {
+    format!("idempotent-response:{team_id}")
+}
+
+fn region_error(e: RegionCallError) -> ApiError {
+    match e {
+        RegionCallError::UnknownRegion => ApiError::ServiceUnavailable {
+            retry_after_secs: RETRY_AFTER_SECS,
+        },
+        RegionCallError::Unavailable(detail) => {
+            tracing::warn!(%detail, "region unavailable");
+            ApiError::ServiceUnavailable {
+                retry_after_secs: RETRY_AFTER_SECS,
+            }
+        }
+        RegionCallError::Rejected { status, error } => match status {
+            404 => ApiError::NotFound,
+            409 => ApiError::Conflict(error.message),
+            422 => ApiError::Unprocessable(error.message),
+            400 => ApiError::internal(format!(
+                "region refused central's request: {}",
+                error.message
+            )),
+            _ => ApiError::internal(format!("region answered {status}: {}", error.message)),
+        },
+    }
+}
+
+fn store_error(e: StoreError) -> ApiError {
+    match e {
+        StoreError::NameTaken => ApiError::Conflict(
+            "A dedicated inference with this name already exists in your team.".into(),
+        ),
+        StoreError::NotFound => ApiError::NotFound,
+        StoreError::Database(e) => ApiError::internal(e),
+    }
+}
+
+fn provider_token(
+    tokens: Option<&std::collections::BTreeMap<String, String>>,
+) -> Result<Option<String>, ApiError> {
+    let Some(value) = tokens.and_then(|t| t.get("hugging_face_token")) else {
+        return Ok(None);
+    };
+    check_provider_token(value).map(Some)
+}
+
+fn check_provider_token(value: &str) -> Result<String, ApiError> {
+    if value.is_empty() || value.len() > 1024 || value.chars().any(char::is_control) {
+        return Err(ApiError::Unprocessable(
+            "access_tokens.hugging_face_token is not a valid token.".into(),
+        ));
+    }
+    Ok(value.to_string())
+}
+
+pub fn check_idempotency_key(key: Option<&str>) -> Result<Option<&str>, ApiError> {
+    match key {
+        None => Ok(None),
+        Some(k) if !k.is_empty() && k.len() <= 255 && k.bytes().all(|b| b.is_ascii_graphic()) => {
+            Ok(Some(k))
+        }
+        Some(_) => Err(ApiError::BadRequest(
+            "Idempotency-Key must be 1 to 255 visible ASCII characters.".into(),
+        )),
+    }
+}
+
+fn update_from(record: &Record, public: Option<&serde_json::Value>) -> (String, String) {
+    let name = record
+        .spec
+        .as_ref()
+        .or(record.pending_spec.as_ref())
+        .map(|s| s.name.clone())
+        .unwrap_or_default();
+    let _ = public;
+    (name, record.status.clone())
+}
+
+impl App {
+    // -----------------------------------------------------------------------------------------
+    // Create
+
+    pub async fn create(
+        &self,
+        p: &Principal,
+        key: Option<&str>,
+        parsed: Parsed<CreateRequest>,
+    ) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:create")?;
+        let req = parsed.value;
+        let checked = validate::spec(&self.catalog, &req.spec)?;
+        let hf = provider_token(req.access_tokens.as_ref().or(req.secrets.as_ref()))?;
+        if checked.gated && hf.is_none() {
+            return Err(ApiError::Unprocessable(
+                "access_tokens.hugging_face_token is required: the model is gated on Hugging Face."
+                    .into(),
+            ));
+        }
+        let fp = fingerprint("POST", "/v2/dedicated-inferences", &parsed.canonical);
+        let di_id = Uuid::new_v4();
+        let token_value = common::tokens::mint(common::tokens::ENDPOINT_TOKEN_PREFIX);
+        let mut spec = checked.spec;
+        spec.version = 1;
+        let intent = CreateIntent {
+            request: regional::CreateRequest {
+                id: di_id,
+                team_id: p.team_id,
+                spec,
+                hugging_face_token: hf,
+                managed_token: NewToken {
+                    id: Uuid::new_v4(),
+                    name: MANAGED_TOKEN_NAME.into(),
+                    sha256_hex: common::tokens::sha256_hex(&token_value),
+                },
+            },
+            token_value,
+        };
+        let sealed = self.sealer.seal(
+            &serde_json::to_vec(&intent).expect("intent serialises"),
+            intent_aad(di_id).as_bytes(),
+        );
+        let begun = self
+            .store
+            .create_begin(&NewCreate {
+                di_id,
+                team_id: p.team_id,
+                region: &intent.request.spec.region,
+                name: &intent.request.spec.name,
+                fingerprint: &fp,
+                sealed_intent: &sealed,
+                idempotency_key: key,
+            })
+            .await;
+        match begun {
+            Ok(CreateBegin::Started) => self.drive_create(di_id, p.team_id).await,
+            Ok(CreateBegin::KeyTaken) => match self
+                .store
+                .idempotency_begin(p.team_id, key.unwrap_or_default(), &fp)
+                .await
+                .map_err(store_error)?
+            {
+                IdempotencyState::Done {
+                    status_code,
+                    sealed_body,
+                } => self.replay(p.team_id, status_code, &sealed_body),
+                IdempotencyState::Mismatch => Err(key_mismatch()),
+                IdempotencyState::Unfinished { di_id: Some(id) } => {
+                    self.drive_create(id, p.team_id).await
+                }
+                IdempotencyState::Unfinished { di_id: None } | IdempotencyState::Fresh => {
+                    Err(key_in_progress())
+                }
+            },
+            Err(StoreError::NameTaken) => {
+                // A client retrying a create it never got an answer to (same body, no key): finish
+                // that create rather than refuse the retry.
+                match self
+                    .store
+                    .pending_create_by_name(p.team_id, &intent.request.spec.name, &fp)
+                    .await
+                    .map_err(store_error)?
+                {
+                    Some(id) => self.drive_create(id, p.team_id).await,
+                    None => Err(store_error(StoreError::NameTaken)),
+                }
+            }
+            Err(e) => Err(store_error(e)),
+        }
+    }
+
+    /// Sends a pending create to its region (idempotent there) and settles it: confirmed with the
+    /// region's view, or aborted when the region refuses. Used by the request path, by retries, and
+    /// by recovery after a crash.
+    pub async fn drive_create(&self, di_id: Uuid, team_id: Uuid) -> Result<Reply, ApiError> {
+        let Some(sealed) = self
+            .store
+            .pending_create(di_id)
+            .await
+            .map_err(store_error)?
+        else {
+            // Settled meanwhile by a concurrent retry or by recovery.
+            return Err(ApiError::Conflict("This create was already completed; retry with the same Idempotency-Key to get its response.".into()));
+        };
+        let plain = self
+            .sealer
+            .open(&sealed, intent_aad(di_id).as_bytes())
+            .map_err(ApiError::internal)?;
+        let intent: CreateIntent = serde_json::from_slice(&plain).map_err(ApiError::internal)?;
+        if intent.request.team_id != team_id {
+            return Err(ApiError::NotFound);
+        }
+        let answer: Result<RecordEnvelope, _> = self
+            .regions
+            .call(
+                &intent.request.spec.region,
+                Method::POST,
+                "/internal/v1/dedicated-inferences",
+                Some(&intent.request),
+            )
+            .await;
+        match answer {
+            Ok(RecordEnvelope { record }) => {
+                let public = DedicatedInference::from_record(&record)
+                    .ok_or_else(|| ApiError::internal("region returned a DI without spec"))?;
+                let body = CreateResponse {
+                    token: AccessToken {
+                        id: intent.request.managed_token.id,
+                        name: intent.request.managed_token.name.clone(),
+                        value: Some(intent.token_value.clone()),
+                        created_at: record.created_at,
+                        is_managed: true,
+                    },
+                    dedicated_inference: public,
+                };
+                let reply = Reply::json(StatusCode::ACCEPTED, &body);
+                let body_value =
+                    serde_json::to_value(&body.dedicated_inference).expect("serialises");
+                let (name, status) = update_from(&record, None);
+                let update = ReadModelUpdate {
+                    id: record.id,
+                    team_id: record.team_id,
+                    region: &record.region,
+                    name: &name,
+                    status: &status,
+                    body: Some(&body_value),
+                    gone: record.gone,
+                    seq: record.seq,
+                };
+                let sealed_reply = self
+                    .sealer
+                    .seal(&reply.body, response_aad(team_id).as_bytes());
+                self.store
+                    .create_confirm(&update, reply.status.as_u16(), &sealed_reply)
+                    .await
+                    .map_err(store_error)?;
+                Ok(reply)
+            }
+            Err(RegionCallError::Rejected { status, error }) if (400..500).contains(&status) => {
+                self.store.create_abort(di_id).await.map_err(store_error)?;
+                Err(region_error(RegionCallError::Rejected { status, error }))
+            }
+            Err(e) => Err(region_error(e)),
+        }
+    }
+
+    fn replay(&self, team_id: Uuid, status_code: u16, sealed: &[u8]) -> Result<Reply, ApiError> {
+        let body = self
+            .sealer
+            .open(sealed, response_aad(team_id).as_bytes())
+            .map_err(ApiError::internal)?;
+        Ok(Reply {
+            status: StatusCode::from_u16(status_code).map_err(ApiError::internal)?,
+            body,
+        })
+    }
+
+    /// Runs `op` under an idempotency key: replays a stored response, refuses a reused key with
+    /// another body, and stores the response of a successful first run.
+    async fn idempotent<F, Fut>(
+        &self,
+        team_id: Uuid,
+        key: Option<&str>,
+        fp: Vec<u8>,
+        op: F,
+    ) -> Result<Reply, ApiError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<Reply, ApiError>>,
+    {
+        let Some(key) = key else { return op().await };
+        match self
+            .store
+            .idempotency_begin(team_id, key, &fp)
+            .await
+            .map_err(store_error)?
+        {
+            IdempotencyState::Done {
+                status_code,
+                sealed_body,
+            } => return self.replay(team_id, status_code, &sealed_body),
+            IdempotencyState::Mismatch => return Err(key_mismatch()),
+            IdempotencyState::Unfinished { .. } => return Err(key_in_progress()),
+            IdempotencyState::Fresh => {}
+        }
+        match op().await {
+            Ok(reply) => {
+                let sealed = self
+                    .sealer
+                    .seal(&reply.body, response_aad(team_id).as_bytes());
+                self.store
+                    .idempotency_complete(team_id, key, reply.status.as_u16(), &sealed)
+                    .await
+                    .map_err(store_error)?;
+                Ok(reply)
+            }
+            Err(e) => {
+                self.store
+                    .idempotency_release(team_id, key)
+                    .await
+                    .map_err(store_error)?;
+                Err(e)
+            }
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Writes to an existing DI
+
+    pub async fn patch(
+        &self,
+        p: &Principal,
+        id: Uuid,
+        key: Option<&str>,
+        parsed: Parsed<UpdateRequest>,
+    ) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:update")?;
+        let owned = self.owned(p, id).await?;
+        let req = parsed.value;
+        let checked = req
+            .spec
+            .as_ref()
+            .map(|s| validate::spec(&self.catalog, s))
+            .transpose()?;
+        let tokens = req.access_tokens.as_ref().or(req.secrets.as_ref());
+        let hf = tokens
+            .and_then(|t| t.hugging_face_token.as_deref())
+            .map(check_provider_token)
+            .transpose()?;
+        if checked.is_none() && hf.is_none() {
+            return Err(ApiError::Unprocessable(
+                "The request must contain spec and/or access_tokens.".into(),
+            ));
+        }
+        let path = format!("/v2/dedicated-inferences/{id}");
+        let fp = fingerprint("PATCH", &path, &parsed.canonical);
+        self.idempotent(p.team_id, key, fp, || async {
+            let new_name = checked
+                .as_ref()
+                .map(|c| c.spec.name.clone())
+                .filter(|n| *n != owned.name);
+            if let Some(name) = &new_name {
+                self.store
+                    .rename(id, p.team_id, name)
+                    .await
+                    .map_err(store_error)?;
+            }
+            let request = regional::PatchRequest {
+                team_id: p.team_id,
+                requires_hugging_face_token: checked.as_ref().is_some_and(|c| c.gated),
+                spec: checked.map(|c| c.spec),
+                hugging_face_token: hf,
+            };
+            let answer: Result<RecordEnvelope, _> = self
+                .regions
+                .call(
+                    &owned.region,
+                    Method::PATCH,
+                    &format!("/internal/v1/dedicated-inferences/{id}"),
+                    Some(&request),
+                )
+                .await;
+            match answer {
+                Ok(RecordEnvelope { record }) => {
+                    let public = self.apply(&record).await?;
+                    Ok(Reply::json(
+                        StatusCode::ACCEPTED,
+                        &DedicatedInferenceEnvelope {
+                            dedicated_inference: public,
+                        },
+                    ))
+                }
+                Err(e) => {
+                    if new_name.is_some() {
+                        // Undo the reservation; if the patch did land, the change feed renames again.
+                        let _ = self.store.rename(id, p.team_id, &owned.name).await;
+                    }
+                    Err(region_error(e))
+                }
+            }
+        })
+        .await
+    }
+
+    pub async fn delete(
+        &self,
+        p: &Principal,
+        id: Uuid,
+        key: Option<&str>,
+    ) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:delete")?;
+        let owned = self.owned(p, id).await?;
+        let fp = fingerprint("DELETE", &format!("/v2/dedicated-inferences/{id}"), "");
+        self.idempotent(p.team_id, key, fp, || async {
+            let answer: RecordEnvelope = self
+                .regions
+                .call::<(), _>(
+                    &owned.region,
+                    Method::DELETE,
+                    &format!(
+                        "/internal/v1/dedicated-inferences/{id}?team_id={}",
+                        p.team_id
+                    ),
+                    None,
+                )
+                .await
+                .map_err(region_error)?;
+            self.apply(&answer.record).await?;
+            Ok(Reply::empty(StatusCode::ACCEPTED))
+        })
+        .await
+    }
+
+    pub async fn token_create(
+        &self,
+        p: &Principal,
+        id: Uuid,
+        key: Option<&str>,
+        parsed: Parsed<TokenCreateRequest>,
+    ) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference_tokens:create")?;
+        validate::name("name", &parsed.value.name)?;
+        let owned = self.owned(p, id).await?;
+        let fp = fingerprint(
+            "POST",
+            &format!("/v2/dedicated-inferences/{id}/tokens"),
+            &parsed.canonical,
+        );
+        self.idempotent(p.team_id, key, fp, || async {
+            let value = common::tokens::mint(common::tokens::ENDPOINT_TOKEN_PREFIX);
+            let request = regional::TokenCreateRequest {
+                team_id: p.team_id,
+                token: NewToken {
+                    id: Uuid::new_v4(),
+                    name: parsed.value.name.clone(),
+                    sha256_hex: common::tokens::sha256_hex(&value),
+                },
+            };
+            let token: Token = self
+                .regions
+                .call(
+                    &owned.region,
+                    Method::POST,
+                    &format!("/internal/v1/dedicated-inferences/{id}/tokens"),
+                    Some(&request),
+                )
+                .await
+                .map_err(region_error)?;
+            let mut public = AccessToken::from(&token);
+            public.value = Some(value);
+            Ok(Reply::json(
+                StatusCode::ACCEPTED,
+                &TokenEnvelope { token: public },
+            ))
+        })
+        .await
+    }
+
+    pub async fn token_revoke(
+        &self,
+        p: &Principal,
+        id: Uuid,
+        token_id: Uuid,
+        key: Option<&str>,
+    ) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference_tokens:delete")?;
+        let owned = self.owned(p, id).await?;
+        let fp = fingerprint(
+            "DELETE",
+            &format!("/v2/dedicated-inferences/{id}/tokens/{token_id}"),
+            "",
+        );
+        self.idempotent(p.team_id, key, fp, || async {
+            self.regions
+                .call::<(), serde_json::Value>(
+                    &owned.region,
+                    Method::DELETE,
+                    &format!(
+                        "/internal/v1/dedicated-inferences/{id}/tokens/{token_id}?team_id={}",
+                        p.team_id
+                    ),
+                    None,
+                )
+                .await
+                .map_err(region_error)?;
+            Ok(Reply::empty(StatusCode::NO_CONTENT))
+        })
+        .await
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Reads
+
+    pub async fn get(&self, p: &Principal, id: Uuid) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:read")?;
+        let owned = self.owned(p, id).await?;
+        let body = owned.body.ok_or(ApiError::NotFound)?;
+        // The stored body is already the public JSON: wrap it without re-serialising.
+        let mut out = Vec::with_capacity(body.len() + 26);
+        out.extend_from_slice(b"{\"dedicated_inference\":");
+        out.extend_from_slice(body.as_bytes());
+        out.push(b'}');
+        Ok(Reply {
+            status: StatusCode::OK,
+            body: out,
+        })
+    }
+
+    pub async fn list(
+        &self,
+        p: &Principal,
+        region: Option<&str>,
+        name: Option<&str>,
+        paging: Paging,
+    ) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:read")?;
+        if let Some(region) = region {
+            validate::region(&self.catalog, "region", region)?;
+        }
+        let (bodies, total) = self
+            .store
+            .dedicated_inference_list(p.team_id, region, name, paging.page, paging.per_page)
+            .await
+            .map_err(store_error)?;
+        let mut extra = Vec::new();
+        if let Some(r) = region {
+            extra.push(("region", r));
+        }
+        if let Some(n) = name {
+            extra.push(("name", n));
+        }
+        let links = self.links("/v2/dedicated-inferences", paging, total, &extra);
+        let mut out = Vec::with_capacity(bodies.iter().map(String::len).sum::<usize>() + 256);
+        out.extend_from_slice(b"{\"dedicated_inferences\":[");
+        for (i, body) in bodies.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(body.as_bytes());
+        }
+        out.extend_from_slice(b"],\"links\":");
+        out.extend_from_slice(&serde_json::to_vec(&links).expect("serialises"));
+        out.extend_from_slice(b",\"meta\":");
+        out.extend_from_slice(&serde_json::to_vec(&Meta { total }).expect("serialises"));
+        out.push(b'}');
+        Ok(Reply {
+            status: StatusCode::OK,
+            body: out,
+        })
+    }
+
+    pub async fn accelerators(
+        &self,
+        p: &Principal,
+        id: Uuid,
+        slug: Option<&str>,
+        paging: Paging,
+    ) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:read")?;
+        let owned = self.owned(p, id).await?;
+        let mut path = format!(
+            "/internal/v1/dedicated-inferences/{id}/accelerators?team_id={}&page={}&per_page={}",
+            p.team_id, paging.page, paging.per_page
+        );
+        if let Some(slug) = slug {
+            path.push_str(&format!("&slug={}", urlencode(slug)));
+        }
+        let page: Page<Accelerator> = self
+            .regions
+            .call::<(), _>(&owned.region, Method::GET, &path, None)
+            .await
+            .map_err(region_error)?;
+        let extra: Vec<(&str, &str)> = slug.map(|s| vec![("slug", s)]).unwrap_or_default();
+        Ok(Reply::json(
+            StatusCode::OK,
+            &AcceleratorList {
+                accelerators: page.items.iter().map(AcceleratorInfo::from).collect(),
+                links: self.links(
+                    &format!("/v2/dedicated-inferences/{id}/accelerators"),
+                    paging,
+                    page.total,
+                    &extra,
+                ),
+                meta: Meta { total: page.total },
+            },
+        ))
+    }
+
+    pub async fn accelerator(
+        &self,
+        p: &Principal,
+        id: Uuid,
+        accelerator_id: Uuid,
+    ) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:read")?;
+        let owned = self.owned(p, id).await?;
+        let a: Accelerator = self
+            .regions
+            .call::<(), _>(
+                &owned.region,
+                Method::GET,
+                &format!("/internal/v1/dedicated-inferences/{id}/accelerators/{accelerator_id}?team_id={}", p.team_id),
+                None,
+            )
+            .await
+            .map_err(region_error)?;
+        Ok(Reply::json(StatusCode::OK, &AcceleratorInfo::from(&a)))
+    }
+
+    pub async fn ca(&self, p: &Principal, id: Uuid) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:read")?;
+        let owned = self.owned(p, id).await?;
+        let ca: CaCertificate = self
+            .regions
+            .call::<(), _>(
+                &owned.region,
+                Method::GET,
+                &format!(
+                    "/internal/v1/dedicated-inferences/{id}/ca?team_id={}",
+                    p.team_id
+                ),
+                None,
+            )
+            .await
+            .map_err(region_error)?;
+        let cert = base64::engine::general_purpose::STANDARD.encode(ca.cert_pem.as_bytes());
+        Ok(Reply::json(StatusCode::OK, &CaResponse { cert }))
+    }
+
+    pub async fn tokens(&self, p: &Principal, id: Uuid, paging: Paging) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference_tokens:read")?;
+        let owned = self.owned(p, id).await?;
+        let page: Page<Token> = self
+            .regions
+            .call::<(), _>(
+                &owned.region,
+                Method::GET,
+                &format!(
+                    "/internal/v1/dedicated-inferences/{id}/tokens?team_id={}&page={}&per_page={}",
+                    p.team_id, paging.page, paging.per_page
+                ),
+                None,
+            )
+            .await
+            .map_err(region_error)?;
+        Ok(Reply::json(
+            StatusCode::OK,
+            &TokenList {
+                tokens: page.items.iter().map(AccessToken::from).collect(),
+                links: self.links(
+                    &format!("/v2/dedicated-inferences/{id}/tokens"),
+                    paging,
+                    page.total,
+                    &[],
+                ),
+                meta: Meta { total: page.total },
+            },
+        ))
+    }
+
+    pub async fn events(&self, p: &Principal, id: Uuid, paging: Paging) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:read")?;
+        let owned = self.owned(p, id).await?;
+        let page: Page<Event> = self
+            .regions
+            .call::<(), _>(
+                &owned.region,
+                Method::GET,
+                &format!(
+                    "/internal/v1/dedicated-inferences/{id}/events?team_id={}&page={}&per_page={}",
+                    p.team_id, paging.page, paging.per_page
+                ),
+                None,
+            )
+            .await
+            .map_err(region_error)?;
+        Ok(Reply::json(
+            StatusCode::OK,
+            &EventList {
+                events: page
+                    .items
+                    .into_iter()
+                    .map(|e| EventInfo {
+                        id: e.id,
+                        phase: e.phase,
+                        reason: e.reason,
+                        message: e.message,
+                        time: e.created_at,
+                    })
+                    .collect(),
+                links: self.links(
+                    &format!("/v2/dedicated-inferences/{id}/events"),
+                    paging,
+                    page.total,
+                    &[],
+                ),
+                meta: Meta { total: page.total },
+            },
+        ))
+    }
+
+    pub fn sizes(&self, p: &Principal) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:read")?;
+        let mut sizes = Vec::new();
+        for size in &self.catalog.sizes {
+            for region in &size.regions {
+                sizes.push(Size {
+                    gpu_slug: size.gpu_slug.clone(),
+                    price_per_hour: size.price_per_hour.clone(),
+                    region: region.clone(),
+                    regions: size.regions.clone(),
+                    currency: size.currency.clone(),
+                });
+            }
+        }
+        Ok(Reply::json(
+            StatusCode::OK,
+            &SizesResponse {
+                enabled_regions: self.catalog.regions.clone(),
+                sizes,
+            },
+        ))
+    }
+
+    pub fn gpu_model_config(&self, p: &Principal) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:read")?;
+        let gpu_model_configs = self
+            .catalog
+            .models
+            .iter()
+            .map(|m| GpuModelConfig {
+                gpu_slugs: m.gpu_slugs.clone(),
+                model_slug: m.model_slug.clone(),
+                model_name: m.model_name.clone(),
+                is_gated_model: m.is_gated_model,
+                is_model_gated: m.is_gated_model,
+            })
+            .collect();
+        Ok(Reply::json(
+            StatusCode::OK,
+            &GpuModelConfigsResponse { gpu_model_configs },
+        ))
+    }
+
+    // -----------------------------------------------------------------------------------------
+
+    /// The caller's DI; another team's, an unknown, a pending or a gone one is 404 alike.
+    async fn owned(&self, p: &Principal, id: Uuid) -> Result<central_store::Owned, ApiError> {
+        match self
+            .store
+            .dedicated_inference(id, p.team_id)
+            .await
+            .map_err(store_error)?
+        {
+            Some(owned) if owned.state == "live" => Ok(owned),
+            _ => Err(ApiError::NotFound),
+        }
+    }
+
+    /// Merges a region record into the read model and returns its public view.
+    pub async fn apply(&self, record: &Record) -> Result<DedicatedInference, ApiError> {
+        let public = DedicatedInference::from_record(record)
+            .ok_or_else(|| ApiError::internal("region returned a DI without spec"))?;
+        let body = serde_json::to_value(&public).expect("serialises");
+        let (name, status) = update_from(record, None);
+        self.store
+            .read_model_apply(&ReadModelUpdate {
+                id: record.id,
+                team_id: record.team_id,
+                region: &record.region,
+                name: &name,
+                status: &status,
+                body: Some(&body),
+                gone: record.gone,
+                seq: record.seq,
+            })
+            .await
+            .map_err(store_error)?;
+        Ok(public)
+    }
+
+    fn links(&self, path: &str, paging: Paging, total: i64, extra: &[(&str, &str)]) -> Links {
+        let last = ((total + paging.per_page - 1) / paging.per_page).max(1);
+        let url = |page: i64| {
+            let mut u = format!(
+                "{}{path}?page={page}&per_page={}",
+                self.public_url, paging.per_page
+            );
+            for (k, v) in extra {
+                u.push_str(&format!("&{k}={}", urlencode(v)));
+            }
+            u
+        };
+        let mut pages = std::collections::BTreeMap::new();
+        pages.insert("first".to_string(), url(1));
+        pages.insert("last".to_string(), url(last));
+        if paging.page > 1 {
+            pages.insert("prev".to_string(), url((paging.page - 1).min(last)));
+        }
+        if paging.page < last {
+            pages.insert("next".to_string(), url(paging.page + 1));
+        }
+        Links { pages }
+    }
+}
+
+fn intent_aad(di_id: Uuid) -> String {
+    format!("create-intent:{di_id}")
+}
+
+fn key_mismatch() -> ApiError {
+    ApiError::Unprocessable(
+        "This Idempotency-Key was already used with a different request.".into(),
+    )
+}
+
+fn key_in_progress() -> ApiError {
+    ApiError::Conflict(
+        "A request with this Idempotency-Key is still in progress; retry shortly.".into(),
+    )
+}
+
+fn urlencode(s: &str) -> String {
+    serde_urlencoded::to_string([("", s)])
+        .map(|e| e.trim_start_matches('=').to_string())
+        .unwrap_or_default()
+}

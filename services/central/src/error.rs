@@ -1,0 +1,123 @@
+//! The public API's one error type and its one `IntoResponse`: DigitalOcean's
+//! `{id, message, request_id}` shape. Internal detail (`Internal`) is logged with the request id
+//! and never returned.
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use api_types::public::ErrorBody;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("unprocessable: {0}")]
+    Unprocessable(String),
+    #[error("unauthorized")]
+    Unauthorized,
+    #[error("forbidden: {0}")]
+    Forbidden(String),
+    #[error("not found")]
+    NotFound,
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    #[error("conflict: {0}")]
+    Conflict(String),
+    #[error("payload too large")]
+    PayloadTooLarge,
+    #[error("too many requests")]
+    TooManyRequests { retry_after_secs: u64 },
+    #[error("region unavailable")]
+    ServiceUnavailable { retry_after_secs: u64 },
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn internal(detail: impl std::fmt::Display) -> ApiError {
+        ApiError::Internal(detail.to_string())
+    }
+
+    /// Status, error id and customer-facing message.
+    pub fn parts(&self) -> (StatusCode, &'static str, String) {
+        match self {
+            ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, "bad_request", m.clone()),
+            ApiError::Unprocessable(m) => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unprocessable_entity",
+                m.clone(),
+            ),
+            ApiError::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "Unable to authenticate you.".into(),
+            ),
+            ApiError::Forbidden(m) => (StatusCode::FORBIDDEN, "forbidden", m.clone()),
+            ApiError::NotFound => (
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "The resource you were accessing could not be found.".into(),
+            ),
+            ApiError::MethodNotAllowed => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "This method is not allowed on this resource.".into(),
+            ),
+            ApiError::Conflict(m) => (StatusCode::CONFLICT, "conflict", m.clone()),
+            ApiError::PayloadTooLarge => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request_entity_too_large",
+                format!(
+                    "The request body exceeds {} bytes.",
+                    crate::body::MAX_BODY_BYTES
+                ),
+            ),
+            ApiError::TooManyRequests { .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_requests",
+                "API rate limit exceeded.".into(),
+            ),
+            ApiError::ServiceUnavailable { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "The region is temporarily unavailable. Please retry later.".into(),
+            ),
+            ApiError::Internal(_) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "Unexpected server-side error".into(),
+            ),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let request_id = common::request_id::current();
+        if let ApiError::Internal(detail) = &self {
+            tracing::error!(%request_id, %detail, "request failed");
+        }
+        let (status, id, message) = self.parts();
+        let mut response = (
+            status,
+            Json(ErrorBody {
+                id: id.into(),
+                message,
+                request_id,
+            }),
+        )
+            .into_response();
+        let retry_after = match self {
+            ApiError::TooManyRequests { retry_after_secs }
+            | ApiError::ServiceUnavailable { retry_after_secs } => Some(retry_after_secs),
+            _ => None,
+        };
+        if let Some(secs) = retry_after {
+            response
+                .headers_mut()
+                .insert("retry-after", HeaderValue::from(secs));
+        }
+        response
+    }
+}

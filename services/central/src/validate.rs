@@ -1,0 +1,265 @@
+//! Turning a public spec (either client dialect) into the normalised `Spec`, checked against the
+//! catalog. Every refusal names the field, in the public request's terms.
+
+use api_types::public::{ModelDeploymentInput, SpecInput};
+use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
+use uuid::Uuid;
+
+use crate::catalog::Catalog;
+use crate::error::ApiError;
+
+pub const ROLES: &[&str] = &["prefill_decode", "prefill", "decode"];
+pub const MAX_SCALE: i64 = 64;
+pub const MAX_DEPLOYMENTS: usize = 16;
+
+fn invalid(message: String) -> ApiError {
+    ApiError::Unprocessable(message)
+}
+
+pub fn name(field: &str, name: &str) -> Result<(), ApiError> {
+    if name.is_empty() || name.len() > 255 {
+        return Err(invalid(format!(
+            "{field} must be 1 to 255 characters long."
+        )));
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(invalid(format!(
+            "{field} may contain only letters, digits, '-' and '_'."
+        )));
+    }
+    Ok(())
+}
+
+pub fn region(catalog: &Catalog, field: &str, region: &str) -> Result<(), ApiError> {
+    if catalog.has_region(region) {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "{field} {region:?} is not a region where Dedicated Inference is available ({}).",
+            catalog.regions.join(", ")
+        )))
+    }
+}
+
+/// What validation found besides the spec itself.
+pub struct Checked {
+    pub spec: Spec,
+    /// Some deployment runs a gated model, so a Hugging Face token is required.
+    pub gated: bool,
+}
+
+pub fn spec(catalog: &Catalog, input: &SpecInput) -> Result<Checked, ApiError> {
+    name("spec.name", &input.name)?;
+    region(catalog, "spec.region", &input.region)?;
+    let vpc_text = match (&input.vpc, &input.vpc_config) {
+        (Some(vpc), _) => vpc.uuid.as_str(),
+        (None, Some(config)) => config.vpc_uuid.as_str(),
+        (None, None) => return Err(invalid("spec.vpc.uuid is required.".into())),
+    };
+    let vpc_uuid =
+        Uuid::parse_str(vpc_text).map_err(|_| invalid("spec.vpc.uuid must be a UUID.".into()))?;
+    if input.version < 0 || input.version > i32::MAX as i64 {
+        return Err(invalid("spec.version is out of range.".into()));
+    }
+    if input.model_deployments.is_empty() {
+        return Err(invalid(
+            "spec.model_deployments needs at least one model deployment.".into(),
+        ));
+    }
+    if input.model_deployments.len() > MAX_DEPLOYMENTS {
+        return Err(invalid(format!(
+            "spec.model_deployments allows at most {MAX_DEPLOYMENTS} entries."
+        )));
+    }
+    let mut gated = false;
+    let mut deployments = Vec::with_capacity(input.model_deployments.len());
+    for (i, d) in input.model_deployments.iter().enumerate() {
+        let (deployment, is_gated) = deployment(
+            catalog,
+            &input.region,
+            &format!("spec.model_deployments[{i}]"),
+            d,
+        )?;
+        gated |= is_gated;
+        deployments.push(deployment);
+    }
+    Ok(Checked {
+        spec: Spec {
+            version: input.version as i32,
+            name: input.name.clone(),
+            region: input.region.clone(),
+            vpc_uuid,
+            enable_public_endpoint: input.enable_public_endpoint,
+            model_deployments: deployments,
+        },
+        gated,
+    })
+}
+
+fn deployment(
+    catalog: &Catalog,
+    region: &str,
+    at: &str,
+    d: &ModelDeploymentInput,
+) -> Result<(ModelDeployment, bool), ApiError> {
+    let slug = d
+        .model_slug
+        .as_deref()
+        .or(d.provider_model_id.as_deref())
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| invalid(format!("{at}.model_slug is required.")))?;
+    let model = catalog
+        .model(slug)
+        .ok_or_else(|| invalid(format!("{at}.model_slug {slug:?} is not a supported model (see /v2/dedicated-inferences/gpu-model-config).")))?;
+    let provider = d.model_provider.as_deref().unwrap_or("hugging_face");
+    if provider != "hugging_face" {
+        return Err(invalid(format!(
+            "{at}.model_provider must be \"hugging_face\"."
+        )));
+    }
+    let model_id = match d.model_id.as_deref() {
+        None | Some("") => None,
+        Some(text) => Some(
+            Uuid::parse_str(text)
+                .map_err(|_| invalid(format!("{at}.model_id must be a UUID or empty.")))?,
+        ),
+    };
+    let workload_config = match &d.workload_config {
+        None | Some(serde_json::Value::Null) => serde_json::json!({}),
+        Some(v @ serde_json::Value::Object(_)) => v.clone(),
+        Some(_) => return Err(invalid(format!("{at}.workload_config must be an object."))),
+    };
+    if d.accelerators.is_empty() {
+        return Err(invalid(format!(
+            "{at}.accelerators needs at least one accelerator."
+        )));
+    }
+    let mut accelerators = Vec::with_capacity(d.accelerators.len());
+    for (j, a) in d.accelerators.iter().enumerate() {
+        let at = format!("{at}.accelerators[{j}]");
+        if !(1..=MAX_SCALE).contains(&a.scale) {
+            return Err(invalid(format!(
+                "{at}.scale must be between 1 and {MAX_SCALE}."
+            )));
+        }
+        if !ROLES.contains(&a.role.as_str()) {
+            return Err(invalid(format!(
+                "{at}.type must be one of {}.",
+                ROLES.join(", ")
+            )));
+        }
+        let size = catalog.size(&a.accelerator_slug).ok_or_else(|| {
+            invalid(format!(
+                "{at}.accelerator_slug {:?} is not a Dedicated Inference size.",
+                a.accelerator_slug
+            ))
+        })?;
+        if !size.regions.iter().any(|r| r == region) {
+            return Err(invalid(format!(
+                "{at}.accelerator_slug {:?} is not available in {region}.",
+                a.accelerator_slug
+            )));
+        }
+        if !model.gpu_slugs.contains(&a.accelerator_slug) {
+            return Err(invalid(format!(
+                "{at}.accelerator_slug {:?} cannot serve {} (supported: {}).",
+                a.accelerator_slug,
+                model.model_slug,
+                model.gpu_slugs.join(", ")
+            )));
+        }
+        accelerators.push(AcceleratorGroup {
+            accelerator_slug: a.accelerator_slug.clone(),
+            role: a.role.clone(),
+            scale: a.scale as i32,
+        });
+    }
+    Ok((
+        ModelDeployment {
+            model_id,
+            model_slug: model.model_slug.clone(),
+            model_provider: provider.to_string(),
+            workload_config,
+            accelerators,
+        },
+        model.is_gated_model,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::{Catalog, EMBEDDED};
+
+    fn input(json: serde_json::Value) -> SpecInput {
+        serde_json::from_value(json).unwrap()
+    }
+
+    fn base() -> serde_json::Value {
+        serde_json::json!({
+            "version": 1, "name": "my-di", "region": "atl1",
+            "vpc": {"uuid": "7e5c619c-359c-44ca-87e2-47e98170c012"}, "enable_public_endpoint": true,
+            "model_deployments": [{"model_slug": "qwen/qwen2.5-7b-instruct", "model_provider": "hugging_face",
+                "accelerators": [{"scale": 2, "type": "prefill_decode", "accelerator_slug": "gpu-h100x1-80gb"}]}]
+        })
+    }
+
+    fn message(spec: serde_json::Value) -> String {
+        let catalog = Catalog::parse(EMBEDDED).unwrap();
+        match super::spec(&catalog, &input(spec)) {
+            Err(ApiError::Unprocessable(m)) => m,
+            other => panic!("expected 422, got {:?}", other.map(|c| c.spec)),
+        }
+    }
+
+    #[test]
+    fn accepts_both_dialects_identically() {
+        let catalog = Catalog::parse(EMBEDDED).unwrap();
+        let pydo = super::spec(&catalog, &input(base())).unwrap();
+        let mut godo = base();
+        godo["vpc_config"] =
+            serde_json::json!({"vpc_uuid": "7e5c619c-359c-44ca-87e2-47e98170c012"});
+        godo.as_object_mut().unwrap().remove("vpc");
+        let d = &mut godo["model_deployments"][0];
+        d["provider_model_id"] = d["model_slug"].take();
+        d.as_object_mut().unwrap().remove("model_slug");
+        let godo = super::spec(&catalog, &input(godo)).unwrap();
+        assert_eq!(pydo.spec, godo.spec);
+        assert!(!pydo.gated);
+    }
+
+    #[test]
+    fn refusals_name_the_field() {
+        let mut s = base();
+        s["region"] = "ams3".into();
+        assert!(message(s).starts_with("spec.region"));
+        let mut s = base();
+        s["model_deployments"][0]["accelerators"][0]["accelerator_slug"] = "gpu-nope".into();
+        assert!(message(s).contains("accelerators[0].accelerator_slug"));
+        let mut s = base();
+        s["model_deployments"][0]["model_slug"] = "nobody/nothing".into();
+        assert!(message(s).contains("model_deployments[0].model_slug"));
+        let mut s = base();
+        s["model_deployments"][0]["accelerators"][0]["accelerator_slug"] =
+            "gpu-h100x8-640gb".into();
+        assert!(message(s).contains("cannot serve"));
+        let mut s = base();
+        s["name"] = "has space".into();
+        assert!(message(s).starts_with("spec.name"));
+        let mut s = base();
+        s["model_deployments"][0]["accelerators"][0]["scale"] = 0.into();
+        assert!(message(s).contains("scale"));
+    }
+
+    #[test]
+    fn size_must_be_enabled_in_the_region() {
+        let mut s = base();
+        s["region"] = "tor1".into();
+        s["model_deployments"][0]["accelerators"][0]["accelerator_slug"] =
+            "gpu-h200x1-141gb".into();
+        assert!(message(s).contains("not available in tor1"));
+    }
+}

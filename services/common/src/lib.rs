@@ -1,0 +1,8 @@
+//! Small pieces every service shares: sealing secrets at rest (`seal`), minting and hashing
+//! bearer tokens (`tokens`), request ids (`request_id`), and logging set-up (`telemetry`).
+//! Nothing here knows about dedicated inferences, databases or HTTP routes.
+
+pub mod request_id;
+pub mod seal;
+pub mod telemetry;
+pub mod tokens;

@@ -1,0 +1,981 @@
+//! The regional store: every SQL statement of a regional service and its workers, in
+//! resource-first methods (`dedicated_inference_create`, `token_revoke`, `rollout_complete`…).
+//!
+//! It owns the lifecycle rules that must hold under concurrency — versions, immutable fields, which
+//! status may follow which — and makes every state change one transaction that also appends an
+//! event and an outbox entry. It seals secrets before they reach a table. It knows nothing about
+//! HTTP, the catalog, or the cloud.
+
+mod records;
+
+use api_types::regional::{
+    Accelerator, Changes, CreateRequest, Event, NewToken, Page, Record, Token,
+};
+use api_types::spec::{ModelDeployment, Spec};
+use common::seal::Sealer;
+use sqlx::postgres::PgPool;
+use sqlx::{Postgres, Transaction};
+use uuid::Uuid;
+
+pub use sqlx;
+
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/region");
+
+/// What can go wrong, in terms a caller can act on. Database failures carry the driver's error
+/// for the log; callers never show it to a customer.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("not found")]
+    NotFound,
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Unprocessable(String),
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("a sealed secret could not be opened")]
+    Seal,
+}
+
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+/// An accelerator as a worker observed it on a real node.
+#[derive(Debug, Clone)]
+pub struct ObservedAccelerator {
+    pub name: String,
+    pub slug: String,
+    pub role: String,
+    pub status: String,
+}
+
+/// Where the endpoints of a rolled-out spec answer.
+#[derive(Debug, Clone, Default)]
+pub struct Endpoints {
+    pub public_fqdn: Option<String>,
+    pub private_fqdn: Option<String>,
+}
+
+/// The CA generated for a new dedicated inference (PEM); the key is sealed before storage.
+pub struct NewCa {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+#[derive(Clone)]
+pub struct Store {
+    pool: PgPool,
+    sealer: Sealer,
+}
+
+const HF_TOKEN: &str = "hugging_face_token";
+
+impl Store {
+    pub fn new(pool: PgPool, sealer: Sealer) -> Store {
+        Store { pool, sealer }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    pub async fn migrate(&self) -> std::result::Result<(), sqlx::migrate::MigrateError> {
+        MIGRATOR.run(&self.pool).await
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Lifecycle entry points (called by the regional service on behalf of central)
+
+    /// Creates the DI with status `new` and pending spec version 1, its managed token, its sealed
+    /// Hugging Face token and CA. Idempotent on `req.id`: a retry returns what the first call made.
+    pub async fn dedicated_inference_create(
+        &self,
+        req: &CreateRequest,
+        ca: &NewCa,
+    ) -> Result<Record> {
+        if let Some(existing) = self.existing_for_create(req).await? {
+            return Ok(existing);
+        }
+        let mut tx = self.pool.begin().await?;
+        let inserted = sqlx::query(
+            "INSERT INTO dedicated_inferences (id, team_id, region, vpc_uuid, enable_public_endpoint, status, pending_version)
+             VALUES ($1, $2, $3, $4, $5, 'new', 1) ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(req.id)
+        .bind(req.team_id)
+        .bind(&req.spec.region)
+        .bind(req.spec.vpc_uuid)
+        .bind(req.spec.enable_public_endpoint)
+        .execute(&mut *tx)
+        .await?;
+        if inserted.rows_affected() == 0 {
+            // A concurrent retry won the race; answer with its result.
+            drop(tx);
+            return self
+                .existing_for_create(req)
+                .await?
+                .ok_or(StoreError::NotFound);
+        }
+        let mut spec = req.spec.clone();
+        spec.version = 1;
+        insert_spec_version(&mut tx, req.id, &spec, &[]).await?;
+        sqlx::query(
+            "INSERT INTO access_tokens (id, di_id, name, token_hash, is_managed) VALUES ($1, $2, $3, $4, true)",
+        )
+        .bind(req.managed_token.id)
+        .bind(req.id)
+        .bind(&req.managed_token.name)
+        .bind(token_hash(&req.managed_token)?)
+        .execute(&mut *tx)
+        .await?;
+        if let Some(hf) = &req.hugging_face_token {
+            self.put_secret(&mut tx, req.id, HF_TOKEN, hf).await?;
+        }
+        sqlx::query(
+            "INSERT INTO certificate_authorities (di_id, cert_pem, key_sealed) VALUES ($1, $2, $3)",
+        )
+        .bind(req.id)
+        .bind(&ca.cert_pem)
+        .bind(
+            self.sealer
+                .seal(ca.key_pem.as_bytes(), ca_aad(req.id).as_bytes()),
+        )
+        .execute(&mut *tx)
+        .await?;
+        change(
+            &mut tx,
+            req.id,
+            "new",
+            "Created",
+            "Dedicated inference accepted; provisioning will start shortly.",
+        )
+        .await?;
+        tx.commit().await?;
+        self.record(req.id, None, true).await
+    }
+
+    async fn existing_for_create(&self, req: &CreateRequest) -> Result<Option<Record>> {
+        match self.record(req.id, None, true).await {
+            Ok(record) if record.team_id == req.team_id => Ok(Some(record)),
+            Ok(_) => Err(StoreError::Conflict("id already in use".into())),
+            Err(StoreError::NotFound) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The DI as its team sees it; `NotFound` once gone or for another team.
+    pub async fn dedicated_inference_get(&self, id: Uuid, team_id: Uuid) -> Result<Record> {
+        self.record(id, Some(team_id), false).await
+    }
+
+    /// Accepts a new desired spec (and/or a new Hugging Face token). The spec must carry the latest
+    /// version the region has; it is stored as version + 1 and supersedes any pending spec.
+    pub async fn dedicated_inference_patch(
+        &self,
+        id: Uuid,
+        team_id: Uuid,
+        spec: Option<&Spec>,
+        hugging_face_token: Option<&str>,
+        requires_hugging_face_token: bool,
+    ) -> Result<Record> {
+        let mut tx = self.pool.begin().await?;
+        let row = lock_live(&mut tx, id, Some(team_id)).await?;
+        if row.status == "deleting" {
+            return Err(StoreError::Conflict(
+                "the dedicated inference is being deleted".into(),
+            ));
+        }
+        if requires_hugging_face_token && hugging_face_token.is_none() {
+            let stored: Option<i32> =
+                sqlx::query_scalar("SELECT 1 FROM provider_secrets WHERE di_id = $1 AND kind = $2")
+                    .bind(id)
+                    .bind(HF_TOKEN)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if stored.is_none() {
+                return Err(StoreError::Unprocessable(
+                    "access_tokens.hugging_face_token is required for a gated model".into(),
+                ));
+            }
+        }
+        if let Some(spec) = spec {
+            let latest = row.pending_version.or(row.current_version).unwrap_or(0);
+            if spec.version != latest {
+                return Err(StoreError::Conflict(format!(
+                    "spec version {} is stale: the current version is {latest}",
+                    spec.version
+                )));
+            }
+            if spec.region != row.region {
+                return Err(StoreError::Unprocessable(
+                    "spec.region cannot be changed".into(),
+                ));
+            }
+            if spec.vpc_uuid != row.vpc_uuid {
+                return Err(StoreError::Unprocessable(
+                    "spec.vpc.uuid cannot be changed".into(),
+                ));
+            }
+            if spec.enable_public_endpoint != row.enable_public_endpoint {
+                return Err(StoreError::Unprocessable(
+                    "spec.enable_public_endpoint cannot be changed".into(),
+                ));
+            }
+            let known: Vec<Uuid> = sqlx::query_scalar(
+                "SELECT model_id FROM model_deployments WHERE di_id = $1 AND version = $2",
+            )
+            .bind(id)
+            .bind(latest)
+            .fetch_all(&mut *tx)
+            .await?;
+            let mut next = spec.clone();
+            next.version = latest + 1;
+            insert_spec_version(&mut tx, id, &next, &known).await?;
+            let status = if row.current_version.is_some() {
+                "updating"
+            } else if row.status == "error" {
+                "new"
+            } else {
+                row.status.as_str()
+            };
+            sqlx::query(
+                "UPDATE dedicated_inferences SET pending_version = $2, status = $3, status_reason = NULL, updated_at = now()
+                 WHERE id = $1",
+            )
+            .bind(id)
+            .bind(next.version)
+            .bind(status)
+            .execute(&mut *tx)
+            .await?;
+            change(
+                &mut tx,
+                id,
+                status,
+                "SpecAccepted",
+                &format!("Spec version {} accepted.", next.version),
+            )
+            .await?;
+        }
+        if let Some(hf) = hugging_face_token {
+            self.put_secret(&mut tx, id, HF_TOKEN, hf).await?;
+            sqlx::query("UPDATE dedicated_inferences SET updated_at = now() WHERE id = $1")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            change(
+                &mut tx,
+                id,
+                &row.status,
+                "ProviderTokenUpdated",
+                "Hugging Face token replaced.",
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        self.record(id, None, true).await
+    }
+
+    /// Moves the DI to `deleting`. Idempotent: deleting a DI that is already deleting changes nothing.
+    pub async fn dedicated_inference_delete(&self, id: Uuid, team_id: Uuid) -> Result<Record> {
+        let mut tx = self.pool.begin().await?;
+        let row = lock_live(&mut tx, id, Some(team_id)).await?;
+        if row.status != "deleting" {
+            sqlx::query(
+                "UPDATE dedicated_inferences SET status = 'deleting', status_reason = NULL, updated_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+            change(
+                &mut tx,
+                id,
+                "deleting",
+                "DeleteRequested",
+                "Deletion requested; tearing down.",
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        self.record(id, None, true).await
+    }
+
+    /// The latest state of every DI changed after outbox position `after`, oldest change first.
+    pub async fn changes_since(&self, after: i64, limit: i64) -> Result<Changes> {
+        let changed: Vec<(Uuid, i64)> = sqlx::query_as(
+            "SELECT di_id, max(seq) AS seq FROM outbox WHERE seq > $1 GROUP BY di_id ORDER BY seq LIMIT $2",
+        )
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut records = Vec::with_capacity(changed.len());
+        let mut last_seq = after;
+        for (id, seq) in changed {
+            let record = self.record(id, None, true).await?;
+            last_seq = last_seq.max(seq).max(record.seq);
+            records.push(record);
+        }
+        Ok(Changes { records, last_seq })
+    }
+
+    /// The newest outbox position, for consumers that start from "now".
+    pub async fn outbox_head(&self) -> Result<i64> {
+        Ok(
+            sqlx::query_scalar("SELECT coalesce(max(seq), 0) FROM outbox")
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+
+    pub async fn accelerators_list(
+        &self,
+        id: Uuid,
+        team_id: Uuid,
+        slug: Option<&str>,
+        page: i64,
+        per_page: i64,
+    ) -> Result<Page<Accelerator>> {
+        self.ensure_visible(id, team_id).await?;
+        let rows: Vec<records::AcceleratorRow> = sqlx::query_as(
+            "SELECT id, name, slug, role, status, created_at, count(*) OVER () AS total FROM accelerators
+             WHERE di_id = $1 AND ($2::text IS NULL OR slug = $2) ORDER BY created_at, name LIMIT $3 OFFSET $4",
+        )
+        .bind(id)
+        .bind(slug)
+        .bind(per_page)
+        .bind((page - 1) * per_page)
+        .fetch_all(&self.pool)
+        .await?;
+        let total = match rows.first() {
+            Some(r) => r.total,
+            None => sqlx::query_scalar(
+                "SELECT count(*) FROM accelerators WHERE di_id = $1 AND ($2::text IS NULL OR slug = $2)",
+            )
+            .bind(id)
+            .bind(slug)
+            .fetch_one(&self.pool)
+            .await?,
+        };
+        Ok(Page {
+            items: rows.into_iter().map(Into::into).collect(),
+            total,
+        })
+    }
+
+    pub async fn accelerator_get(
+        &self,
+        id: Uuid,
+        team_id: Uuid,
+        accelerator_id: Uuid,
+    ) -> Result<Accelerator> {
+        self.ensure_visible(id, team_id).await?;
+        let row: Option<records::AcceleratorRow> = sqlx::query_as(
+            "SELECT id, name, slug, role, status, created_at, 1::bigint AS total FROM accelerators WHERE di_id = $1 AND id = $2",
+        )
+        .bind(id)
+        .bind(accelerator_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(Into::into).ok_or(StoreError::NotFound)
+    }
+
+    pub async fn ca_certificate(&self, id: Uuid, team_id: Uuid) -> Result<String> {
+        self.ensure_visible(id, team_id).await?;
+        sqlx::query_scalar("SELECT cert_pem FROM certificate_authorities WHERE di_id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound)
+    }
+
+    pub async fn tokens_list(
+        &self,
+        id: Uuid,
+        team_id: Uuid,
+        page: i64,
+        per_page: i64,
+    ) -> Result<Page<Token>> {
+        self.ensure_visible(id, team_id).await?;
+        let rows: Vec<(Uuid, String, bool, chrono::DateTime<chrono::Utc>, i64)> = sqlx::query_as(
+            "SELECT id, name, is_managed, created_at, count(*) OVER () FROM access_tokens
+             WHERE di_id = $1 AND revoked_at IS NULL ORDER BY created_at, id LIMIT $2 OFFSET $3",
+        )
+        .bind(id)
+        .bind(per_page)
+        .bind((page - 1) * per_page)
+        .fetch_all(&self.pool)
+        .await?;
+        let total =
+            match rows.first() {
+                Some(r) => r.4,
+                None => sqlx::query_scalar(
+                    "SELECT count(*) FROM access_tokens WHERE di_id = $1 AND revoked_at IS NULL",
+                )
+                .bind(id)
+                .fetch_one(&self.pool)
+                .await?,
+            };
+        let items = rows
+            .into_iter()
+            .map(|(id, name, is_managed, created_at, _)| Token {
+                id,
+                name,
+                is_managed,
+                created_at,
+            })
+            .collect();
+        Ok(Page { items, total })
+    }
+
+    /// Adds an access token (by hash). Idempotent on the token id.
+    pub async fn token_create(&self, id: Uuid, team_id: Uuid, token: &NewToken) -> Result<Token> {
+        let mut tx = self.pool.begin().await?;
+        let row = lock_live(&mut tx, id, Some(team_id)).await?;
+        if row.status == "deleting" {
+            return Err(StoreError::Conflict(
+                "the dedicated inference is being deleted".into(),
+            ));
+        }
+        let created: Option<(chrono::DateTime<chrono::Utc>,)> = sqlx::query_as(
+            "INSERT INTO access_tokens (id, di_id, name, token_hash, is_managed) VALUES ($1, $2, $3, $4, false)
+             ON CONFLICT (id) DO NOTHING RETURNING created_at",
+        )
+        .bind(token.id)
+        .bind(id)
+        .bind(&token.name)
+        .bind(token_hash(token)?)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if created.is_some() {
+            change(
+                &mut tx,
+                id,
+                &row.status,
+                "TokenCreated",
+                &format!("Access token {} created.", token.name),
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        let (name, is_managed, created_at): (String, bool, chrono::DateTime<chrono::Utc>) =
+            sqlx::query_as("SELECT name, is_managed, created_at FROM access_tokens WHERE id = $1 AND di_id = $2")
+                .bind(token.id)
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?
+                .ok_or_else(|| StoreError::Conflict("token id already in use".into()))?;
+        Ok(Token {
+            id: token.id,
+            name,
+            is_managed,
+            created_at,
+        })
+    }
+
+    pub async fn token_revoke(&self, id: Uuid, team_id: Uuid, token_id: Uuid) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let row = lock_live(&mut tx, id, Some(team_id)).await?;
+        if row.status == "deleting" {
+            return Err(StoreError::Conflict(
+                "the dedicated inference is being deleted".into(),
+            ));
+        }
+        let revoked = sqlx::query(
+            "UPDATE access_tokens SET revoked_at = now() WHERE id = $1 AND di_id = $2 AND revoked_at IS NULL",
+        )
+        .bind(token_id)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        if revoked.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        change(
+            &mut tx,
+            id,
+            &row.status,
+            "TokenRevoked",
+            &format!("Access token {token_id} revoked."),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn events_list(
+        &self,
+        id: Uuid,
+        team_id: Uuid,
+        page: i64,
+        per_page: i64,
+    ) -> Result<Page<Event>> {
+        self.ensure_visible(id, team_id).await?;
+        let items: Vec<Event> = sqlx::query_as::<_, (i64, String, String, String, chrono::DateTime<chrono::Utc>)>(
+            "SELECT id, phase, reason, message, created_at FROM events WHERE di_id = $1 ORDER BY id LIMIT $2 OFFSET $3",
+        )
+        .bind(id)
+        .bind(per_page)
+        .bind((page - 1) * per_page)
+        .fetch_all(&self.pool)
+        .await?
+        .into_iter()
+        .map(|(id, phase, reason, message, created_at)| Event { id, phase, reason, message, created_at })
+        .collect();
+        let total = sqlx::query_scalar("SELECT count(*) FROM events WHERE di_id = $1")
+            .bind(id)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(Page { items, total })
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Worker methods: each moves one DI forward in one transaction with its event and outbox entry.
+
+    /// `new` → `provisioning`. A no-op in any other status.
+    pub async fn provisioning_begin(&self, id: Uuid) -> Result<Record> {
+        self.transition(
+            id,
+            &["new"],
+            "provisioning",
+            "ProvisioningStarted",
+            "Provisioning cloud resources.",
+        )
+        .await
+    }
+
+    /// `active` → `updating`, for a pending spec a worker starts rolling out. A no-op otherwise.
+    pub async fn updating_begin(&self, id: Uuid) -> Result<Record> {
+        self.transition(
+            id,
+            &["active"],
+            "updating",
+            "RolloutStarted",
+            "Rolling out a new spec.",
+        )
+        .await
+    }
+
+    /// The pending spec `version` is fully rolled out: it becomes current, the pending spec is
+    /// cleared and the DI is `active`. If a newer spec superseded it meanwhile, nothing changes
+    /// (the worker converges on the newer one next) and `Conflict` says so.
+    pub async fn rollout_complete(
+        &self,
+        id: Uuid,
+        version: i32,
+        endpoints: &Endpoints,
+    ) -> Result<Record> {
+        let mut tx = self.pool.begin().await?;
+        let row = lock_live(&mut tx, id, None).await?;
+        if row.status == "deleting" {
+            return Err(StoreError::Conflict(
+                "the dedicated inference is being deleted".into(),
+            ));
+        }
+        if row.pending_version != Some(version) {
+            return Err(StoreError::Conflict(format!(
+                "version {version} is not the pending spec"
+            )));
+        }
+        sqlx::query(
+            "UPDATE dedicated_inferences SET current_version = $2, pending_version = NULL, status = 'active',
+                 status_reason = NULL, public_endpoint_fqdn = $3, private_endpoint_fqdn = $4, updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(id)
+        .bind(version)
+        .bind(&endpoints.public_fqdn)
+        .bind(&endpoints.private_fqdn)
+        .execute(&mut *tx)
+        .await?;
+        change(
+            &mut tx,
+            id,
+            "active",
+            "RolloutComplete",
+            &format!("Spec version {version} is serving."),
+        )
+        .await?;
+        tx.commit().await?;
+        self.record(id, None, true).await
+    }
+
+    /// A permanent failure: status `error` with a reason, until the spec changes. Not applied to
+    /// a DI being deleted (deletion wins).
+    pub async fn error_set(&self, id: Uuid, reason: &str, message: &str) -> Result<Record> {
+        let mut tx = self.pool.begin().await?;
+        let row = lock_live(&mut tx, id, None).await?;
+        if row.status != "deleting"
+            && !(row.status == "error" && row.status_reason.as_deref() == Some(reason))
+        {
+            sqlx::query(
+                "UPDATE dedicated_inferences SET status = 'error', status_reason = $2, updated_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .bind(reason)
+            .execute(&mut *tx)
+            .await?;
+            change(&mut tx, id, "error", reason, message).await?;
+        }
+        tx.commit().await?;
+        self.record(id, None, true).await
+    }
+
+    /// Every cloud resource is gone: the DI disappears for customers (404 from now on).
+    pub async fn gone(&self, id: Uuid) -> Result<Record> {
+        let mut tx = self.pool.begin().await?;
+        let row = lock_live(&mut tx, id, None).await?;
+        if row.status != "deleting" {
+            return Err(StoreError::Conflict(
+                "only a dedicated inference being deleted can be gone".into(),
+            ));
+        }
+        sqlx::query(
+            "UPDATE dedicated_inferences SET gone_at = now(), updated_at = now() WHERE id = $1",
+        )
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE access_tokens SET revoked_at = now() WHERE di_id = $1 AND revoked_at IS NULL",
+        )
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        change(
+            &mut tx,
+            id,
+            "deleting",
+            "Deleted",
+            "Every cloud resource is gone.",
+        )
+        .await?;
+        tx.commit().await?;
+        self.record(id, None, true).await
+    }
+
+    /// Records a progress or warning event without changing status.
+    pub async fn event_append(&self, id: Uuid, reason: &str, message: &str) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let row = lock_live(&mut tx, id, None).await?;
+        change(&mut tx, id, &row.status, reason, message).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Replaces the observed accelerators with what the worker saw; ids stay stable by name.
+    pub async fn accelerators_replace(
+        &self,
+        id: Uuid,
+        observed: &[ObservedAccelerator],
+    ) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        lock_live(&mut tx, id, None).await?;
+        let names: Vec<String> = observed.iter().map(|a| a.name.clone()).collect();
+        sqlx::query("DELETE FROM accelerators WHERE di_id = $1 AND NOT (name = ANY($2))")
+            .bind(id)
+            .bind(&names)
+            .execute(&mut *tx)
+            .await?;
+        for a in observed {
+            sqlx::query(
+                "INSERT INTO accelerators (id, di_id, name, slug, role, status) VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (di_id, name) DO UPDATE SET slug = excluded.slug, role = excluded.role, status = excluded.status
+                 WHERE (accelerators.slug, accelerators.role, accelerators.status) IS DISTINCT FROM (excluded.slug, excluded.role, excluded.status)",
+            )
+            .bind(Uuid::new_v4())
+            .bind(id)
+            .bind(&a.name)
+            .bind(&a.slug)
+            .bind(&a.role)
+            .bind(&a.status)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The Hugging Face token, unsealed, for the worker that writes it into the cluster.
+    pub async fn hugging_face_token(&self, id: Uuid) -> Result<Option<String>> {
+        let sealed: Option<Vec<u8>> = sqlx::query_scalar(
+            "SELECT sealed FROM provider_secrets WHERE di_id = $1 AND kind = $2",
+        )
+        .bind(id)
+        .bind(HF_TOKEN)
+        .fetch_optional(&self.pool)
+        .await?;
+        sealed
+            .map(|s| {
+                let plain = self
+                    .sealer
+                    .open(&s, secret_aad(id, HF_TOKEN).as_bytes())
+                    .map_err(|_| StoreError::Seal)?;
+                String::from_utf8(plain).map_err(|_| StoreError::Seal)
+            })
+            .transpose()
+    }
+
+    /// The CA certificate and its unsealed private key (PEM), for issuing endpoint certificates.
+    pub async fn certificate_authority(&self, id: Uuid) -> Result<NewCa> {
+        let (cert_pem, key_sealed): (String, Vec<u8>) = sqlx::query_as(
+            "SELECT cert_pem, key_sealed FROM certificate_authorities WHERE di_id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or(StoreError::NotFound)?;
+        let key = self
+            .sealer
+            .open(&key_sealed, ca_aad(id).as_bytes())
+            .map_err(|_| StoreError::Seal)?;
+        Ok(NewCa {
+            cert_pem,
+            key_pem: String::from_utf8(key).map_err(|_| StoreError::Seal)?,
+        })
+    }
+
+    /// Hashes (hex) of the DI's live access tokens, keyed by token id: what the gateway checks.
+    pub async fn token_hashes(&self, id: Uuid) -> Result<Vec<(Uuid, String)>> {
+        let rows: Vec<(Uuid, Vec<u8>)> = sqlx::query_as(
+            "SELECT id, token_hash FROM access_tokens WHERE di_id = $1 AND revoked_at IS NULL ORDER BY id",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, hash)| (id, hex::encode(hash)))
+            .collect())
+    }
+
+    /// Any DI, including gone ones, for internal consumers (central's recovery, workers).
+    pub async fn dedicated_inference_any(&self, id: Uuid) -> Result<Record> {
+        self.record(id, None, true).await
+    }
+
+    // -----------------------------------------------------------------------------------------
+
+    async fn transition(
+        &self,
+        id: Uuid,
+        from: &[&str],
+        to: &str,
+        reason: &str,
+        message: &str,
+    ) -> Result<Record> {
+        let mut tx = self.pool.begin().await?;
+        let row = lock_live(&mut tx, id, None).await?;
+        if from.contains(&row.status.as_str()) {
+            sqlx::query(
+                "UPDATE dedicated_inferences SET status = $2, updated_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .bind(to)
+            .execute(&mut *tx)
+            .await?;
+            change(&mut tx, id, to, reason, message).await?;
+        }
+        tx.commit().await?;
+        self.record(id, None, true).await
+    }
+
+    async fn ensure_visible(&self, id: Uuid, team_id: Uuid) -> Result<()> {
+        let found: Option<i32> = sqlx::query_scalar(
+            "SELECT 1 FROM dedicated_inferences WHERE id = $1 AND team_id = $2 AND gone_at IS NULL",
+        )
+        .bind(id)
+        .bind(team_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        found.map(|_| ()).ok_or(StoreError::NotFound)
+    }
+
+    async fn put_secret(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        id: Uuid,
+        kind: &str,
+        value: &str,
+    ) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO provider_secrets (di_id, kind, sealed) VALUES ($1, $2, $3)
+             ON CONFLICT (di_id, kind) DO UPDATE SET sealed = excluded.sealed, updated_at = now()",
+        )
+        .bind(id)
+        .bind(kind)
+        .bind(
+            self.sealer
+                .seal(value.as_bytes(), secret_aad(id, kind).as_bytes()),
+        )
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
+    async fn record(&self, id: Uuid, team_id: Option<Uuid>, include_gone: bool) -> Result<Record> {
+        records::load(&self.pool, id, team_id, include_gone).await
+    }
+}
+
+fn secret_aad(id: Uuid, kind: &str) -> String {
+    format!("provider_secret:{id}:{kind}")
+}
+
+fn ca_aad(id: Uuid) -> String {
+    format!("ca_key:{id}")
+}
+
+fn token_hash(token: &NewToken) -> Result<Vec<u8>> {
+    let bytes = hex::decode(&token.sha256_hex)
+        .map_err(|_| StoreError::Unprocessable("token hash is not hex".into()))?;
+    if bytes.len() != 32 {
+        return Err(StoreError::Unprocessable(
+            "token hash must be a SHA-256".into(),
+        ));
+    }
+    Ok(bytes)
+}
+
+struct LockedRow {
+    status: String,
+    status_reason: Option<String>,
+    region: String,
+    vpc_uuid: Uuid,
+    enable_public_endpoint: bool,
+    current_version: Option<i32>,
+    pending_version: Option<i32>,
+}
+
+/// Locks a live (not gone) DI row for the rest of the transaction.
+async fn lock_live(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    team_id: Option<Uuid>,
+) -> Result<LockedRow> {
+    let row: Option<(String, Option<String>, String, Uuid, bool, Option<i32>, Option<i32>)> = sqlx::query_as(
+        "SELECT status, status_reason, region, vpc_uuid, enable_public_endpoint, current_version, pending_version
+         FROM dedicated_inferences WHERE id = $1 AND ($2::uuid IS NULL OR team_id = $2) AND gone_at IS NULL FOR UPDATE",
+    )
+    .bind(id)
+    .bind(team_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let (
+        status,
+        status_reason,
+        region,
+        vpc_uuid,
+        enable_public_endpoint,
+        current_version,
+        pending_version,
+    ) = row.ok_or(StoreError::NotFound)?;
+    Ok(LockedRow {
+        status,
+        status_reason,
+        region,
+        vpc_uuid,
+        enable_public_endpoint,
+        current_version,
+        pending_version,
+    })
+}
+
+/// Inserts one immutable spec version. Deployments keep the `model_id` they name (it must be one of
+/// `known`, the ids of the version they replace); those without one get a fresh id.
+async fn insert_spec_version(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    spec: &Spec,
+    known: &[Uuid],
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO spec_versions (di_id, version, id, name, enable_public_endpoint, vpc_uuid) VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(id)
+    .bind(spec.version)
+    .bind(Uuid::new_v4())
+    .bind(&spec.name)
+    .bind(spec.enable_public_endpoint)
+    .bind(spec.vpc_uuid)
+    .execute(&mut **tx)
+    .await?;
+    let mut seen = Vec::new();
+    for (position, deployment) in spec.model_deployments.iter().enumerate() {
+        let model_id = deployment_id(deployment, known, &seen, position)?;
+        seen.push(model_id);
+        sqlx::query(
+            "INSERT INTO model_deployments (di_id, version, position, model_id, model_slug, model_provider, workload_config)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(id)
+        .bind(spec.version)
+        .bind(position as i32)
+        .bind(model_id)
+        .bind(&deployment.model_slug)
+        .bind(&deployment.model_provider)
+        .bind(&deployment.workload_config)
+        .execute(&mut **tx)
+        .await?;
+        for (group_position, group) in deployment.accelerators.iter().enumerate() {
+            sqlx::query(
+                "INSERT INTO accelerator_groups (di_id, version, deployment_position, position, accelerator_slug, role, scale)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(id)
+            .bind(spec.version)
+            .bind(position as i32)
+            .bind(group_position as i32)
+            .bind(&group.accelerator_slug)
+            .bind(&group.role)
+            .bind(group.scale)
+            .execute(&mut **tx)
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+fn deployment_id(
+    deployment: &ModelDeployment,
+    known: &[Uuid],
+    seen: &[Uuid],
+    position: usize,
+) -> Result<Uuid> {
+    match deployment.model_id {
+        None => Ok(Uuid::new_v4()),
+        Some(id) if seen.contains(&id) => Err(StoreError::Unprocessable(format!(
+            "spec.model_deployments[{position}].model_id {id} appears twice"
+        ))),
+        Some(id) if known.contains(&id) => Ok(id),
+        Some(id) => Err(StoreError::Unprocessable(format!(
+            "spec.model_deployments[{position}].model_id {id} is not a deployment of this dedicated inference"
+        ))),
+    }
+}
+
+/// Appends the event and the outbox entry for a change, in the caller's transaction. The advisory
+/// lock serialises outbox writers until commit, so `seq` order is commit order and a consumer
+/// resuming after `seq` never skips a change that committed late.
+async fn change(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    phase: &str,
+    reason: &str,
+    message: &str,
+) -> Result<()> {
+    sqlx::query("INSERT INTO events (di_id, phase, reason, message) VALUES ($1, $2, $3, $4)")
+        .bind(id)
+        .bind(phase)
+        .bind(reason)
+        .bind(message)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(7415)")
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query("INSERT INTO outbox (di_id, kind) VALUES ($1, $2)")
+        .bind(id)
+        .bind(reason)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}

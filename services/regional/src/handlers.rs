@@ -1,0 +1,315 @@
+//! Internal API handlers: extract, call one store method, map the result.
+
+use std::time::Duration;
+
+use api_types::regional::{
+    Accelerator, CaCertificate, Changes, CreateRequest, Event, Page, PatchRequest, RecordEnvelope,
+    RegionError, TeamScoped, Token, TokenCreateRequest,
+};
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use utoipa::OpenApi;
+use uuid::Uuid;
+
+use crate::{ca, ApiError, AppState};
+
+type ApiResult<T> = Result<Json<T>, ApiError>;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Dedicated Inference regional service (internal)",
+        version = "1"
+    ),
+    paths(
+        create,
+        get_one,
+        patch,
+        delete,
+        changes,
+        accelerators,
+        accelerator,
+        ca_certificate,
+        tokens,
+        token_create,
+        token_revoke,
+        events
+    ),
+    components(schemas(RegionError))
+)]
+pub struct ApiDoc;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/internal/v1/dedicated-inferences", post(create))
+        .route(
+            "/internal/v1/dedicated-inferences/{id}",
+            get(get_one).patch(patch).delete(delete),
+        )
+        .route(
+            "/internal/v1/dedicated-inferences/{id}/accelerators",
+            get(accelerators),
+        )
+        .route(
+            "/internal/v1/dedicated-inferences/{id}/accelerators/{accelerator_id}",
+            get(accelerator),
+        )
+        .route(
+            "/internal/v1/dedicated-inferences/{id}/ca",
+            get(ca_certificate),
+        )
+        .route(
+            "/internal/v1/dedicated-inferences/{id}/tokens",
+            get(tokens).post(token_create),
+        )
+        .route(
+            "/internal/v1/dedicated-inferences/{id}/tokens/{token_id}",
+            axum::routing::delete(token_revoke),
+        )
+        .route("/internal/v1/dedicated-inferences/{id}/events", get(events))
+        .route("/internal/v1/changes", get(changes))
+}
+
+fn body<T>(payload: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    payload
+        .map(|Json(v)| v)
+        .map_err(|e| ApiError::BadRequest(e.body_text()))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+pub struct PageQuery {
+    team_id: Uuid,
+    #[serde(default = "one")]
+    page: i64,
+    #[serde(default = "twenty")]
+    per_page: i64,
+    slug: Option<String>,
+}
+
+fn one() -> i64 {
+    1
+}
+fn twenty() -> i64 {
+    20
+}
+
+impl PageQuery {
+    fn checked(&self) -> Result<(i64, i64), ApiError> {
+        if self.page < 1 || !(1..=200).contains(&self.per_page) {
+            return Err(ApiError::BadRequest(
+                "page must be >= 1 and per_page within 1..=200".into(),
+            ));
+        }
+        Ok((self.page, self.per_page))
+    }
+}
+
+/// Create a dedicated inference with a central-chosen id; idempotent on that id.
+#[utoipa::path(post, path = "/internal/v1/dedicated-inferences", request_body = CreateRequest,
+    responses((status = 200, body = RecordEnvelope), (status = 409, body = RegionError)))]
+async fn create(
+    State(state): State<AppState>,
+    payload: Result<Json<CreateRequest>, JsonRejection>,
+) -> ApiResult<RecordEnvelope> {
+    let req = body(payload)?;
+    let authority =
+        ca::generate(req.id).map_err(|e| ApiError::Internal(format!("CA generation: {e}")))?;
+    let record = state
+        .store
+        .dedicated_inference_create(&req, &authority)
+        .await?;
+    Ok(Json(RecordEnvelope { record }))
+}
+
+#[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}", params(("id" = Uuid, Path), TeamScopedQuery),
+    responses((status = 200, body = RecordEnvelope), (status = 404, body = RegionError)))]
+async fn get_one(
+    State(state): State<AppState>,
+    Path(id): Path<Uuid>,
+    Query(q): Query<TeamScopedQuery>,
+) -> ApiResult<RecordEnvelope> {
+    Ok(Json(RecordEnvelope {
+        record: state.store.dedicated_inference_get(id, q.team_id).await?,
+    }))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+pub struct TeamScopedQuery {
+    team_id: Uuid,
+}
+
+#[utoipa::path(patch, path = "/internal/v1/dedicated-inferences/{id}", params(("id" = Uuid, Path)), request_body = PatchRequest,
+    responses((status = 200, body = RecordEnvelope), (status = 409, body = RegionError), (status = 422, body = RegionError)))]
+async fn patch(
+    State(state): State<AppState>,
+    Path(id): Path<Uuid>,
+    payload: Result<Json<PatchRequest>, JsonRejection>,
+) -> ApiResult<RecordEnvelope> {
+    let req = body(payload)?;
+    let record = state
+        .store
+        .dedicated_inference_patch(
+            id,
+            req.team_id,
+            req.spec.as_ref(),
+            req.hugging_face_token.as_deref(),
+            req.requires_hugging_face_token,
+        )
+        .await?;
+    Ok(Json(RecordEnvelope { record }))
+}
+
+#[utoipa::path(delete, path = "/internal/v1/dedicated-inferences/{id}", params(("id" = Uuid, Path), TeamScopedQuery),
+    responses((status = 200, body = RecordEnvelope), (status = 404, body = RegionError)))]
+async fn delete(
+    State(state): State<AppState>,
+    Path(id): Path<Uuid>,
+    Query(q): Query<TeamScopedQuery>,
+) -> ApiResult<RecordEnvelope> {
+    Ok(Json(RecordEnvelope {
+        record: state
+            .store
+            .dedicated_inference_delete(id, q.team_id)
+            .await?,
+    }))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+pub struct ChangesQuery {
+    #[serde(default)]
+    after: i64,
+    #[serde(default = "hundred")]
+    limit: i64,
+    /// Hold the request up to this long when nothing changed yet (long poll).
+    #[serde(default)]
+    wait_ms: u64,
+}
+
+fn hundred() -> i64 {
+    100
+}
+
+/// The change feed: the latest state of every DI changed after `after`, including gone ones.
+#[utoipa::path(get, path = "/internal/v1/changes", params(ChangesQuery), responses((status = 200, body = Changes)))]
+async fn changes(
+    State(state): State<AppState>,
+    Query(q): Query<ChangesQuery>,
+) -> ApiResult<Changes> {
+    let limit = q.limit.clamp(1, 1000);
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(q.wait_ms.min(30_000));
+    loop {
+        // Register interest before reading, so a change committed in between still wakes us.
+        let notified = state.changed.notified();
+        let found = state.store.changes_since(q.after, limit).await?;
+        if !found.records.is_empty() || tokio::time::Instant::now() >= deadline {
+            return Ok(Json(found));
+        }
+        let _ = tokio::time::timeout_at(deadline, notified).await;
+    }
+}
+
+#[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}/accelerators", params(("id" = Uuid, Path), PageQuery),
+    responses((status = 200, body = Page<Accelerator>)))]
+async fn accelerators(
+    State(state): State<AppState>,
+    Path(id): Path<Uuid>,
+    Query(q): Query<PageQuery>,
+) -> ApiResult<Page<Accelerator>> {
+    let (page, per_page) = q.checked()?;
+    Ok(Json(
+        state
+            .store
+            .accelerators_list(id, q.team_id, q.slug.as_deref(), page, per_page)
+            .await?,
+    ))
+}
+
+#[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}/accelerators/{accelerator_id}",
+    params(("id" = Uuid, Path), ("accelerator_id" = Uuid, Path), TeamScopedQuery), responses((status = 200, body = Accelerator)))]
+async fn accelerator(
+    State(state): State<AppState>,
+    Path((id, accelerator_id)): Path<(Uuid, Uuid)>,
+    Query(q): Query<TeamScopedQuery>,
+) -> ApiResult<Accelerator> {
+    Ok(Json(
+        state
+            .store
+            .accelerator_get(id, q.team_id, accelerator_id)
+            .await?,
+    ))
+}
+
+#[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}/ca", params(("id" = Uuid, Path), TeamScopedQuery),
+    responses((status = 200, body = CaCertificate)))]
+async fn ca_certificate(
+    State(state): State<AppState>,
+    Path(id): Path<Uuid>,
+    Query(q): Query<TeamScopedQuery>,
+) -> ApiResult<CaCertificate> {
+    Ok(Json(CaCertificate {
+        cert_pem: state.store.ca_certificate(id, q.team_id).await?,
+    }))
+}
+
+#[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}/tokens", params(("id" = Uuid, Path), PageQuery),
+    responses((status = 200, body = Page<Token>)))]
+async fn tokens(
+    State(state): State<AppState>,
+    Path(id): Path<Uuid>,
+    Query(q): Query<PageQuery>,
+) -> ApiResult<Page<Token>> {
+    let (page, per_page) = q.checked()?;
+    Ok(Json(
+        state
+            .store
+            .tokens_list(id, q.team_id, page, per_page)
+            .await?,
+    ))
+}
+
+#[utoipa::path(post, path = "/internal/v1/dedicated-inferences/{id}/tokens", params(("id" = Uuid, Path)),
+    request_body = TokenCreateRequest, responses((status = 200, body = Token)))]
+async fn token_create(
+    State(state): State<AppState>,
+    Path(id): Path<Uuid>,
+    payload: Result<Json<TokenCreateRequest>, JsonRejection>,
+) -> ApiResult<Token> {
+    let req = body(payload)?;
+    Ok(Json(
+        state
+            .store
+            .token_create(id, req.team_id, &req.token)
+            .await?,
+    ))
+}
+
+#[utoipa::path(delete, path = "/internal/v1/dedicated-inferences/{id}/tokens/{token_id}",
+    params(("id" = Uuid, Path), ("token_id" = Uuid, Path), TeamScopedQuery), responses((status = 204)))]
+async fn token_revoke(
+    State(state): State<AppState>,
+    Path((id, token_id)): Path<(Uuid, Uuid)>,
+    Query(q): Query<TeamScoped>,
+) -> Result<StatusCode, ApiError> {
+    state.store.token_revoke(id, q.team_id, token_id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}/events", params(("id" = Uuid, Path), PageQuery),
+    responses((status = 200, body = Page<Event>)))]
+async fn events(
+    State(state): State<AppState>,
+    Path(id): Path<Uuid>,
+    Query(q): Query<PageQuery>,
+) -> ApiResult<Page<Event>> {
+    let (page, per_page) = q.checked()?;
+    Ok(Json(
+        state
+            .store
+            .events_list(id, q.team_id, page, per_page)
+            .await?,
+    ))
+}

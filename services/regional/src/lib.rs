@@ -1,0 +1,202 @@
+//! The regional service: one per region, the source of truth for that region's desired state. It
+//! serves an internal JSON API to central only (authenticated with the region's shared secret),
+//! turns each call into one regional-store method, and publishes the change feed central's read
+//! model is built from. It does not validate against the catalog (central does), does not talk to
+//! the cloud (the workers do), and never returns secrets.
+
+mod ca;
+mod handlers;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use api_types::regional::{RegionError, SECRET_HEADER};
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use common::seal::Sealer;
+use region_store::{Store, StoreError};
+use sha2::{Digest, Sha256};
+use sqlx::postgres::PgPoolOptions;
+use tokio::sync::Notify;
+
+pub use handlers::ApiDoc;
+
+#[derive(clap::Parser, Debug, Clone)]
+#[command(name = "regional", about = "Regional Dedicated Inference service")]
+pub struct Config {
+    /// Region this service owns.
+    #[arg(long, env = "REGION", default_value = "atl1")]
+    pub region: String,
+    #[arg(long, env = "LISTEN", default_value = "127.0.0.1:8101")]
+    pub listen: SocketAddr,
+    /// Postgres URL of the regional database.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Shared secret central presents in `x-region-secret`.
+    #[arg(long, env = "REGION_SECRET", hide_env_values = true)]
+    pub region_secret: String,
+    /// Base64 of the 32-byte key sealing secrets at rest.
+    #[arg(long, env = "SEAL_KEY", hide_env_values = true)]
+    pub seal_key: String,
+    #[arg(long, env = "DB_MAX_CONNECTIONS", default_value_t = 16)]
+    pub db_max_connections: u32,
+}
+
+#[derive(Clone)]
+pub struct AppState {
+    pub store: Store,
+    secret_hash: [u8; 32],
+    /// Woken whenever the outbox grows (Postgres NOTIFY), for long-polling change feeds.
+    pub changed: Arc<Notify>,
+}
+
+pub struct Server {
+    pub addr: SocketAddr,
+    pub store: Store,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Server {
+    /// Connects, migrates, binds and serves in the background.
+    pub async fn start(config: Config) -> anyhow::Result<Server> {
+        let pool = PgPoolOptions::new()
+            .max_connections(config.db_max_connections)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&config.database_url)
+            .await?;
+        let store = Store::new(pool, Sealer::from_base64(&config.seal_key)?);
+        store.migrate().await?;
+        let changed = Arc::new(Notify::new());
+        let listener_task = tokio::spawn(listen_for_changes(store.pool().clone(), changed.clone()));
+        let state = AppState {
+            store: store.clone(),
+            secret_hash: Sha256::digest(config.region_secret.as_bytes()).into(),
+            changed,
+        };
+        let listener = tokio::net::TcpListener::bind(config.listen).await?;
+        let addr = listener.local_addr()?;
+        let app = router(state);
+        let task = tokio::spawn(async move {
+            let serve = axum::serve(listener, app);
+            if let Err(error) = serve.await {
+                tracing::error!(%error, "regional server stopped");
+            }
+            listener_task.abort();
+        });
+        Ok(Server { addr, store, task })
+    }
+}
+
+pub fn router(state: AppState) -> axum::Router {
+    handlers::routes()
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_secret,
+        ))
+        .route("/healthz", axum::routing::get(|| async { "ok" }))
+        .layer(axum::middleware::from_fn(common::request_id::layer))
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(256 * 1024))
+        .with_state(state)
+}
+
+async fn require_secret(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let presented = req
+        .headers()
+        .get(SECRET_HEADER)
+        .map(|v| Sha256::digest(v.as_bytes()));
+    // Comparing digests keeps the comparison's timing independent of the secret.
+    match presented {
+        Some(digest) if digest.as_slice() == state.secret_hash => next.run(req).await,
+        _ => ApiError::Unauthorized.into_response(),
+    }
+}
+
+async fn listen_for_changes(pool: sqlx::PgPool, changed: Arc<Notify>) {
+    loop {
+        match sqlx::postgres::PgListener::connect_with(&pool).await {
+            Ok(mut listener) => {
+                if let Err(error) = listener.listen("di_changes").await {
+                    tracing::warn!(%error, "LISTEN failed");
+                } else {
+                    while listener.recv().await.is_ok() {
+                        changed.notify_waiters();
+                    }
+                }
+            }
+            Err(error) => tracing::warn!(%error, "change listener could not connect"),
+        }
+        // Wake any long-poller so it re-reads rather than waiting out a notification we missed.
+        changed.notify_waiters();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The regional API's errors. Internal detail goes to the log, never into the body.
+#[derive(Debug)]
+pub enum ApiError {
+    Unauthorized,
+    NotFound,
+    Conflict(String),
+    Unprocessable(String),
+    BadRequest(String),
+    Internal(String),
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound => ApiError::NotFound,
+            StoreError::Conflict(m) => ApiError::Conflict(m),
+            StoreError::Unprocessable(m) => ApiError::Unprocessable(m),
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, id, message) = match self {
+            ApiError::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing or wrong region secret".into(),
+            ),
+            ApiError::NotFound => (
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "The resource you requested could not be found.".into(),
+            ),
+            ApiError::Conflict(m) => (StatusCode::CONFLICT, "conflict", m),
+            ApiError::Unprocessable(m) => {
+                (StatusCode::UNPROCESSABLE_ENTITY, "unprocessable_entity", m)
+            }
+            ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, "bad_request", m),
+            ApiError::Internal(detail) => {
+                tracing::error!(%detail, "internal error");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "Unexpected server-side error".into(),
+                )
+            }
+        };
+        (
+            status,
+            Json(RegionError {
+                id: id.into(),
+                message,
+            }),
+        )
+            .into_response()
+    }
+}

@@ -1,0 +1,328 @@
+//! The test harness: throwaway databases on the Postgres named by `DATABASE_URL`, the whole
+//! control plane (central + regional services) on real loopback sockets, and a TCP proxy in front
+//! of each region that can make it slow or unreachable.
+
+pub mod proxy;
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+pub const REGIONS: &[&str] = &["atl1", "nyc2", "tor1"];
+
+/// The Postgres server to create test databases on. Missing is an error, never a skip.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .expect("DATABASE_URL must point at a Postgres server; run the tests with scripts/test, which starts one")
+}
+
+/// A fresh, empty database; returns its URL.
+pub async fn fresh_database(prefix: &str) -> String {
+    use sqlx::Connection;
+    let admin = database_url();
+    let name = format!("{prefix}_{}", Uuid::new_v4().simple());
+    let mut conn = sqlx::PgConnection::connect(&admin)
+        .await
+        .expect("connect to DATABASE_URL");
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut conn)
+        .await
+        .expect("create database");
+    let mut url = reqwest::Url::parse(&admin).expect("DATABASE_URL is a URL");
+    url.set_path(&name);
+    url.to_string()
+}
+
+pub struct RegionHandle {
+    pub name: String,
+    pub database_url: String,
+    pub secret: String,
+    pub seal_key: String,
+    pub server: Option<regional::Server>,
+    pub proxy: proxy::Proxy,
+}
+
+impl RegionHandle {
+    pub fn store(&self) -> &region_store::Store {
+        &self.server.as_ref().expect("region is running").store
+    }
+
+    /// Takes the region off the network: its proxy refuses new connections and cuts open ones.
+    pub fn go_down(&self) {
+        self.proxy.set_mode(proxy::Mode::Down);
+    }
+
+    pub fn come_back(&self) {
+        self.proxy.set_mode(proxy::Mode::Pass);
+    }
+
+    pub async fn start(&mut self) {
+        let server = regional::Server::start(region_config(
+            &self.name,
+            &self.database_url,
+            &self.secret,
+            &self.seal_key,
+        ))
+        .await
+        .expect("regional service starts");
+        self.proxy.set_upstream(server.addr);
+        self.server = Some(server);
+    }
+}
+
+fn region_config(name: &str, database_url: &str, secret: &str, seal_key: &str) -> regional::Config {
+    regional::Config {
+        region: name.into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        database_url: database_url.into(),
+        region_secret: secret.into(),
+        seal_key: seal_key.into(),
+        db_max_connections: 4,
+    }
+}
+
+/// Options for `System::start`.
+#[derive(Clone)]
+pub struct Options {
+    pub region_timeout: Duration,
+    pub background: bool,
+    pub rate_limit_per_hour: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            region_timeout: Duration::from_secs(5),
+            background: true,
+            rate_limit_per_hour: 100_000,
+        }
+    }
+}
+
+/// Central plus three regions, each with its own database.
+pub struct System {
+    pub central: central::Server,
+    pub central_config: central::Config,
+    pub regions: Vec<RegionHandle>,
+    pub base: String,
+    pub http: reqwest::Client,
+}
+
+impl System {
+    pub async fn start() -> System {
+        Self::start_with(Options::default()).await
+    }
+
+    pub async fn start_with(options: Options) -> System {
+        let mut regions = Vec::new();
+        for name in REGIONS {
+            let database_url = fresh_database(&format!("region_{name}")).await;
+            let secret = common::tokens::mint("rs_");
+            let seal_key = common::seal::Sealer::generate_key();
+            let server =
+                regional::Server::start(region_config(name, &database_url, &secret, &seal_key))
+                    .await
+                    .expect("regional service starts");
+            let proxy = proxy::Proxy::start(server.addr).await;
+            regions.push(RegionHandle {
+                name: name.to_string(),
+                database_url,
+                secret,
+                seal_key,
+                server: Some(server),
+                proxy,
+            });
+        }
+        let central_config = central::Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            database_url: fresh_database("central").await,
+            seal_key: common::seal::Sealer::generate_key(),
+            regions: regions
+                .iter()
+                .map(|r| format!("{}=http://{}", r.name, r.proxy.addr))
+                .collect(),
+            region_secrets: regions
+                .iter()
+                .map(|r| format!("{}={}", r.name, r.secret))
+                .collect(),
+            public_url: None,
+            catalog: None,
+            auth_cache_ttl_ms: 200,
+            rate_limit_per_hour: options.rate_limit_per_hour,
+            region_timeout_ms: options.region_timeout.as_millis() as u64,
+            db_max_connections: 8,
+            background: options.background,
+        };
+        let central = central::Server::start(central_config.clone())
+            .await
+            .expect("central starts");
+        let base = format!("http://{}", central.addr);
+        System {
+            central,
+            central_config,
+            regions,
+            base,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    pub fn region(&mut self, name: &str) -> &mut RegionHandle {
+        self.regions
+            .iter_mut()
+            .find(|r| r.name == name)
+            .expect("known region")
+    }
+
+    /// Mints an API token for `team` with `scopes` (all when empty).
+    pub async fn token(&self, team: Uuid, scopes: &[&str]) -> String {
+        self.token_with_limit(team, scopes, None).await
+    }
+
+    pub async fn token_with_limit(
+        &self,
+        team: Uuid,
+        scopes: &[&str],
+        limit: Option<i32>,
+    ) -> String {
+        let scopes: Vec<String> = if scopes.is_empty() {
+            central::auth::SCOPES
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        } else {
+            scopes.iter().map(|s| s.to_string()).collect()
+        };
+        let value = common::tokens::mint(common::tokens::API_TOKEN_PREFIX);
+        self.central
+            .app
+            .store
+            .api_token_create(
+                team,
+                "test",
+                &common::tokens::sha256(&value),
+                &scopes,
+                limit,
+            )
+            .await
+            .expect("token stored");
+        value
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Sends a request and returns (status, headers, JSON body or Null).
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: &str,
+        body: Option<Value>,
+    ) -> Reply {
+        let mut req = self.http.request(method, self.url(path)).bearer_auth(token);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        Reply::from(req.send().await.expect("central answers")).await
+    }
+
+    /// Brings the read model up to date with every region now, without waiting for the feed.
+    pub async fn settle(&self) {
+        for region in REGIONS {
+            let _ = central::feed::consume_once(&self.central.app, region, Duration::ZERO).await;
+        }
+    }
+}
+
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Value,
+}
+
+impl Reply {
+    pub async fn from(response: reqwest::Response) -> Reply {
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let bytes = response.bytes().await.expect("body");
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()))
+        };
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    /// Asserts the DigitalOcean error shape with `id` and a request id matching the header.
+    pub fn assert_error(&self, status: u16, id: &str) {
+        assert_eq!(
+            self.status, status,
+            "unexpected status; body: {}",
+            self.body
+        );
+        assert_eq!(
+            self.body["id"], id,
+            "unexpected error id; body: {}",
+            self.body
+        );
+        assert!(
+            self.body["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "error message missing: {}",
+            self.body
+        );
+        let header = self
+            .headers
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .expect("x-request-id header");
+        assert_eq!(
+            self.body["request_id"], header,
+            "request_id must match the header"
+        );
+    }
+}
+
+/// A valid create body (pydo's dialect) for an ungated model.
+pub fn create_body(name: &str, region: &str) -> Value {
+    json!({
+        "spec": {
+            "version": 1,
+            "name": name,
+            "region": region,
+            "vpc": {"uuid": "7e5c619c-359c-44ca-87e2-47e98170c012"},
+            "enable_public_endpoint": true,
+            "model_deployments": [{
+                "model_slug": "qwen/qwen2.5-7b-instruct",
+                "model_provider": "hugging_face",
+                "workload_config": {},
+                "accelerators": [{"scale": 2, "type": "prefill_decode", "accelerator_slug": "gpu-h100x1-80gb"}]
+            }]
+        }
+    })
+}
+
+/// Polls `f` until it returns `Some`, for up to `timeout`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not met within {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
