@@ -1,0 +1,264 @@
+//! Central's store on real Postgres.
+
+use central_store::{
+    CentralStore, CreateBegin, IdempotencyState, NewCreate, ReadModelUpdate, StoreError,
+};
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+fn new_create<'a>(id: Uuid, team: Uuid, name: &'a str, key: Option<&'a str>) -> NewCreate<'a> {
+    NewCreate {
+        di_id: id,
+        team_id: team,
+        region: "atl1",
+        name,
+        fingerprint: b"fp",
+        sealed_intent: b"sealed",
+        idempotency_key: key,
+    }
+}
+
+fn update<'a>(
+    id: Uuid,
+    team: Uuid,
+    name: &'a str,
+    status: &'a str,
+    body: &'a serde_json::Value,
+    seq: i64,
+) -> ReadModelUpdate<'a> {
+    ReadModelUpdate {
+        id,
+        team_id: team,
+        region: "atl1",
+        name,
+        status,
+        body: Some(body),
+        gone: false,
+        seq,
+    }
+}
+
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn create_lifecycle_and_name_uniqueness(pool: PgPool) {
+    let store = CentralStore::new(pool);
+    let team = Uuid::new_v4();
+    let id = Uuid::new_v4();
+    assert_eq!(
+        store
+            .create_begin(&new_create(id, team, "a", Some("k")))
+            .await
+            .unwrap(),
+        CreateBegin::Started
+    );
+    // The name is reserved while pending, for this team only.
+    assert!(matches!(
+        store
+            .create_begin(&new_create(Uuid::new_v4(), team, "a", None))
+            .await,
+        Err(StoreError::NameTaken)
+    ));
+    assert_eq!(
+        store
+            .create_begin(&new_create(Uuid::new_v4(), Uuid::new_v4(), "a", None))
+            .await
+            .unwrap(),
+        CreateBegin::Started
+    );
+    // The same key again is taken, and says which create it belongs to.
+    assert_eq!(
+        store
+            .create_begin(&new_create(Uuid::new_v4(), team, "b", Some("k")))
+            .await
+            .unwrap(),
+        CreateBegin::KeyTaken
+    );
+    assert!(
+        matches!(store.idempotency_begin(team, "k", b"fp").await.unwrap(), IdempotencyState::Unfinished { di_id: Some(d) } if d == id)
+    );
+    assert!(matches!(
+        store.idempotency_begin(team, "k", b"other").await.unwrap(),
+        IdempotencyState::Mismatch
+    ));
+    assert_eq!(
+        store
+            .pending_create_by_name(team, "a", b"fp")
+            .await
+            .unwrap(),
+        Some(id)
+    );
+    assert_eq!(
+        store
+            .pending_create_by_name(team, "a", b"different")
+            .await
+            .unwrap(),
+        None
+    );
+
+    // Pending DIs are invisible to reads.
+    assert_eq!(
+        store
+            .dedicated_inference_list(team, None, None, 1, 20)
+            .await
+            .unwrap()
+            .1,
+        0
+    );
+
+    let body = json!({"id": id, "status": "new"});
+    store
+        .create_confirm(
+            &update(id, team, "a", "new", &body, 1),
+            202,
+            b"sealed-response",
+        )
+        .await
+        .unwrap();
+    assert!(store.pending_create(id).await.unwrap().is_none());
+    match store.idempotency_begin(team, "k", b"fp").await.unwrap() {
+        IdempotencyState::Done {
+            status_code,
+            sealed_body,
+        } => assert_eq!(
+            (status_code, sealed_body.as_slice()),
+            (202, &b"sealed-response"[..])
+        ),
+        other => panic!("expected a stored response, got {other:?}"),
+    }
+    let (bodies, total) = store
+        .dedicated_inference_list(team, None, None, 1, 20)
+        .await
+        .unwrap();
+    assert_eq!(total, 1);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&bodies[0]).unwrap(),
+        body
+    );
+
+    // Deleting frees the name.
+    let deleting = json!({"id": id, "status": "deleting"});
+    store
+        .read_model_apply(&update(id, team, "a", "deleting", &deleting, 2))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .create_begin(&new_create(Uuid::new_v4(), team, "a", None))
+            .await
+            .unwrap(),
+        CreateBegin::Started
+    );
+}
+
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn read_model_ignores_older_views(pool: PgPool) {
+    let store = CentralStore::new(pool);
+    let team = Uuid::new_v4();
+    let id = Uuid::new_v4();
+    let newer = json!({"status": "active"});
+    let older = json!({"status": "new"});
+    store
+        .read_model_apply(&update(id, team, "x", "active", &newer, 5))
+        .await
+        .unwrap();
+    store
+        .read_model_apply(&update(id, team, "x", "new", &older, 3))
+        .await
+        .unwrap();
+    let owned = store.dedicated_inference(id, team).await.unwrap().unwrap();
+    assert_eq!(owned.status, "active");
+    assert!(
+        store
+            .dedicated_inference(id, Uuid::new_v4())
+            .await
+            .unwrap()
+            .is_none(),
+        "other teams see nothing"
+    );
+    // Gone is final.
+    let gone = ReadModelUpdate {
+        gone: true,
+        ..update(id, team, "x", "deleting", &newer, 6)
+    };
+    store.read_model_apply(&gone).await.unwrap();
+    store
+        .read_model_apply(&update(id, team, "x", "active", &newer, 7))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .dedicated_inference(id, team)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        "gone"
+    );
+}
+
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn aborted_creates_leave_nothing(pool: PgPool) {
+    let store = CentralStore::new(pool.clone());
+    let team = Uuid::new_v4();
+    let id = Uuid::new_v4();
+    store
+        .create_begin(&new_create(id, team, "gone-soon", Some("key")))
+        .await
+        .unwrap();
+    store.create_abort(id).await.unwrap();
+    for table in [
+        "dedicated_inferences",
+        "pending_creates",
+        "idempotency_keys",
+    ] {
+        let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "{table}");
+    }
+    assert!(matches!(
+        store.idempotency_begin(team, "key", b"fp").await.unwrap(),
+        IdempotencyState::Fresh
+    ));
+}
+
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn api_tokens(pool: PgPool) {
+    let store = CentralStore::new(pool);
+    let team = Uuid::new_v4();
+    let id = store
+        .api_token_create(
+            team,
+            "t",
+            &[1u8; 32],
+            &["dedicated_inference:read".into()],
+            Some(10),
+        )
+        .await
+        .unwrap();
+    let found = store.api_token_by_hash(&[1u8; 32]).await.unwrap().unwrap();
+    assert_eq!(
+        (
+            found.id,
+            found.team_id,
+            found.rate_limit_per_hour,
+            found.revoked
+        ),
+        (id, team, Some(10), false)
+    );
+    store.api_token_revoke(id).await.unwrap();
+    assert!(
+        store
+            .api_token_by_hash(&[1u8; 32])
+            .await
+            .unwrap()
+            .unwrap()
+            .revoked
+    );
+    assert!(matches!(
+        store.api_token_revoke(id).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(store.api_token_by_hash(&[2u8; 32]).await.unwrap().is_none());
+}

@@ -1,0 +1,603 @@
+//! The cloud's part inside each simulated Kubernetes cluster: one API server per DOKS cluster,
+//! Nodes for running droplets, and the cloud controller's work for LoadBalancer Services (a DO
+//! load balancer, an address on the Service, and a data-plane endpoint behind that address).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use crate::data_plane::{Endpoint, Route};
+use crate::inventory::EndpointInfo;
+use crate::routing;
+use crate::world::{Delays, Effect, ServiceLb};
+use crate::Shared;
+
+mod kube {
+    //! The only place that talks to the `sim-kube` crate.
+
+    use serde_json::{json, Value};
+    use tokio::sync::broadcast;
+
+    use crate::world::Delays;
+
+    /// Field manager of the simulated DigitalOcean cloud controller's writes.
+    const CCM_MANAGER: &str = "digitalocean-cloud-controller-manager";
+
+    fn config(d: &Delays) -> sim_kube::ClusterConfig {
+        sim_kube::ClusterConfig {
+            model_load_delay: std::time::Duration::from_millis(d.model_load_ms),
+            // The region simulator is the cloud controller: it assigns load balancer addresses
+            // itself (pointing at the data plane), so sim-kube's placeholder addresses must not
+            // appear first.
+            lb_address_delay: std::time::Duration::from_secs(365 * 24 * 3600),
+            gateway_address_delay: std::time::Duration::from_millis(d.gateway_address_ms),
+            bearer_token: None,
+        }
+    }
+
+    #[derive(Clone)]
+    pub struct Handle {
+        cluster: sim_kube::Cluster,
+        http: reqwest::Client,
+    }
+
+    impl Handle {
+        pub async fn start(name: &str, d: &Delays) -> anyhow::Result<Handle> {
+            Ok(Handle {
+                cluster: sim_kube::Cluster::start(name, config(d)).await?,
+                http: reqwest::Client::new(),
+            })
+        }
+        pub fn url(&self) -> String {
+            self.cluster.url()
+        }
+        pub fn upsert_node(&self, node: Value) {
+            self.cluster.upsert_node(node);
+        }
+        pub fn delete_node(&self, name: &str) {
+            self.cluster.delete_node(name);
+        }
+        pub fn list_all(&self) -> Vec<Value> {
+            self.cluster.list_all()
+        }
+        pub fn subscribe(&self) -> broadcast::Receiver<u64> {
+            self.cluster.subscribe()
+        }
+        pub fn set_delays(&self, d: &Delays) {
+            let mut c = config(d);
+            c.bearer_token = self.cluster.config().bearer_token;
+            self.cluster.set_config(c);
+        }
+        /// Writes the Service's load balancer ingress through the `/status` subresource, as the
+        /// DigitalOcean cloud controller does.
+        pub async fn set_service_ingress(
+            &self,
+            ns: &str,
+            name: &str,
+            ingress: Value,
+        ) -> anyhow::Result<()> {
+            let url = format!(
+                "{}/api/v1/namespaces/{ns}/services/{name}/status?fieldManager={CCM_MANAGER}",
+                self.cluster.url()
+            );
+            let resp = self
+                .http
+                .patch(url)
+                .header("content-type", "application/merge-patch+json")
+                .json(&json!({"status": {"loadBalancer": {"ingress": ingress}}}))
+                .send()
+                .await?;
+            if !resp.status().is_success() {
+                anyhow::bail!(
+                    "patching {ns}/{name} status: {} {}",
+                    resp.status(),
+                    resp.text().await.unwrap_or_default()
+                );
+            }
+            Ok(())
+        }
+        pub async fn shutdown(&self) {
+            self.cluster.shutdown().await;
+        }
+    }
+}
+
+mod proxy {
+    //! The address the kubeconfig points at: a thin reverse proxy in front of the cluster's
+    //! simulated API server that checks the kubeconfig's token and injects the `kube` faults.
+
+    use std::sync::Arc;
+
+    use axum::body::Body;
+    use axum::extract::{Request, State};
+    use axum::http::{header, HeaderValue, StatusCode};
+    use axum::response::{IntoResponse, Response};
+    use axum::Router;
+    use serde_json::json;
+    use tokio::sync::watch;
+
+    use crate::faults::{Api, Faults, Verdict};
+
+    struct Proxy {
+        upstream: String,
+        token: String,
+        faults: Arc<Faults>,
+        http: reqwest::Client,
+    }
+
+    /// A Kubernetes `Status` error, which is what clients parse on failures.
+    fn status(code: StatusCode, reason: &str, message: &str) -> Response {
+        (
+            code,
+            axum::Json(json!({
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": message, "reason": reason, "code": code.as_u16(),
+            })),
+        )
+            .into_response()
+    }
+
+    async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
+        let authorized = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            == Some(p.token.as_str());
+        if !authorized {
+            return status(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized");
+        }
+        match p.faults.apply(Api::Kube).await {
+            Verdict::Pass => {}
+            Verdict::Error => {
+                return status(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "InternalError",
+                    "Internal error occurred: injected fault",
+                )
+            }
+            Verdict::RateLimited(secs) => {
+                let mut r = status(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "TooManyRequests",
+                    "Too many requests, please try again later.",
+                );
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+                return r;
+            }
+        }
+        let (parts, body) = req.into_parts();
+        let Ok(body) = axum::body::to_bytes(body, 64 * 1024 * 1024).await else {
+            return status(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "RequestEntityTooLarge",
+                "request body too large",
+            );
+        };
+        let path = parts
+            .uri
+            .path_and_query()
+            .map(|p| p.as_str())
+            .unwrap_or("/");
+        let mut rb = p
+            .http
+            .request(parts.method.clone(), format!("{}{path}", p.upstream))
+            .body(body);
+        for (k, v) in &parts.headers {
+            if k != header::HOST && k != header::AUTHORIZATION && k != header::CONTENT_LENGTH {
+                rb = rb.header(k, v);
+            }
+        }
+        let resp = match rb.send().await {
+            Ok(r) => r,
+            Err(_) => {
+                return status(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "ServiceUnavailable",
+                    "the API server is unavailable",
+                )
+            }
+        };
+        let mut out = Response::builder().status(resp.status().as_u16());
+        for (k, v) in resp.headers() {
+            if k != header::TRANSFER_ENCODING
+                && k != header::CONNECTION
+                && k != header::CONTENT_LENGTH
+            {
+                out = out.header(k, v);
+            }
+        }
+        // Streamed, so that watches flow through as they happen.
+        out.body(Body::from_stream(resp.bytes_stream()))
+            .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
+    }
+
+    /// Starts the proxy on a loopback port; returns its URL.
+    pub async fn start(
+        upstream: String,
+        token: String,
+        faults: Arc<Faults>,
+        mut stop: watch::Receiver<bool>,
+    ) -> anyhow::Result<String> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let app = Router::new().fallback(forward).with_state(Arc::new(Proxy {
+            upstream,
+            token,
+            faults,
+            http: reqwest::Client::new(),
+        }));
+        tokio::spawn(async move {
+            let serve = axum::serve(listener, app);
+            tokio::select! {
+                _ = serve => {}
+                // Dropping the server closes open watches too, as a deleted cluster would.
+                _ = stop.changed() => {}
+            }
+        });
+        Ok(format!("http://{addr}"))
+    }
+}
+
+struct EndpointSlot {
+    endpoint: Endpoint,
+    problems: Vec<String>,
+}
+
+struct ClusterSide {
+    kube: kube::Handle,
+    /// The kubeconfig handed out by the DO API (server = the proxy, token user).
+    kubeconfig: String,
+    server: String,
+    token: String,
+    stop: watch::Sender<bool>,
+    endpoints: Mutex<BTreeMap<(String, String), EndpointSlot>>,
+}
+
+/// All simulated clusters' Kubernetes sides, by DO cluster id.
+pub(crate) struct Clusters {
+    map: Mutex<HashMap<String, Arc<ClusterSide>>>,
+    delays: RwLock<Delays>,
+    /// Serialises starts so two calls for one cluster do not start two API servers.
+    start_lock: tokio::sync::Mutex<()>,
+}
+
+impl Clusters {
+    pub(crate) fn new(delays: Delays) -> Self {
+        Self {
+            map: Mutex::new(HashMap::new()),
+            delays: RwLock::new(delays),
+            start_lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn get(&self, id: &str) -> Option<Arc<ClusterSide>> {
+        self.map.lock().expect("clusters lock").get(id).cloned()
+    }
+
+    /// Starts the cluster's API server if it is not running yet.
+    pub(crate) async fn ensure(
+        &self,
+        shared: &Arc<Shared>,
+        id: &str,
+        name: &str,
+    ) -> anyhow::Result<()> {
+        let _g = self.start_lock.lock().await;
+        if self.get(id).is_some() || !shared.world.cluster_exists(id) {
+            return Ok(());
+        }
+        let delays = self.delays.read().expect("delays lock").clone();
+        let handle = kube::Handle::start(name, &delays).await?;
+        let (stop, stop_rx) = watch::channel(false);
+        let token = format!(
+            "{:x}{:x}",
+            uuid::Uuid::new_v4().as_u128(),
+            uuid::Uuid::new_v4().as_u128()
+        );
+        let url = proxy::start(
+            handle.url(),
+            token.clone(),
+            shared.faults.clone(),
+            stop_rx.clone(),
+        )
+        .await?;
+        shared.world.set_cluster_endpoint(id, &url);
+        let side = Arc::new(ClusterSide {
+            kubeconfig: kubeconfig_yaml(shared.world.region(), name, &url, &token),
+            server: url,
+            token,
+            kube: handle,
+            stop,
+            endpoints: Mutex::new(BTreeMap::new()),
+        });
+        self.map
+            .lock()
+            .expect("clusters lock")
+            .insert(id.to_string(), side.clone());
+        tokio::spawn(watch_cluster(
+            Arc::downgrade(shared),
+            id.to_string(),
+            side,
+            stop_rx,
+        ));
+        Ok(())
+    }
+
+    pub(crate) fn kubeconfig(&self, id: &str) -> Option<String> {
+        self.get(id).map(|s| s.kubeconfig.clone())
+    }
+
+    /// (server, token) of the cluster's API, for the credentials endpoint.
+    pub(crate) fn credentials(&self, id: &str) -> Option<(String, String)> {
+        self.get(id).map(|s| (s.server.clone(), s.token.clone()))
+    }
+
+    pub(crate) fn set_delays(&self, d: &Delays) {
+        *self.delays.write().expect("delays lock") = d.clone();
+        for side in self.map.lock().expect("clusters lock").values() {
+            side.kube.set_delays(d);
+        }
+    }
+
+    pub(crate) async fn apply(&self, shared: &Arc<Shared>, effects: Vec<Effect>) {
+        for e in effects {
+            match e {
+                Effect::ClusterCreated { cluster_id, name } => {
+                    if let Err(err) = self.ensure(shared, &cluster_id, &name).await {
+                        tracing::error!(error = %err, %cluster_id, "starting simulated Kubernetes API failed");
+                    }
+                }
+                Effect::UpsertNode { cluster_id, node } => {
+                    if let Some(side) = self.get(&cluster_id) {
+                        side.kube.upsert_node(node);
+                    }
+                }
+                Effect::DeleteNode { cluster_id, name } => {
+                    if let Some(side) = self.get(&cluster_id) {
+                        side.kube.delete_node(&name);
+                    }
+                }
+                Effect::ClusterGone { cluster_id } => {
+                    let side = self.map.lock().expect("clusters lock").remove(&cluster_id);
+                    if let Some(side) = side {
+                        stop_side(&side).await;
+                    }
+                }
+            }
+        }
+    }
+
+    pub(crate) async fn shutdown_all(&self) {
+        let sides: Vec<_> = self
+            .map
+            .lock()
+            .expect("clusters lock")
+            .drain()
+            .map(|(_, s)| s)
+            .collect();
+        for s in sides {
+            stop_side(&s).await;
+        }
+    }
+
+    pub(crate) fn objects(&self) -> BTreeMap<String, Vec<Value>> {
+        self.map
+            .lock()
+            .expect("clusters lock")
+            .iter()
+            .map(|(id, s)| (id.clone(), s.kube.list_all()))
+            .collect()
+    }
+
+    pub(crate) fn endpoints(&self) -> Vec<EndpointInfo> {
+        let sides: Vec<(String, Arc<ClusterSide>)> = self
+            .map
+            .lock()
+            .expect("clusters lock")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mut out = Vec::new();
+        for (id, side) in sides {
+            for ((ns, svc), slot) in side.endpoints.lock().expect("endpoints lock").iter() {
+                let cfg = slot.endpoint.config();
+                let (route, model, ready) = match &cfg.route {
+                    Route::None => ("none".to_string(), None, Vec::new()),
+                    Route::Pool {
+                        model, endpoints, ..
+                    } => ("pool".to_string(), model.clone(), endpoints.clone()),
+                };
+                out.push(EndpointInfo {
+                    cluster_id: id.clone(),
+                    namespace: ns.clone(),
+                    service: svc.clone(),
+                    url: slot.endpoint.url(),
+                    port: slot.endpoint.port(),
+                    tls: cfg.tls.is_some() && !slot.problems.iter().any(|p| p.contains("TLS")),
+                    route,
+                    model,
+                    ready_endpoints: ready,
+                    problems: slot.problems.clone(),
+                    requests: slot.endpoint.requests(),
+                });
+            }
+        }
+        out
+    }
+}
+
+/// A kubeconfig in the shape DigitalOcean returns (`do-<region>-<name>` names, token user).
+fn kubeconfig_yaml(region: &str, name: &str, server: &str, token: &str) -> String {
+    let ctx = format!("do-{region}-{name}");
+    format!(
+        "apiVersion: v1\nclusters:\n- cluster:\n    server: {server}\n  name: {ctx}\ncontexts:\n- context:\n    cluster: {ctx}\n    user: {ctx}-admin\n  name: {ctx}\ncurrent-context: {ctx}\nkind: Config\npreferences: {{}}\nusers:\n- name: {ctx}-admin\n  user:\n    token: {token}\n"
+    )
+}
+
+async fn stop_side(side: &ClusterSide) {
+    let _ = side.stop.send(true);
+    let slots = std::mem::take(&mut *side.endpoints.lock().expect("endpoints lock"));
+    for (_, slot) in slots {
+        slot.endpoint.shutdown();
+    }
+    side.kube.shutdown().await;
+}
+
+/// Re-derives the cloud controller's view whenever the cluster's objects change, and at a slow
+/// pace anyway so that timed transitions (a load balancer becoming active) are noticed.
+async fn watch_cluster(
+    shared: std::sync::Weak<Shared>,
+    id: String,
+    side: Arc<ClusterSide>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut changes = side.kube.subscribe();
+    loop {
+        let Some(s) = shared.upgrade() else { return };
+        if *stop.borrow() {
+            return;
+        }
+        if let Err(e) = reconcile(&s, &id, &side).await {
+            tracing::warn!(error = %e, cluster_id = %id, "cloud controller pass failed");
+        }
+        drop(s);
+        tokio::select! {
+            _ = stop.changed() => return,
+            r = changes.recv() => {
+                if let Err(tokio::sync::broadcast::error::RecvError::Closed) = r {
+                    return;
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+}
+
+fn is_lb_service(o: &Value) -> bool {
+    o["kind"] == "Service"
+        && o["apiVersion"] == "v1"
+        && o.pointer("/spec/type").and_then(Value::as_str) == Some("LoadBalancer")
+        && o.pointer("/metadata/deletionTimestamp")
+            .is_none_or(Value::is_null)
+}
+
+fn service_lb(o: &Value) -> ServiceLb {
+    let str_map = |v: Option<&Value>| -> BTreeMap<String, String> {
+        v.and_then(Value::as_object)
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let ns = o
+        .pointer("/metadata/namespace")
+        .and_then(Value::as_str)
+        .unwrap_or("default")
+        .to_string();
+    let name = o
+        .pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let uid = o
+        .pointer("/metadata/uid")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("{ns}/{name}"));
+    ServiceLb {
+        namespace: ns,
+        name,
+        uid,
+        annotations: str_map(o.pointer("/metadata/annotations")),
+        ports: o
+            .pointer("/spec/ports")
+            .and_then(Value::as_array)
+            .map(|ps| {
+                ps.iter()
+                    .map(|p| {
+                        (
+                            p["port"].as_i64().unwrap_or(0),
+                            p["protocol"].as_str().unwrap_or("TCP").to_string(),
+                            p["nodePort"].as_i64(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}
+
+/// One cloud-controller pass over a cluster.
+async fn reconcile(shared: &Arc<Shared>, id: &str, side: &ClusterSide) -> anyhow::Result<()> {
+    let objs = side.kube.list_all();
+    let services: Vec<&Value> = objs.iter().filter(|o| is_lb_service(o)).collect();
+    let lbs: Vec<ServiceLb> = services.iter().map(|o| service_lb(o)).collect();
+    let statuses = shared.world.lb_sync(id, &lbs);
+
+    // Endpoints for services that are gone go away with their load balancer.
+    let wanted: Vec<(String, String)> = lbs
+        .iter()
+        .map(|s| (s.namespace.clone(), s.name.clone()))
+        .collect();
+    let missing: Vec<(String, String)> = {
+        let eps = side.endpoints.lock().expect("endpoints lock");
+        wanted
+            .iter()
+            .filter(|k| !eps.contains_key(*k))
+            .cloned()
+            .collect()
+    };
+    for key in missing {
+        let ep = Endpoint::start(shared.model.clone(), shared.faults.clone()).await?;
+        side.endpoints.lock().expect("endpoints lock").insert(
+            key,
+            EndpointSlot {
+                endpoint: ep,
+                problems: Vec::new(),
+            },
+        );
+    }
+    let mut publish = Vec::new();
+    {
+        let mut eps = side.endpoints.lock().expect("endpoints lock");
+        eps.retain(|k, slot| {
+            let keep = wanted.contains(k);
+            if !keep {
+                slot.endpoint.shutdown();
+            }
+            keep
+        });
+        for (svc, st) in services.iter().zip(&statuses) {
+            let key = (st.namespace.clone(), st.name.clone());
+            let Some(slot) = eps.get_mut(&key) else {
+                continue;
+            };
+            let wiring = routing::wire(svc, &objs);
+            let mut problems = wiring.problems;
+            if let Err(e) = slot.endpoint.update(wiring.config) {
+                problems.push(format!("TLS certificate rejected: {e}"));
+            }
+            slot.problems = problems;
+            if !st.active {
+                continue;
+            }
+            let port = slot.endpoint.port();
+            let ingress =
+                json!([{"ip": "127.0.0.1", "ports": [{"port": port, "protocol": "TCP"}]}]);
+            // Write only on change, so a settled cluster sees no writes from the cloud side.
+            if svc.pointer("/status/loadBalancer/ingress") != Some(&ingress) {
+                publish.push((key, ingress));
+            }
+        }
+    }
+    for ((ns, name), ingress) in publish {
+        side.kube.set_service_ingress(&ns, &name, ingress).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,837 @@
+//! The simulated data plane: one OpenAI-compatible HTTPS server per load balancer.
+//!
+//! An [`Endpoint`] is what a client reaches at a load balancer's address. It knows nothing about
+//! Kubernetes: it is told (through [`EndpointConfig`]) which certificate the gateway listener
+//! serves, which token hashes are valid, and where the route leads. It then fails the way a real
+//! gateway does when something is missing: no certificate → the TLS handshake fails, no route →
+//! 404, bad token → 401, no ready backend → 503. The model behind it is fake but deterministic.
+
+use std::collections::BTreeSet;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::ServerConfig;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_rustls::TlsAcceptor;
+
+use crate::faults::{Api, Faults, Verdict};
+
+/// How fast the fake model answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelTiming {
+    /// Time to first token, in milliseconds.
+    pub ttft_ms: u64,
+    /// Delay between tokens, in milliseconds.
+    pub per_token_ms: u64,
+}
+
+impl Default for ModelTiming {
+    fn default() -> Self {
+        Self {
+            ttft_ms: 20,
+            per_token_ms: 5,
+        }
+    }
+}
+
+/// Where the gateway's route leads.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Route {
+    /// No HTTPRoute is attached to the gateway: every request is 404.
+    #[default]
+    None,
+    /// An HTTPRoute sends matching requests to an InferencePool.
+    Pool {
+        /// Path matches of the route (`PathPrefix` values, or `=`-prefixed `Exact` values);
+        /// empty means every path.
+        paths: Vec<String>,
+        /// Served model name; `None` accepts any model name.
+        model: Option<String>,
+        /// Names of the ready pods behind the pool.
+        endpoints: Vec<String>,
+    },
+}
+
+/// Everything an endpoint needs to know to serve, derived from the cluster's objects.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EndpointConfig {
+    /// PEM certificate chain and private key of the gateway's HTTPS listener.
+    pub tls: Option<(String, String)>,
+    /// Lowercase hex SHA-256 of every valid bearer token; `None` when the token Secret is missing.
+    pub token_hashes: Option<BTreeSet<String>>,
+    pub route: Route,
+}
+
+struct Inner {
+    config: RwLock<EndpointConfig>,
+    tls: RwLock<Option<Arc<ServerConfig>>>,
+    timing: Arc<RwLock<ModelTiming>>,
+    faults: Arc<Faults>,
+    next_backend: AtomicUsize,
+    requests: AtomicU64,
+}
+
+/// One OpenAI-compatible HTTPS server on a loopback port.
+pub struct Endpoint {
+    addr: SocketAddr,
+    inner: Arc<Inner>,
+    shutdown: watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+/// Builds a rustls server configuration from PEM, as a gateway does from a `kubernetes.io/tls` Secret.
+pub fn tls_config(cert_pem: &str, key_pem: &str) -> anyhow::Result<Arc<ServerConfig>> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow!("tls.crt is not valid PEM: {e:?}"))?;
+    if certs.is_empty() {
+        bail!("tls.crt holds no certificate");
+    }
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| anyhow!("tls.key is not a valid PEM private key: {e:?}"))?;
+    // An explicit provider: the process-wide default is ambiguous when several crates enable
+    // different rustls backends.
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .context("tls protocol versions")?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .context("certificate and key do not match")?;
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
+}
+
+impl Endpoint {
+    /// Binds a loopback port and starts serving. Until a certificate is configured every TLS
+    /// handshake fails, as on a gateway whose listener has no valid certificate.
+    pub async fn start(
+        timing: Arc<RwLock<ModelTiming>>,
+        faults: Arc<Faults>,
+    ) -> anyhow::Result<Endpoint> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let inner = Arc::new(Inner {
+            config: RwLock::new(EndpointConfig::default()),
+            tls: RwLock::new(None),
+            timing,
+            faults,
+            next_backend: AtomicUsize::new(0),
+            requests: AtomicU64::new(0),
+        });
+        let (tx, rx) = watch::channel(false);
+        let app = router(inner.clone());
+        tokio::spawn(accept_loop(listener, inner.clone(), app, rx));
+        Ok(Endpoint {
+            addr,
+            inner,
+            shutdown: tx,
+        })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    pub fn url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.addr.port())
+    }
+
+    /// Requests that reached the HTTP layer (after a successful handshake).
+    pub fn requests(&self) -> u64 {
+        self.inner.requests.load(Ordering::Relaxed)
+    }
+
+    pub fn config(&self) -> EndpointConfig {
+        self.inner.config.read().expect("endpoint lock").clone()
+    }
+
+    /// Applies a new configuration. The certificate is reloaded only when it changed; an invalid
+    /// one leaves the listener without a certificate (handshakes fail) and is reported.
+    pub fn update(&self, cfg: EndpointConfig) -> Result<(), String> {
+        let mut current = self.inner.config.write().expect("endpoint lock");
+        let mut result = Ok(());
+        if current.tls != cfg.tls || self.inner.tls.read().expect("tls lock").is_none() {
+            let built = match &cfg.tls {
+                Some((c, k)) => match tls_config(c, k) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        result = Err(format!("{e:#}"));
+                        None
+                    }
+                },
+                None => None,
+            };
+            *self.inner.tls.write().expect("tls lock") = built;
+        }
+        *current = cfg;
+        result
+    }
+
+    pub fn shutdown(&self) {
+        let _ = self.shutdown.send(true);
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    inner: Arc<Inner>,
+    app: Router,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = stop.changed() => return,
+            r = listener.accept() => match r {
+                Ok(s) => s,
+                Err(_) => continue,
+            },
+        };
+        let Some(cfg) = inner.tls.read().expect("tls lock").clone() else {
+            // No usable certificate: close the connection, the client sees a handshake failure.
+            drop(stream);
+            continue;
+        };
+        let app = app.clone();
+        let mut stop = stop.clone();
+        tokio::spawn(async move {
+            let acceptor = TlsAcceptor::from(cfg);
+            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream))
+                .await
+            {
+                Ok(Ok(t)) => t,
+                _ => return,
+            };
+            let svc = TowerToHyperService::new(app);
+            let conn =
+                hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(tls), svc);
+            tokio::select! {
+                _ = conn => {}
+                // The load balancer went away: its connections go with it.
+                _ = stop.changed() => {}
+            }
+        });
+    }
+}
+
+fn router(inner: Arc<Inner>) -> Router {
+    Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(fallback)
+        .with_state(inner)
+}
+
+/// An error in OpenAI's shape.
+fn oai_error(status: StatusCode, kind: &str, code: Value, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(json!({"error": {"message": message.into(), "type": kind, "param": null, "code": code}})),
+    )
+        .into_response()
+}
+
+/// What the gateway decided for a request that passed its checks.
+struct Admitted {
+    model: Option<String>,
+    backend: String,
+}
+
+/// The gateway's checks, in a gateway's order: faults, route match, authentication, backend.
+async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitted, Response> {
+    inner.requests.fetch_add(1, Ordering::Relaxed);
+    match inner.faults.apply(Api::DataPlane).await {
+        Verdict::Pass => {}
+        Verdict::Error => {
+            return Err(oai_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                json!(503),
+                "upstream connect error or disconnect/reset before headers",
+            ))
+        }
+        Verdict::RateLimited(secs) => {
+            let mut r = oai_error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                json!(429),
+                "Too many requests",
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            return Err(r);
+        }
+    }
+    let cfg = inner.config.read().expect("endpoint lock").clone();
+    let (paths, model, endpoints) = match cfg.route {
+        Route::None => {
+            return Err(oai_error(
+                StatusCode::NOT_FOUND,
+                "not_found_error",
+                json!(404),
+                "route not found",
+            ))
+        }
+        Route::Pool {
+            paths,
+            model,
+            endpoints,
+        } => (paths, model, endpoints),
+    };
+    if !paths.is_empty()
+        && !paths.iter().any(|p| match p.strip_prefix('=') {
+            Some(exact) => path == exact,
+            None => path_prefix_matches(p, path),
+        })
+    {
+        return Err(oai_error(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            json!(404),
+            "route not found",
+        ));
+    }
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let valid = match (token, &cfg.token_hashes) {
+        (Some(t), Some(hashes)) if !t.is_empty() => {
+            hashes.contains(&hex::encode(Sha256::digest(t.as_bytes())))
+        }
+        _ => false,
+    };
+    if !valid {
+        return Err(oai_error(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            json!("invalid_api_key"),
+            "Invalid or missing access token.",
+        ));
+    }
+    if endpoints.is_empty() {
+        return Err(oai_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            json!(503),
+            "no healthy upstream",
+        ));
+    }
+    let i = inner.next_backend.fetch_add(1, Ordering::Relaxed) % endpoints.len();
+    Ok(Admitted {
+        model,
+        backend: endpoints[i].clone(),
+    })
+}
+
+/// Gateway API `PathPrefix` semantics: element-wise prefix, `/` matches everything.
+fn path_prefix_matches(prefix: &str, path: &str) -> bool {
+    let prefix = prefix.trim_end_matches('/');
+    prefix.is_empty()
+        || path == prefix
+        || (path.starts_with(prefix) && path.as_bytes().get(prefix.len()) == Some(&b'/'))
+}
+
+fn with_backend(mut resp: Response, backend: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(backend) {
+        resp.headers_mut().insert("x-sim-backend", v);
+    }
+    resp
+}
+
+async fn fallback(State(inner): State<Arc<Inner>>, req: Request) -> Response {
+    match admit(&inner, req.uri().path(), req.headers()).await {
+        Err(r) => r,
+        Ok(a) => with_backend(
+            oai_error(
+                StatusCode::NOT_FOUND,
+                "not_found_error",
+                json!(404),
+                format!("{} {} is not served", req.method(), req.uri().path()),
+            ),
+            &a.backend,
+        ),
+    }
+}
+
+async fn models(State(inner): State<Arc<Inner>>, headers: HeaderMap) -> Response {
+    let a = match admit(&inner, "/v1/models", &headers).await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let name = a.model.clone().unwrap_or_else(|| "model".into());
+    let created = chrono::Utc::now().timestamp();
+    with_backend(
+        Json(json!({
+            "object": "list",
+            "data": [{
+                "id": name, "object": "model", "created": created, "owned_by": "vllm",
+                "root": name, "parent": null, "max_model_len": 8192,
+            }],
+        }))
+        .into_response(),
+        &a.backend,
+    )
+}
+
+fn bad_request(msg: impl Into<String>) -> Response {
+    oai_error(StatusCode::BAD_REQUEST, "BadRequestError", json!(400), msg)
+}
+
+/// The request fields both completion APIs share.
+struct Common {
+    body: Value,
+    model: String,
+    max_tokens: Option<u32>,
+    stream: bool,
+    include_usage: bool,
+}
+
+/// Parses the common request fields and checks the model name the way vLLM does.
+fn common(body: &Bytes, a: &Admitted) -> Result<Common, Box<Response>> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| Box::new(bad_request(format!("request body is not valid JSON: {e}"))))?;
+    if !v.is_object() {
+        return Err(Box::new(bad_request("request body must be a JSON object")));
+    }
+    let model = v
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| Box::new(bad_request("`model` is required")))?
+        .to_string();
+    if let Some(served) = &a.model {
+        if &model != served {
+            return Err(Box::new(oai_error(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                json!(404),
+                format!("The model `{model}` does not exist."),
+            )));
+        }
+    }
+    let max = v
+        .get("max_completion_tokens")
+        .filter(|m| !m.is_null())
+        .or_else(|| v.get("max_tokens").filter(|m| !m.is_null()));
+    let max_tokens = match max {
+        None => None,
+        Some(m) => match m.as_u64() {
+            Some(n) if n >= 1 => Some(n.min(65_536) as u32),
+            _ => {
+                return Err(Box::new(bad_request(
+                    "max_tokens must be a positive integer",
+                )))
+            }
+        },
+    };
+    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = v
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    Ok(Common {
+        body: v,
+        model,
+        max_tokens,
+        stream,
+        include_usage,
+    })
+}
+
+fn content_text(c: &Value) -> String {
+    match c {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    }
+}
+
+async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) -> Response {
+    let a = match admit(&inner, "/v1/chat/completions", &headers).await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let Common {
+        body: v,
+        model,
+        max_tokens,
+        stream,
+        include_usage,
+    } = match common(&body, &a) {
+        Ok(x) => x,
+        Err(r) => return with_backend(*r, &a.backend),
+    };
+    let Some(messages) = v.get("messages").and_then(Value::as_array) else {
+        return with_backend(bad_request("`messages` is required"), &a.backend);
+    };
+    if messages.is_empty() {
+        return with_backend(bad_request("`messages` must not be empty"), &a.backend);
+    }
+    let mut prompt = String::new();
+    for m in messages {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or("user");
+        prompt.push_str(role);
+        prompt.push_str(": ");
+        prompt.push_str(&content_text(m.get("content").unwrap_or(&Value::Null)));
+        prompt.push('\n');
+    }
+    let prompt_tokens = count_tokens(&prompt) + 3 * messages.len() as u32;
+    let gen = generate(&model, &prompt, max_tokens);
+    let timing = inner.timing.read().expect("timing lock").clone();
+    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    let created = chrono::Utc::now().timestamp();
+    let usage = json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": gen.tokens.len(),
+        "total_tokens": prompt_tokens as usize + gen.tokens.len(),
+    });
+    if stream {
+        let base = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
+        let chunk = move |delta: Value, finish: Value| {
+            let mut c = base.clone();
+            c["choices"] =
+                json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]);
+            c
+        };
+        let mut events = vec![chunk(
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+        )];
+        for t in &gen.tokens {
+            events.push(chunk(json!({"content": t}), Value::Null));
+        }
+        events.push(chunk(json!({}), json!(gen.finish_reason)));
+        if include_usage {
+            let mut u = chunk(json!({}), Value::Null);
+            u["choices"] = json!([]);
+            u["usage"] = usage;
+            events.push(u);
+        }
+        return with_backend(sse(events, timing, 1), &a.backend);
+    }
+    sleep_for(&timing, gen.tokens.len()).await;
+    with_backend(
+        Json(json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": gen.tokens.concat(), "tool_calls": []},
+                "logprobs": null,
+                "finish_reason": gen.finish_reason,
+            }],
+            "usage": usage,
+        }))
+        .into_response(),
+        &a.backend,
+    )
+}
+
+async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) -> Response {
+    let a = match admit(&inner, "/v1/completions", &headers).await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let Common {
+        body: v,
+        model,
+        max_tokens,
+        stream,
+        include_usage,
+    } = match common(&body, &a) {
+        Ok(x) => x,
+        Err(r) => return with_backend(*r, &a.backend),
+    };
+    let prompt = match v.get("prompt") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(items)) if !items.is_empty() => items
+            .iter()
+            .map(|i| {
+                i.as_str()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| i.to_string())
+            })
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => return with_backend(bad_request("`prompt` is required"), &a.backend),
+    };
+    // vLLM's default for /v1/completions is 16 tokens, as in OpenAI's legacy API.
+    let gen = generate(&model, &prompt, Some(max_tokens.unwrap_or(16)));
+    let prompt_tokens = count_tokens(&prompt);
+    let timing = inner.timing.read().expect("timing lock").clone();
+    let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
+    let created = chrono::Utc::now().timestamp();
+    let usage = json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": gen.tokens.len(),
+        "total_tokens": prompt_tokens as usize + gen.tokens.len(),
+    });
+    if stream {
+        let base =
+            json!({"id": id, "object": "text_completion", "created": created, "model": model});
+        let chunk = move |text: &str, finish: Value| {
+            let mut c = base.clone();
+            c["choices"] =
+                json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]);
+            c
+        };
+        let mut events: Vec<Value> = gen.tokens.iter().map(|t| chunk(t, Value::Null)).collect();
+        events.push(chunk("", json!(gen.finish_reason)));
+        if include_usage {
+            let mut u = chunk("", Value::Null);
+            u["choices"] = json!([]);
+            u["usage"] = usage;
+            events.push(u);
+        }
+        return with_backend(sse(events, timing, 0), &a.backend);
+    }
+    sleep_for(&timing, gen.tokens.len()).await;
+    with_backend(
+        Json(json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": gen.tokens.concat(), "logprobs": null, "finish_reason": gen.finish_reason}],
+            "usage": usage,
+        }))
+        .into_response(),
+        &a.backend,
+    )
+}
+
+async fn sleep_for(t: &ModelTiming, tokens: usize) {
+    let total = t.ttft_ms + t.per_token_ms * tokens.saturating_sub(1) as u64;
+    if total > 0 {
+        tokio::time::sleep(Duration::from_millis(total)).await;
+    }
+}
+
+/// Server-sent events: `data: {json}` per chunk, then `data: [DONE]`. The first `preamble`
+/// events (the role announcement) go out at once; the first token waits for the TTFT, the rest
+/// for the per-token delay.
+fn sse(events: Vec<Value>, timing: ModelTiming, preamble: usize) -> Response {
+    let stream = sse_stream(events, timing, preamble);
+    Sse::new(stream).into_response()
+}
+
+fn sse_stream(
+    events: Vec<Value>,
+    timing: ModelTiming,
+    preamble: usize,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    let total = events.len();
+    futures::stream::unfold(
+        (events.into_iter(), 0usize, false),
+        move |(mut it, i, done)| {
+            let timing = timing.clone();
+            async move {
+                if done {
+                    return None;
+                }
+                match it.next() {
+                    Some(ev) => {
+                        let wait = if i < preamble {
+                            0
+                        } else if i == preamble {
+                            timing.ttft_ms
+                        } else if i + 1 < total {
+                            timing.per_token_ms
+                        } else {
+                            0
+                        };
+                        if wait > 0 {
+                            tokio::time::sleep(Duration::from_millis(wait)).await;
+                        }
+                        Some((
+                            Ok(Event::default().data(ev.to_string())),
+                            (it, i + 1, false),
+                        ))
+                    }
+                    None => Some((Ok(Event::default().data("[DONE]")), (it, i + 1, true))),
+                }
+            }
+        },
+    )
+}
+
+/// Whitespace-separated words: a stable stand-in for a tokenizer.
+pub fn count_tokens(text: &str) -> u32 {
+    text.split_whitespace().count() as u32
+}
+
+/// A deterministic completion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Generation {
+    /// Token texts; concatenated they form the completion.
+    pub tokens: Vec<String>,
+    /// `stop` when the "model" finished on its own, `length` when `max_tokens` cut it.
+    pub finish_reason: &'static str,
+}
+
+const WORDS: &[&str] = &[
+    "the",
+    "model",
+    "answers",
+    "with",
+    "a",
+    "simulated",
+    "sentence",
+    "about",
+    "gpus",
+    "and",
+    "tokens",
+    "streaming",
+    "quickly",
+    "from",
+    "this",
+    "region",
+    "while",
+    "prompts",
+    "shape",
+    "every",
+    "reply",
+    "deterministically",
+    "so",
+    "tests",
+    "can",
+    "compare",
+    "outputs",
+    "across",
+    "runs",
+    "inference",
+    "gateway",
+    "routes",
+    "requests",
+    "to",
+    "ready",
+    "pods",
+    "behind",
+    "an",
+    "pool",
+    "of",
+    "accelerators",
+    "serving",
+    "language",
+    "kernels",
+    "cache",
+    "prefix",
+    "memory",
+    "batch",
+    "latency",
+    "throughput",
+    "cluster",
+    "node",
+    "load",
+    "balancer",
+    "endpoint",
+    "secure",
+    "private",
+    "public",
+    "control",
+    "plane",
+    "reconciles",
+    "desired",
+    "state",
+    "today",
+];
+
+/// Output derived only from (model, prompt, max_tokens): same input, same output.
+pub fn generate(model: &str, prompt: &str, max_tokens: Option<u32>) -> Generation {
+    let digest = Sha256::digest(format!("{model}\n{prompt}").as_bytes());
+    let mut seed = u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
+    let natural = 8 + (seed % 25) as u32;
+    let n = max_tokens.map_or(natural, |m| m.min(natural));
+    let mut tokens = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        // splitmix64: cheap, stable across platforms and versions.
+        seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let w = WORDS[(z % WORDS.len() as u64) as usize];
+        tokens.push(if i == 0 {
+            w.to_string()
+        } else {
+            format!(" {w}")
+        });
+    }
+    Generation {
+        tokens,
+        finish_reason: if n < natural { "length" } else { "stop" },
+    }
+}
+
+/// The lowercase hex SHA-256 of a token, as stored in the access-token Secret.
+pub fn token_hash(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_is_deterministic_and_bounded() {
+        let a = generate("m", "hello world", None);
+        assert_eq!(a, generate("m", "hello world", None));
+        assert_ne!(a, generate("m", "hello there", None));
+        assert_eq!(a.finish_reason, "stop");
+        let b = generate("m", "hello world", Some(3));
+        assert_eq!(b.tokens.len(), 3);
+        assert_eq!(b.finish_reason, "length");
+        assert_eq!(b.tokens[..], a.tokens[..3]);
+    }
+
+    #[test]
+    fn path_prefix_is_element_wise() {
+        assert!(path_prefix_matches("/", "/v1/models"));
+        assert!(path_prefix_matches("/v1", "/v1/models"));
+        assert!(path_prefix_matches("/v1/", "/v1/models"));
+        assert!(!path_prefix_matches("/v1", "/v10/models"));
+        assert!(!path_prefix_matches("/v2", "/v1/models"));
+    }
+}

@@ -1,0 +1,504 @@
+//! The DigitalOcean API subset (`/v2/...`) and the simulator's admin endpoints (`/_sim/...`).
+//!
+//! Handlers parse, call one [`World`](crate::world::World) method and map the result; the shapes,
+//! status codes and error bodies follow DigitalOcean's public OpenAPI document so that production
+//! clients cannot tell the difference.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::faults::{Api, FaultConfig, Verdict};
+use crate::world::{ClusterCreate, Delays, PoolSpec, VpcCreate, WorldError};
+use crate::Shared;
+
+/// An error in DigitalOcean's shape: `{"id", "message", "request_id"}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    id: &'static str,
+    message: String,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, id: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            id,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    fn not_found() -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "The resource you requested could not be found.",
+        )
+    }
+
+    fn bad_request(msg: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad_request", msg)
+    }
+}
+
+impl From<WorldError> for ApiError {
+    fn from(e: WorldError) -> Self {
+        match e {
+            WorldError::NotFound => Self::not_found(),
+            WorldError::Unprocessable(m) => {
+                Self::new(StatusCode::UNPROCESSABLE_ENTITY, "unprocessable_entity", m)
+            }
+            WorldError::Conflict(m) => Self::new(StatusCode::CONFLICT, "conflict", m),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let request_id = Uuid::new_v4().to_string();
+        let body = json!({"id": self.id, "message": self.message, "request_id": request_id});
+        let mut resp = (self.status, Json(body)).into_response();
+        let h = resp.headers_mut();
+        h.insert(
+            "x-request-id",
+            HeaderValue::from_str(&request_id).expect("uuid header"),
+        );
+        if let Some(secs) = self.retry_after {
+            h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            h.insert("ratelimit-remaining", HeaderValue::from(0));
+        }
+        resp
+    }
+}
+
+type ApiResult = Result<Response, ApiError>;
+
+fn parse_json<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("error parsing request body: {e}")))
+}
+
+fn reply(status: StatusCode, body: Value) -> ApiResult {
+    Ok((status, Json(body)).into_response())
+}
+
+/// DigitalOcean pagination: `page`/`per_page` in, `links.pages` and `meta.total` out.
+fn paginate(
+    base_url: &str,
+    path: &str,
+    q: &HashMap<String, String>,
+    key: &str,
+    items: Vec<Value>,
+) -> ApiResult {
+    let num =
+        |name: &str, default: usize| -> Result<usize, ApiError> {
+            match q.get(name) {
+                None => Ok(default),
+                Some(v) => v.parse::<usize>().ok().filter(|n| *n >= 1).ok_or_else(|| {
+                    ApiError::bad_request(format!("{name} must be a positive integer"))
+                }),
+            }
+        };
+    let page = num("page", 1)?;
+    let per_page = num("per_page", 20)?.min(200);
+    let total = items.len();
+    let last = total.div_ceil(per_page).max(1);
+    let start = (page - 1).saturating_mul(per_page).min(total);
+    let end = (start + per_page).min(total);
+    let link = |p: usize| format!("{base_url}{path}?page={p}&per_page={per_page}");
+    let mut pages = serde_json::Map::new();
+    if page > 1 {
+        pages.insert("first".into(), json!(link(1)));
+        pages.insert("prev".into(), json!(link((page - 1).min(last))));
+    }
+    if page < last {
+        pages.insert("next".into(), json!(link(page + 1)));
+        pages.insert("last".into(), json!(link(last)));
+    }
+    reply(
+        StatusCode::OK,
+        json!({
+            key: items[start..end].to_vec(),
+            "links": {"pages": pages},
+            "meta": {"total": total},
+        }),
+    )
+}
+
+// ------------------------------------------------------------------ middleware
+
+/// Adds the headers every DigitalOcean response carries.
+async fn common_headers(req: Request, next: Next) -> Response {
+    let mut resp = next.run(req).await;
+    let h = resp.headers_mut();
+    if !h.contains_key("x-request-id") {
+        h.insert(
+            "x-request-id",
+            HeaderValue::from_str(&Uuid::new_v4().to_string()).expect("uuid header"),
+        );
+    }
+    h.entry("ratelimit-limit")
+        .or_insert(HeaderValue::from(5000));
+    h.entry("ratelimit-remaining")
+        .or_insert(HeaderValue::from(4999));
+    let reset = chrono::Utc::now().timestamp() + 60;
+    h.entry("ratelimit-reset")
+        .or_insert(HeaderValue::from(reset));
+    resp
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+        .map(str::trim)
+}
+
+/// Bearer auth, call accounting and fault injection, in that order: an unauthenticated call is
+/// not a call, and a faulted call still counts (the client did send it).
+async fn guard(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    if bearer(req.headers()) != Some(s.token.as_str()) {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "Unable to authenticate you.",
+        )
+        .into_response();
+    }
+    let mutating = matches!(
+        *req.method(),
+        Method::POST | Method::PUT | Method::PATCH | Method::DELETE
+    );
+    let line = format!("{} {}", req.method(), req.uri().path());
+    if mutating {
+        s.stats.record_mutation(line.clone());
+    }
+    let resp = match s.faults.apply(Api::Do).await {
+        Verdict::Pass => next.run(req).await,
+        Verdict::Error => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "Unexpected server-side error",
+        )
+        .into_response(),
+        Verdict::RateLimited(secs) => ApiError {
+            retry_after: Some(secs),
+            ..ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_requests",
+                "API rate limit exceeded.",
+            )
+        }
+        .into_response(),
+    };
+    s.stats
+        .record_call(format!("{line} -> {}", resp.status().as_u16()));
+    resp
+}
+
+// ------------------------------------------------------------------ VPCs
+
+async fn vpcs_list(
+    State(s): State<Arc<Shared>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult {
+    paginate(&s.base_url, "/v2/vpcs", &q, "vpcs", s.world.vpc_list())
+}
+
+async fn vpcs_create(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let req: VpcCreate = parse_json(&body)?;
+    let vpc = s.world.vpc_create(req)?;
+    reply(StatusCode::CREATED, json!({"vpc": vpc}))
+}
+
+async fn vpcs_get(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
+    reply(StatusCode::OK, json!({"vpc": s.world.vpc_get(&id)?}))
+}
+
+async fn vpcs_delete(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
+    s.world.vpc_delete(&id)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+// ------------------------------------------------------------------ clusters
+
+async fn clusters_list(
+    State(s): State<Arc<Shared>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult {
+    paginate(
+        &s.base_url,
+        "/v2/kubernetes/clusters",
+        &q,
+        "kubernetes_clusters",
+        s.world.cluster_list(),
+    )
+}
+
+async fn clusters_create(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let req: ClusterCreate = parse_json(&body)?;
+    let cluster = s.world.cluster_create(req)?;
+    let id = cluster["id"].as_str().unwrap_or_default().to_string();
+    let name = cluster["name"].as_str().unwrap_or_default().to_string();
+    // The API server exists from the start so the kubeconfig can be fetched right away; the
+    // cluster only reports `running` (and an endpoint) after the provisioning delay.
+    if let Err(e) = s.clusters.ensure(&s, &id, &name).await {
+        tracing::error!(error = %e, cluster_id = %id, "starting simulated Kubernetes API failed");
+    }
+    reply(StatusCode::CREATED, json!({"kubernetes_cluster": cluster}))
+}
+
+async fn clusters_get(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
+    reply(
+        StatusCode::OK,
+        json!({"kubernetes_cluster": s.world.cluster_get(&id)?}),
+    )
+}
+
+async fn clusters_delete(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
+    s.world.cluster_delete(&id)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn kubeconfig(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
+    if !s.world.cluster_exists(&id) {
+        return Err(ApiError::not_found());
+    }
+    let yaml = s.clusters.kubeconfig(&id).ok_or_else(ApiError::not_found)?;
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/yaml")],
+        yaml,
+    )
+        .into_response())
+}
+
+async fn credentials(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
+    if !s.world.cluster_exists(&id) {
+        return Err(ApiError::not_found());
+    }
+    let (server, token) = s
+        .clusters
+        .credentials(&id)
+        .ok_or_else(ApiError::not_found)?;
+    let expires = chrono::Utc::now() + chrono::Duration::days(7);
+    reply(
+        StatusCode::OK,
+        json!({
+            "server": server,
+            // The simulated API server speaks plain HTTP on loopback: there is no CA.
+            "certificate_authority_data": "",
+            "client_certificate_data": null,
+            "client_key_data": null,
+            "token": token,
+            "expires_at": expires.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        }),
+    )
+}
+
+// ------------------------------------------------------------------ node pools
+
+async fn pools_list(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
+    reply(
+        StatusCode::OK,
+        json!({"node_pools": s.world.pool_list(&id)?}),
+    )
+}
+
+async fn pools_create(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult {
+    let spec: PoolSpec = parse_json(&body)?;
+    let pool = s.world.pool_create(&id, spec)?;
+    reply(StatusCode::CREATED, json!({"node_pool": pool}))
+}
+
+async fn pools_get(
+    State(s): State<Arc<Shared>>,
+    Path((id, pool)): Path<(String, String)>,
+) -> ApiResult {
+    reply(
+        StatusCode::OK,
+        json!({"node_pool": s.world.pool_get(&id, &pool)?}),
+    )
+}
+
+async fn pools_update(
+    State(s): State<Arc<Shared>>,
+    Path((id, pool)): Path<(String, String)>,
+    body: Bytes,
+) -> ApiResult {
+    let spec: PoolSpec = parse_json(&body)?;
+    let pool = s.world.pool_update(&id, &pool, spec)?;
+    reply(StatusCode::ACCEPTED, json!({"node_pool": pool}))
+}
+
+async fn pools_delete(
+    State(s): State<Arc<Shared>>,
+    Path((id, pool)): Path<(String, String)>,
+) -> ApiResult {
+    s.world.pool_delete(&id, &pool)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+// ------------------------------------------------------------------ load balancers
+
+async fn lbs_list(
+    State(s): State<Arc<Shared>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult {
+    paginate(
+        &s.base_url,
+        "/v2/load_balancers",
+        &q,
+        "load_balancers",
+        s.world.lb_list(),
+    )
+}
+
+async fn lbs_get(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
+    reply(
+        StatusCode::OK,
+        json!({"load_balancer": s.world.lb_get(&id)?}),
+    )
+}
+
+async fn not_found() -> ApiError {
+    ApiError::not_found()
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "The method is not allowed for this resource.",
+    )
+}
+
+// ------------------------------------------------------------------ admin
+
+async fn admin_inventory(State(s): State<Arc<Shared>>) -> Response {
+    Json(s.inventory()).into_response()
+}
+
+async fn admin_faults_get(State(s): State<Arc<Shared>>) -> Response {
+    Json(s.faults.get()).into_response()
+}
+
+async fn admin_faults_put(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let f: FaultConfig = parse_json(&body)?;
+    s.faults.set(f.clone());
+    reply(StatusCode::OK, json!(f))
+}
+
+async fn admin_delays_get(State(s): State<Arc<Shared>>) -> Response {
+    Json(s.world.delays()).into_response()
+}
+
+async fn admin_delays_put(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let d: Delays = parse_json(&body)?;
+    s.set_delays(d.clone());
+    reply(StatusCode::OK, json!(d))
+}
+
+async fn admin_capacity_get(State(s): State<Arc<Shared>>) -> Response {
+    Json(s.world.capacity()).into_response()
+}
+
+async fn admin_capacity_put(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let c: BTreeMap<String, u32> = parse_json(&body)?;
+    s.world.set_capacity(c.clone());
+    reply(StatusCode::OK, json!(c))
+}
+
+async fn admin_model_get(State(s): State<Arc<Shared>>) -> Response {
+    Json(s.model_timing()).into_response()
+}
+
+async fn admin_model_put(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let m: crate::data_plane::ModelTiming = parse_json(&body)?;
+    s.set_model_timing(m.clone());
+    reply(StatusCode::OK, json!(m))
+}
+
+async fn admin_stats(State(s): State<Arc<Shared>>) -> Response {
+    Json(s.stats.snapshot()).into_response()
+}
+
+async fn admin_stats_reset(State(s): State<Arc<Shared>>) -> StatusCode {
+    s.stats.reset();
+    StatusCode::NO_CONTENT
+}
+
+async fn admin_kill_node(State(s): State<Arc<Shared>>, Path(name): Path<String>) -> ApiResult {
+    s.world.kill_node(&name)?;
+    // Apply the NotReady status now rather than on the next tick, so tests see it immediately.
+    s.drive(Instant::now()).await;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// The router for the DO API and the admin endpoints.
+pub(crate) fn router(shared: Arc<Shared>) -> Router {
+    let v2 = Router::new()
+        .route("/v2/vpcs", get(vpcs_list).post(vpcs_create))
+        .route("/v2/vpcs/{id}", get(vpcs_get).delete(vpcs_delete))
+        .route(
+            "/v2/kubernetes/clusters",
+            get(clusters_list).post(clusters_create),
+        )
+        .route(
+            "/v2/kubernetes/clusters/{id}",
+            get(clusters_get).delete(clusters_delete),
+        )
+        .route("/v2/kubernetes/clusters/{id}/kubeconfig", get(kubeconfig))
+        .route("/v2/kubernetes/clusters/{id}/credentials", get(credentials))
+        .route(
+            "/v2/kubernetes/clusters/{id}/node_pools",
+            get(pools_list).post(pools_create),
+        )
+        .route(
+            "/v2/kubernetes/clusters/{id}/node_pools/{pool}",
+            get(pools_get).put(pools_update).delete(pools_delete),
+        )
+        .route("/v2/load_balancers", get(lbs_list))
+        .route("/v2/load_balancers/{id}", get(lbs_get))
+        .route_layer(middleware::from_fn_with_state(shared.clone(), guard));
+    let admin = Router::new()
+        .route("/_sim/inventory", get(admin_inventory))
+        .route("/_sim/faults", get(admin_faults_get).put(admin_faults_put))
+        .route("/_sim/delays", get(admin_delays_get).put(admin_delays_put))
+        .route(
+            "/_sim/capacity",
+            get(admin_capacity_get).put(admin_capacity_put),
+        )
+        .route("/_sim/model", get(admin_model_get).put(admin_model_put))
+        .route("/_sim/stats", get(admin_stats))
+        .route("/_sim/stats/reset", post(admin_stats_reset))
+        .route("/_sim/nodes/{name}/kill", post(admin_kill_node));
+    Router::new()
+        .merge(v2)
+        .merge(admin)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(common_headers))
+        .layer(axum::extract::DefaultBodyLimit::max(1024 * 1024))
+        .with_state(shared)
+}

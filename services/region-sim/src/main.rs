@@ -1,0 +1,130 @@
+//! `region-sim`: runs one simulated DigitalOcean region until interrupted.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use clap::Parser;
+use region_sim::{ApiFaults, Delays, FaultConfig, ModelTiming, RegionSim, SimConfig};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "region-sim",
+    about = "Simulated DigitalOcean region (DO API subset, DOKS clusters, data plane)"
+)]
+struct Args {
+    /// Region slug.
+    #[arg(long, env = "REGION_SIM_REGION", default_value = "atl1")]
+    region: String,
+    /// Address for the DigitalOcean API and the /_sim admin endpoints.
+    #[arg(long, env = "REGION_SIM_LISTEN", default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Bearer token the DigitalOcean API accepts.
+    #[arg(long, env = "REGION_SIM_TOKEN", hide_env_values = true)]
+    token: String,
+    /// GPU capacity, `size=nodes` pairs separated by commas (replaces the defaults).
+    #[arg(long, env = "REGION_SIM_GPU_CAPACITY", value_delimiter = ',')]
+    gpu_capacity: Vec<String>,
+    #[arg(long, env = "REGION_SIM_CLUSTER_PROVISION_MS")]
+    cluster_provision_ms: Option<u64>,
+    #[arg(long, env = "REGION_SIM_NODE_PROVISION_MS")]
+    node_provision_ms: Option<u64>,
+    #[arg(long, env = "REGION_SIM_DELETION_MS")]
+    deletion_ms: Option<u64>,
+    #[arg(long, env = "REGION_SIM_LB_PROVISION_MS")]
+    lb_provision_ms: Option<u64>,
+    #[arg(long, env = "REGION_SIM_MODEL_LOAD_MS")]
+    model_load_ms: Option<u64>,
+    #[arg(long, env = "REGION_SIM_GATEWAY_ADDRESS_MS")]
+    gateway_address_ms: Option<u64>,
+    /// Fraction of DO API requests answered 500.
+    #[arg(long, env = "REGION_SIM_DO_ERROR_RATE", default_value_t = 0.0)]
+    do_error_rate: f64,
+    /// Fraction of DO API requests answered 429.
+    #[arg(long, env = "REGION_SIM_DO_429_RATE", default_value_t = 0.0)]
+    do_429_rate: f64,
+    #[arg(long, env = "REGION_SIM_DO_LATENCY_MS", default_value_t = 0)]
+    do_latency_ms: u64,
+    #[arg(long, env = "REGION_SIM_KUBE_ERROR_RATE", default_value_t = 0.0)]
+    kube_error_rate: f64,
+    #[arg(long, env = "REGION_SIM_KUBE_429_RATE", default_value_t = 0.0)]
+    kube_429_rate: f64,
+    #[arg(long, env = "REGION_SIM_KUBE_LATENCY_MS", default_value_t = 0)]
+    kube_latency_ms: u64,
+    #[arg(long, env = "REGION_SIM_DATA_PLANE_ERROR_RATE", default_value_t = 0.0)]
+    data_plane_error_rate: f64,
+    #[arg(long, env = "REGION_SIM_DATA_PLANE_429_RATE", default_value_t = 0.0)]
+    data_plane_429_rate: f64,
+    #[arg(long, env = "REGION_SIM_DATA_PLANE_LATENCY_MS", default_value_t = 0)]
+    data_plane_latency_ms: u64,
+    /// Fake model: time to first token.
+    #[arg(long, env = "REGION_SIM_TTFT_MS")]
+    ttft_ms: Option<u64>,
+    /// Fake model: delay between tokens.
+    #[arg(long, env = "REGION_SIM_PER_TOKEN_MS")]
+    per_token_ms: Option<u64>,
+}
+
+fn parse_capacity(items: &[String]) -> anyhow::Result<BTreeMap<String, u32>> {
+    items
+        .iter()
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| {
+            let (k, v) = s
+                .split_once('=')
+                .ok_or_else(|| anyhow::anyhow!("--gpu-capacity expects size=nodes, got {s:?}"))?;
+            Ok((k.trim().to_string(), v.trim().parse()?))
+        })
+        .collect()
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        // Logs go to stderr: stdout carries only the base URL.
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let a = Args::parse();
+    let mut cfg = SimConfig::new(&a.region, &a.token);
+    cfg.listen = a.listen;
+    if !a.gpu_capacity.is_empty() {
+        cfg.gpu_capacity = parse_capacity(&a.gpu_capacity)?;
+    }
+    let d = Delays::default();
+    cfg.delays = Delays {
+        cluster_provision_ms: a.cluster_provision_ms.unwrap_or(d.cluster_provision_ms),
+        node_provision_ms: a.node_provision_ms.unwrap_or(d.node_provision_ms),
+        deletion_ms: a.deletion_ms.unwrap_or(d.deletion_ms),
+        lb_provision_ms: a.lb_provision_ms.unwrap_or(d.lb_provision_ms),
+        model_load_ms: a.model_load_ms.unwrap_or(d.model_load_ms),
+        gateway_address_ms: a.gateway_address_ms.unwrap_or(d.gateway_address_ms),
+    };
+    let api = |e: f64, r: f64, l: u64| ApiFaults {
+        error_rate: e,
+        rate_limit_rate: r,
+        latency_ms: l,
+        retry_after_secs: 1,
+    };
+    cfg.faults = FaultConfig {
+        do_api: api(a.do_error_rate, a.do_429_rate, a.do_latency_ms),
+        kube: api(a.kube_error_rate, a.kube_429_rate, a.kube_latency_ms),
+        data_plane: api(
+            a.data_plane_error_rate,
+            a.data_plane_429_rate,
+            a.data_plane_latency_ms,
+        ),
+    };
+    let m = ModelTiming::default();
+    cfg.model = ModelTiming {
+        ttft_ms: a.ttft_ms.unwrap_or(m.ttft_ms),
+        per_token_ms: a.per_token_ms.unwrap_or(m.per_token_ms),
+    };
+    let sim = RegionSim::start(cfg).await?;
+    // The one line on stdout: scripts read the base URL from it.
+    println!("{}", sim.base_url());
+    tokio::signal::ctrl_c().await?;
+    sim.shutdown().await;
+    Ok(())
+}

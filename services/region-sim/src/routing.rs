@@ -1,0 +1,511 @@
+//! How a load balancer's traffic reaches a model, derived from a cluster's objects the way a
+//! Gateway API implementation with Inference Extension support derives it.
+//!
+//! The chain is: LoadBalancer Service whose selector has
+//! `gateway.networking.k8s.io/gateway-name: <gw>` (the label gateway implementations put on the
+//! gateway pods they deploy, so such a Service fronts Gateway `<gw>` in its namespace) → the
+//! Gateway's HTTPS listener → its `tls.certificateRefs` Secret → an HTTPRoute whose parentRef is
+//! the Gateway → a backendRef of kind `InferencePool` → the pool's `spec.selector.matchLabels` →
+//! ready Pods. Tokens come from the Secret [`TOKENS_SECRET`] in the same namespace.
+//! Everything here is a pure function of JSON objects.
+
+use std::collections::BTreeSet;
+
+use base64::Engine;
+use serde_json::{Map, Value};
+
+use crate::data_plane::{EndpointConfig, Route};
+
+/// Selector label that ties a Service to the Gateway it fronts.
+pub const GATEWAY_NAME_LABEL: &str = "gateway.networking.k8s.io/gateway-name";
+/// Secret holding the SHA-256 hashes (lowercase hex) of valid access tokens, one per data key.
+pub const TOKENS_SECRET: &str = "inference-access-tokens";
+const INFERENCE_GROUP: &str = "inference.networking.k8s.io";
+
+/// An endpoint's configuration and what is wrong with the wiring, if anything.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Wiring {
+    pub config: EndpointConfig,
+    pub problems: Vec<String>,
+}
+
+fn s<'a>(v: &'a Value, ptr: &str) -> Option<&'a str> {
+    v.pointer(ptr).and_then(Value::as_str)
+}
+
+fn ns_of(v: &Value) -> &str {
+    s(v, "/metadata/namespace").unwrap_or("default")
+}
+
+fn name_of(v: &Value) -> &str {
+    s(v, "/metadata/name").unwrap_or("")
+}
+
+fn group_of(v: &Value) -> &str {
+    s(v, "/apiVersion")
+        .and_then(|a| a.rsplit_once('/').map(|(g, _)| g))
+        .unwrap_or("")
+}
+
+fn deleting(v: &Value) -> bool {
+    v.pointer("/metadata/deletionTimestamp")
+        .is_some_and(|t| !t.is_null())
+}
+
+fn find<'a>(objs: &'a [Value], kind: &str, group: &str, ns: &str, name: &str) -> Option<&'a Value> {
+    objs.iter().find(|o| {
+        o["kind"] == kind
+            && group_of(o) == group
+            && ns_of(o) == ns
+            && name_of(o) == name
+            && !deleting(o)
+    })
+}
+
+/// Reads a Secret entry from `data` (base64) or, for objects stored as written, `stringData`.
+fn secret_value(secret: &Value, key: &str) -> Option<String> {
+    if let Some(b64) = secret
+        .pointer("/data")
+        .and_then(|d| d.get(key))
+        .and_then(Value::as_str)
+    {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(b64.trim())
+            .ok()?;
+        return String::from_utf8(bytes).ok();
+    }
+    secret
+        .pointer("/stringData")
+        .and_then(|d| d.get(key))
+        .and_then(Value::as_str)
+        .map(str::to_string)
+}
+
+fn secret_keys(secret: &Value) -> Vec<String> {
+    let mut keys = BTreeSet::new();
+    for field in ["/data", "/stringData"] {
+        if let Some(m) = secret.pointer(field).and_then(Value::as_object) {
+            keys.extend(m.keys().cloned());
+        }
+    }
+    keys.into_iter().collect()
+}
+
+fn labels_match(selector: &Map<String, Value>, labels: Option<&Value>) -> bool {
+    !selector.is_empty()
+        && selector
+            .iter()
+            .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+}
+
+fn pod_ready(p: &Value) -> bool {
+    !deleting(p)
+        && s(p, "/status/phase") == Some("Running")
+        && p.pointer("/status/conditions")
+            .and_then(Value::as_array)
+            .is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
+}
+
+/// The token hashes in the access-token Secret of `ns`, or `None` if there is no such Secret.
+pub fn token_hashes(objs: &[Value], ns: &str) -> Option<BTreeSet<String>> {
+    let secret = find(objs, "Secret", "", ns, TOKENS_SECRET)?;
+    Some(
+        secret_keys(secret)
+            .iter()
+            .filter_map(|k| secret_value(secret, k))
+            .map(|v| v.trim().to_ascii_lowercase())
+            .filter(|v| !v.is_empty())
+            .collect(),
+    )
+}
+
+/// The model name a vLLM command line serves: `--served-model-name`, else `--model`, else the
+/// positional argument of `vllm serve`.
+pub fn served_model_name(args: &[String]) -> Option<String> {
+    let flag = |name: &str| -> Option<String> {
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            if a == name {
+                return it.next().cloned();
+            }
+            if let Some(v) = a.strip_prefix(&format!("{name}=")) {
+                return Some(v.to_string());
+            }
+        }
+        None
+    };
+    flag("--served-model-name")
+        .map(|v| v.split_whitespace().next().unwrap_or("").to_string())
+        .filter(|v| !v.is_empty())
+        .or_else(|| flag("--model"))
+        .or_else(|| {
+            args.iter()
+                .position(|a| a == "serve")
+                .and_then(|i| args.get(i + 1))
+                .filter(|a| !a.starts_with('-'))
+                .cloned()
+        })
+}
+
+fn container_args(pod_spec: &Value) -> Vec<Vec<String>> {
+    pod_spec
+        .get("containers")
+        .and_then(Value::as_array)
+        .map(|cs| {
+            cs.iter()
+                .map(|c| {
+                    let mut all = Vec::new();
+                    for field in ["command", "args"] {
+                        if let Some(a) = c.get(field).and_then(Value::as_array) {
+                            all.extend(a.iter().filter_map(Value::as_str).map(str::to_string));
+                        }
+                    }
+                    all
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn owner<'a>(objs: &'a [Value], obj: &Value, kind: &str, group: &str) -> Option<&'a Value> {
+    let refs = obj.pointer("/metadata/ownerReferences")?.as_array()?;
+    let r = refs.iter().find(|r| r["kind"] == kind)?;
+    find(objs, kind, group, ns_of(obj), r["name"].as_str()?)
+}
+
+/// The served model of a pod, read from its owning Deployment (through its ReplicaSet), falling
+/// back to the pod's own containers.
+fn pod_model(objs: &[Value], pod: &Value) -> Option<String> {
+    let deployment = owner(objs, pod, "Deployment", "apps").or_else(|| {
+        owner(objs, pod, "ReplicaSet", "apps").and_then(|rs| owner(objs, rs, "Deployment", "apps"))
+    });
+    let from = |spec: Option<&Value>| {
+        spec.map(container_args)
+            .unwrap_or_default()
+            .iter()
+            .find_map(|a| served_model_name(a))
+    };
+    deployment
+        .and_then(|d| from(d.pointer("/spec/template/spec")))
+        .or_else(|| from(pod.get("spec")))
+}
+
+/// Derives the endpoint configuration for LoadBalancer Service `svc` from the cluster's objects.
+pub fn wire(svc: &Value, objs: &[Value]) -> Wiring {
+    let ns = ns_of(svc).to_string();
+    let mut w = Wiring {
+        config: EndpointConfig {
+            token_hashes: token_hashes(objs, &ns),
+            ..Default::default()
+        },
+        problems: Vec::new(),
+    };
+    if w.config.token_hashes.is_none() {
+        w.problems.push(format!(
+            "secret {ns}/{TOKENS_SECRET} not found: every request is 401"
+        ));
+    }
+    let Some(gw_name) = s(
+        svc,
+        &format!("/spec/selector/{}", GATEWAY_NAME_LABEL.replace('/', "~1")),
+    ) else {
+        w.problems.push(format!(
+            "service selector has no {GATEWAY_NAME_LABEL}: it fronts no gateway"
+        ));
+        return w;
+    };
+    let Some(gw) = find(objs, "Gateway", "gateway.networking.k8s.io", &ns, gw_name) else {
+        w.problems.push(format!("gateway {ns}/{gw_name} not found"));
+        return w;
+    };
+    let svc_ports: Vec<i64> = svc
+        .pointer("/spec/ports")
+        .and_then(Value::as_array)
+        .map(|ps| ps.iter().filter_map(|p| p["port"].as_i64()).collect())
+        .unwrap_or_default();
+    let listeners: Vec<&Value> = gw
+        .pointer("/spec/listeners")
+        .and_then(Value::as_array)
+        .map(|ls| ls.iter().filter(|l| l["protocol"] == "HTTPS").collect())
+        .unwrap_or_default();
+    let listener = listeners
+        .iter()
+        .find(|l| l["port"].as_i64().is_some_and(|p| svc_ports.contains(&p)))
+        .or_else(|| listeners.first())
+        .copied();
+    let Some(listener) = listener else {
+        w.problems
+            .push(format!("gateway {ns}/{gw_name} has no HTTPS listener"));
+        return w;
+    };
+    let listener_name = listener["name"].as_str().unwrap_or("");
+    // TLS: the first certificateRef, a kubernetes.io/tls Secret.
+    match listener.pointer("/tls/certificateRefs/0") {
+        None => w.problems.push(format!(
+            "listener {listener_name} has no tls.certificateRefs"
+        )),
+        Some(r) => {
+            let kind = r["kind"].as_str().unwrap_or("Secret");
+            let sns = r["namespace"].as_str().unwrap_or(&ns);
+            let sname = r["name"].as_str().unwrap_or("");
+            match (kind, find(objs, "Secret", "", sns, sname)) {
+                ("Secret", Some(secret)) => {
+                    match (
+                        secret_value(secret, "tls.crt"),
+                        secret_value(secret, "tls.key"),
+                    ) {
+                        (Some(c), Some(k)) => w.config.tls = Some((c, k)),
+                        _ => w
+                            .problems
+                            .push(format!("secret {sns}/{sname} lacks tls.crt or tls.key")),
+                    }
+                }
+                _ => w
+                    .problems
+                    .push(format!("certificate secret {sns}/{sname} not found")),
+            }
+        }
+    }
+    // The first HTTPRoute attached to this gateway (and listener, if it names one).
+    let attached = objs.iter().filter(|o| {
+        o["kind"] == "HTTPRoute"
+            && group_of(o) == "gateway.networking.k8s.io"
+            && ns_of(o) == ns
+            && !deleting(o)
+            && o.pointer("/spec/parentRefs")
+                .and_then(Value::as_array)
+                .is_some_and(|ps| {
+                    ps.iter().any(|p| {
+                        p["name"] == gw_name
+                            && p["kind"].as_str().unwrap_or("Gateway") == "Gateway"
+                            && p["namespace"].as_str().unwrap_or(&ns) == ns
+                            && p["sectionName"]
+                                .as_str()
+                                .is_none_or(|sn| sn == listener_name)
+                    })
+                })
+    });
+    let mut routes: Vec<&Value> = attached.collect();
+    // Gateway API precedence between routes: oldest first, then by name.
+    routes.sort_by_key(|r| {
+        (
+            s(r, "/metadata/creationTimestamp")
+                .unwrap_or("")
+                .to_string(),
+            name_of(r).to_string(),
+        )
+    });
+    let Some(route) = routes.first() else {
+        w.problems
+            .push(format!("no HTTPRoute attached to gateway {ns}/{gw_name}"));
+        return w;
+    };
+    let rules = route
+        .pointer("/spec/rules")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let mut paths = Vec::new();
+    let mut pool_name = None;
+    for rule in &rules {
+        let backend = rule
+            .get("backendRefs")
+            .and_then(Value::as_array)
+            .and_then(|bs| bs.first());
+        let Some(b) = backend else { continue };
+        if b["kind"] == "InferencePool" && b["group"] == INFERENCE_GROUP {
+            pool_name = b["name"].as_str().map(str::to_string);
+            for m in rule
+                .get("matches")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default()
+            {
+                let v = m
+                    .pointer("/path/value")
+                    .and_then(Value::as_str)
+                    .unwrap_or("/");
+                match m.pointer("/path/type").and_then(Value::as_str) {
+                    Some("Exact") => paths.push(format!("={v}")),
+                    _ => paths.push(v.to_string()),
+                }
+            }
+            break;
+        }
+    }
+    let Some(pool_name) = pool_name else {
+        w.problems.push(format!(
+            "HTTPRoute {ns}/{} has no backendRef to an {INFERENCE_GROUP} InferencePool",
+            name_of(route)
+        ));
+        // A route to something that cannot be resolved: the gateway answers 5xx.
+        w.config.route = Route::Pool {
+            paths,
+            model: None,
+            endpoints: Vec::new(),
+        };
+        return w;
+    };
+    let pool = find(objs, "InferencePool", INFERENCE_GROUP, &ns, &pool_name);
+    let selector = pool.and_then(|p| {
+        p.pointer("/spec/selector/matchLabels")
+            .or_else(|| p.pointer("/spec/selector"))
+            .and_then(Value::as_object)
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, v)| v.is_string())
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect::<Map<_, _>>()
+            })
+    });
+    let Some(selector) = selector else {
+        w.problems.push(format!(
+            "InferencePool {ns}/{pool_name} not found or has no selector"
+        ));
+        w.config.route = Route::Pool {
+            paths,
+            model: None,
+            endpoints: Vec::new(),
+        };
+        return w;
+    };
+    let pods: Vec<&Value> = objs
+        .iter()
+        .filter(|o| {
+            o["kind"] == "Pod"
+                && ns_of(o) == ns
+                && labels_match(&selector, o.pointer("/metadata/labels"))
+        })
+        .collect();
+    let mut endpoints: Vec<String> = pods
+        .iter()
+        .filter(|p| pod_ready(p))
+        .map(|p| name_of(p).to_string())
+        .collect();
+    endpoints.sort();
+    if endpoints.is_empty() {
+        w.problems.push(format!(
+            "InferencePool {ns}/{pool_name} has no ready pods ({} matching)",
+            pods.len()
+        ));
+    }
+    let model = pods.iter().find_map(|p| pod_model(objs, p));
+    w.config.route = Route::Pool {
+        paths,
+        model,
+        endpoints,
+    };
+    w
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn b64(s: &str) -> String {
+        base64::engine::general_purpose::STANDARD.encode(s)
+    }
+
+    fn objects() -> Vec<Value> {
+        vec![
+            json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tls", "namespace": "di-1"},
+                   "type": "kubernetes.io/tls", "data": {"tls.crt": b64("CERT"), "tls.key": b64("KEY")}}),
+            json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": TOKENS_SECRET, "namespace": "di-1"},
+                   "data": {"tok-1": b64(&crate::data_plane::token_hash("secret-token"))}}),
+            json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway", "metadata": {"name": "gw", "namespace": "di-1"},
+                   "spec": {"gatewayClassName": "x", "listeners": [
+                       {"name": "http", "port": 80, "protocol": "HTTP"},
+                       {"name": "https", "port": 443, "protocol": "HTTPS", "tls": {"mode": "Terminate", "certificateRefs": [{"kind": "Secret", "name": "tls"}]}}]}}),
+            json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "r", "namespace": "di-1"},
+                   "spec": {"parentRefs": [{"name": "gw"}], "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                       "backendRefs": [{"group": INFERENCE_GROUP, "kind": "InferencePool", "name": "pool"}]}]}}),
+            json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "pool", "namespace": "di-1"},
+                   "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [{"number": 8000}]}}),
+            json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "vllm", "namespace": "di-1"},
+                   "spec": {"template": {"spec": {"containers": [{"name": "vllm", "args": ["--model", "org/big", "--served-model-name", "big"]}]}}}}),
+            json!({"apiVersion": "apps/v1", "kind": "ReplicaSet", "metadata": {"name": "vllm-1", "namespace": "di-1",
+                   "ownerReferences": [{"kind": "Deployment", "name": "vllm"}]}}),
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vllm-1-a", "namespace": "di-1", "labels": {"app": "vllm"},
+                   "ownerReferences": [{"kind": "ReplicaSet", "name": "vllm-1"}]},
+                   "spec": {"containers": [{"name": "vllm", "args": []}]},
+                   "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}),
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vllm-1-b", "namespace": "di-1", "labels": {"app": "vllm"}},
+                   "status": {"phase": "Pending"}}),
+        ]
+    }
+
+    fn svc() -> Value {
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "lb", "namespace": "di-1"},
+               "spec": {"type": "LoadBalancer", "selector": {GATEWAY_NAME_LABEL: "gw"}, "ports": [{"port": 443}]}})
+    }
+
+    #[test]
+    fn full_chain() {
+        let w = wire(&svc(), &objects());
+        assert!(w.problems.is_empty(), "{:?}", w.problems);
+        assert_eq!(w.config.tls, Some(("CERT".into(), "KEY".into())));
+        assert!(w
+            .config
+            .token_hashes
+            .as_ref()
+            .unwrap()
+            .contains(&crate::data_plane::token_hash("secret-token")));
+        assert_eq!(
+            w.config.route,
+            Route::Pool {
+                paths: vec!["/".into()],
+                model: Some("big".into()),
+                endpoints: vec!["vllm-1-a".into()]
+            }
+        );
+    }
+
+    #[test]
+    fn missing_pieces_degrade_like_a_gateway() {
+        let mut objs = objects();
+        objs.retain(|o| o["kind"] != "HTTPRoute");
+        let w = wire(&svc(), &objs);
+        assert_eq!(w.config.route, Route::None);
+        assert!(w.config.tls.is_some());
+
+        let mut objs = objects();
+        objs.retain(|o| o["kind"] != "Pod");
+        let w = wire(&svc(), &objs);
+        assert!(
+            matches!(w.config.route, Route::Pool { ref endpoints, .. } if endpoints.is_empty())
+        );
+
+        let mut objs = objects();
+        objs.retain(|o| o["metadata"]["name"] != "tls");
+        let w = wire(&svc(), &objs);
+        assert!(w.config.tls.is_none());
+        assert!(w.problems.iter().any(|p| p.contains("certificate")));
+
+        let mut objs = objects();
+        objs.retain(|o| o["metadata"]["name"] != TOKENS_SECRET);
+        assert!(wire(&svc(), &objs).config.token_hashes.is_none());
+
+        let mut other = svc();
+        other["spec"]["selector"] = json!({"app": "x"});
+        assert_eq!(wire(&other, &objects()).config.tls, None);
+    }
+
+    #[test]
+    fn model_name_flags() {
+        let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(served_model_name(&v(&["--model", "m"])), Some("m".into()));
+        assert_eq!(
+            served_model_name(&v(&["--model=m", "--served-model-name=n"])),
+            Some("n".into())
+        );
+        assert_eq!(
+            served_model_name(&v(&["vllm", "serve", "org/m"])),
+            Some("org/m".into())
+        );
+        assert_eq!(served_model_name(&v(&["--port", "8000"])), None);
+    }
+}

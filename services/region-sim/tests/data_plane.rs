@@ -1,0 +1,347 @@
+//! The simulated data plane on its own (no Kubernetes): TLS from PEM, token hashes, routing
+//! outcomes, and the official `openai` Python client against it.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, RwLock};
+
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+use region_sim::data_plane::{token_hash, Endpoint, EndpointConfig, ModelTiming, Route};
+use region_sim::faults::{ApiFaults, FaultConfig, Faults};
+use serde_json::{json, Value};
+
+const TOKEN: &str = "di_0123456789abcdefghijklmnopqrstuvwxyzABCD";
+const MODEL: &str = "tiny-llm";
+
+/// A CA and a server certificate for 127.0.0.1, as PEM: (ca, cert, key).
+fn pki(cn: &str) -> (String, String, String) {
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, cn);
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let leaf =
+        CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = leaf.signed_by(&key, &ca_cert, &ca_key).unwrap();
+    (ca_cert.pem(), cert.pem(), key.serialize_pem())
+}
+
+fn wired(cert: &str, key: &str, endpoints: &[&str]) -> EndpointConfig {
+    EndpointConfig {
+        tls: Some((cert.to_string(), key.to_string())),
+        token_hashes: Some(BTreeSet::from([token_hash(TOKEN)])),
+        route: Route::Pool {
+            paths: vec!["/".into()],
+            model: Some(MODEL.into()),
+            endpoints: endpoints.iter().map(|s| s.to_string()).collect(),
+        },
+    }
+}
+
+async fn endpoint(faults: Arc<Faults>) -> Endpoint {
+    let timing = Arc::new(RwLock::new(ModelTiming {
+        ttft_ms: 5,
+        per_token_ms: 1,
+    }));
+    Endpoint::start(timing, faults).await.unwrap()
+}
+
+fn client(ca: &str) -> reqwest::Client {
+    reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(ca.as_bytes()).unwrap())
+        .build()
+        .unwrap()
+}
+
+async fn chat(c: &reqwest::Client, ep: &Endpoint, token: &str) -> reqwest::Response {
+    c.post(format!("{}/v1/chat/completions", ep.url()))
+        .bearer_auth(token)
+        .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}))
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn fails_like_a_gateway_when_wiring_is_incomplete() {
+    let (ca, cert, key) = pki("ca-1");
+    let ep = endpoint(Arc::new(Faults::default())).await;
+    let c = client(&ca);
+
+    // No certificate on the listener: the handshake fails.
+    assert!(c
+        .get(format!("{}/v1/models", ep.url()))
+        .send()
+        .await
+        .is_err());
+
+    // Certificate but no route: 404.
+    ep.update(EndpointConfig {
+        tls: Some((cert.clone(), key.clone())),
+        token_hashes: Some(BTreeSet::from([token_hash(TOKEN)])),
+        route: Route::None,
+    })
+    .unwrap();
+    let r = chat(&c, &ep, TOKEN).await;
+    assert_eq!(r.status(), 404);
+    assert!(r.json::<Value>().await.unwrap()["error"]["message"].is_string());
+
+    // Route but no ready pod: 503 (after authentication).
+    ep.update(wired(&cert, &key, &[])).unwrap();
+    assert_eq!(chat(&c, &ep, TOKEN).await.status(), 503);
+    assert_eq!(chat(&c, &ep, "nope").await.status(), 401);
+
+    // Wired: 200, round-robin over the ready pods.
+    ep.update(wired(&cert, &key, &["pod-a", "pod-b"])).unwrap();
+    let mut seen = BTreeSet::new();
+    for _ in 0..4 {
+        let r = chat(&c, &ep, TOKEN).await;
+        assert_eq!(r.status(), 200);
+        seen.insert(r.headers()["x-sim-backend"].to_str().unwrap().to_string());
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 3);
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+    }
+    assert_eq!(
+        seen,
+        BTreeSet::from(["pod-a".to_string(), "pod-b".to_string()])
+    );
+    // Missing token, unknown token, token Secret missing: 401.
+    let r = c
+        .get(format!("{}/v1/models", ep.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["error"]["code"],
+        "invalid_api_key"
+    );
+    let mut no_secret = wired(&cert, &key, &["pod-a"]);
+    no_secret.token_hashes = None;
+    ep.update(no_secret).unwrap();
+    assert_eq!(chat(&c, &ep, TOKEN).await.status(), 401);
+
+    // A path the route does not match is 404.
+    let mut narrow = wired(&cert, &key, &["pod-a"]);
+    narrow.route = Route::Pool {
+        paths: vec!["/v2".into()],
+        model: Some(MODEL.into()),
+        endpoints: vec!["pod-a".into()],
+    };
+    ep.update(narrow).unwrap();
+    assert_eq!(chat(&c, &ep, TOKEN).await.status(), 404);
+
+    // An invalid key is reported and leaves the listener without a certificate.
+    let mut broken = wired(&cert, "not a key", &["pod-a"]);
+    assert!(ep.update(broken.clone()).is_err());
+    assert!(client(&ca)
+        .get(format!("{}/v1/models", ep.url()))
+        .send()
+        .await
+        .is_err());
+    broken.tls = Some((cert, key));
+    ep.update(broken).unwrap();
+    assert_eq!(chat(&client(&ca), &ep, TOKEN).await.status(), 200);
+}
+
+#[tokio::test]
+async fn certificate_changes_are_picked_up() {
+    let (ca1, cert1, key1) = pki("ca-1");
+    let (ca2, cert2, key2) = pki("ca-2");
+    let ep = endpoint(Arc::new(Faults::default())).await;
+    ep.update(wired(&cert1, &key1, &["p"])).unwrap();
+    assert_eq!(chat(&client(&ca1), &ep, TOKEN).await.status(), 200);
+    ep.update(wired(&cert2, &key2, &["p"])).unwrap();
+    // New connections see the new certificate: the old trust root no longer verifies.
+    assert!(client(&ca1)
+        .get(format!("{}/v1/models", ep.url()))
+        .send()
+        .await
+        .is_err());
+    assert_eq!(chat(&client(&ca2), &ep, TOKEN).await.status(), 200);
+}
+
+#[tokio::test]
+async fn data_plane_faults_apply() {
+    let (ca, cert, key) = pki("ca");
+    let faults = Arc::new(Faults::default());
+    let ep = endpoint(faults.clone()).await;
+    ep.update(wired(&cert, &key, &["p"])).unwrap();
+    let c = client(&ca);
+    faults.set(FaultConfig {
+        data_plane: ApiFaults {
+            rate_limit_rate: 1.0,
+            retry_after_secs: 2,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let r = chat(&c, &ep, TOKEN).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "2");
+    faults.set(FaultConfig {
+        data_plane: ApiFaults {
+            error_rate: 1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    assert!(chat(&c, &ep, TOKEN).await.status().is_server_error());
+    faults.set(FaultConfig::default());
+    assert_eq!(chat(&c, &ep, TOKEN).await.status(), 200);
+}
+
+/// A virtualenv with the `openai` package, created once under the target directory.
+fn python_with_openai() -> PathBuf {
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    let python = venv.join("bin").join("python");
+    let has_openai = |p: &Path| {
+        p.exists()
+            && Command::new(p)
+                .args(["-c", "import openai"])
+                .status()
+                .is_ok_and(|s| s.success())
+    };
+    if !has_openai(&python) {
+        let st = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .expect("python3 -m venv");
+        assert!(st.success(), "creating the virtualenv failed");
+        let st = Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "openai",
+            ])
+            .status()
+            .expect("pip install openai");
+        assert!(st.success(), "pip install openai failed");
+    }
+    python
+}
+
+const SCRIPT: &str = r#"
+import json, os, ssl, sys
+import openai
+
+base, token, model = os.environ["BASE_URL"], os.environ["TOKEN"], os.environ["MODEL"]
+ctx = ssl.create_default_context(cafile=os.environ["CA_FILE"])
+
+# Newer openai releases ship their HTTP stack as httpx2; older ones use httpx.
+http_factory = getattr(openai, "DefaultHttpx2Client", None) or openai.DefaultHttpxClient
+
+def client(tok):
+    return openai.OpenAI(base_url=base + "/v1", api_key=tok, max_retries=0,
+                         http_client=http_factory(verify=ctx))
+
+c = client(token)
+out = {}
+out["models"] = [m.id for m in c.models.list().data]
+
+msgs = [{"role": "user", "content": "Tell me about GPUs in the cloud"}]
+r = c.chat.completions.create(model=model, messages=msgs, max_tokens=6)
+out["chat"] = r.choices[0].message.content
+out["chat_finish"] = r.choices[0].finish_reason
+out["chat_usage"] = [r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens]
+again = c.chat.completions.create(model=model, messages=msgs, max_tokens=6)
+out["chat_deterministic"] = again.choices[0].message.content == out["chat"]
+
+pieces, usage, chunks = [], None, 0
+for chunk in c.chat.completions.create(model=model, messages=msgs, max_tokens=6, stream=True,
+                                       stream_options={"include_usage": True}):
+    chunks += 1
+    if chunk.usage is not None:
+        usage = chunk.usage.completion_tokens
+    for ch in chunk.choices:
+        if ch.delta.content:
+            pieces.append(ch.delta.content)
+out["stream"] = "".join(pieces)
+out["stream_chunks"] = chunks
+out["stream_usage"] = usage
+
+comp = c.completions.create(model=model, prompt="Once upon a time", max_tokens=4)
+out["completion"] = comp.choices[0].text
+out["completion_tokens"] = comp.usage.completion_tokens
+streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+    model=model, prompt="Once upon a time", max_tokens=4, stream=True) if ch.choices)
+out["completion_stream_matches"] = streamed == comp.choices[0].text
+
+try:
+    client("di_wrong").models.list()
+    out["bad_token"] = "accepted"
+except openai.AuthenticationError as e:
+    out["bad_token"] = "AuthenticationError %d" % e.status_code
+
+try:
+    c.chat.completions.create(model="other-model", messages=msgs)
+    out["wrong_model"] = "accepted"
+except openai.NotFoundError:
+    out["wrong_model"] = "NotFoundError"
+
+print(json.dumps(out))
+"#;
+
+#[tokio::test]
+async fn official_openai_python_client_works_against_the_endpoint() {
+    let (ca, cert, key) = pki("sim-ca");
+    let ep = endpoint(Arc::new(Faults::default())).await;
+    ep.update(wired(&cert, &key, &["vllm-0"])).unwrap();
+    let dir = std::env::temp_dir().join(format!("region-sim-dp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca_file = dir.join("ca.pem");
+    std::fs::write(&ca_file, &ca).unwrap();
+    let script = dir.join("client.py");
+    std::fs::write(&script, SCRIPT).unwrap();
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let url = ep.url();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .arg(script)
+            .env("BASE_URL", url)
+            .env("TOKEN", TOKEN)
+            .env("MODEL", MODEL)
+            .env("CA_FILE", ca_file)
+            .output()
+            .expect("run python")
+    })
+    .await
+    .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "python failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("python printed JSON");
+    assert_eq!(v["models"], json!([MODEL]));
+    assert_eq!(v["chat_finish"], "length");
+    assert_eq!(v["chat_usage"][1], 6);
+    assert_eq!(
+        v["chat_usage"][2].as_u64().unwrap(),
+        v["chat_usage"][0].as_u64().unwrap() + 6
+    );
+    assert_eq!(v["chat"].as_str().unwrap().split_whitespace().count(), 6);
+    assert_eq!(v["chat_deterministic"], true);
+    assert_eq!(
+        v["stream"], v["chat"],
+        "streamed text equals the non-streamed text"
+    );
+    assert!(v["stream_chunks"].as_u64().unwrap() >= 8, "{v}");
+    assert_eq!(v["stream_usage"], 6);
+    assert_eq!(v["completion_tokens"], 4);
+    assert!(!v["completion"].as_str().unwrap().is_empty());
+    assert_eq!(v["completion_stream_matches"], true);
+    assert_eq!(v["bad_token"], "AuthenticationError 401");
+    assert_eq!(v["wrong_model"], "NotFoundError");
+}

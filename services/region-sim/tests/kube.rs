@@ -1,0 +1,557 @@
+//! The DOKS side: kubeconfigs that work, Nodes for node pools, LoadBalancer Services mirrored as
+//! DO load balancers, and a data-plane endpoint wired from the cluster's objects.
+
+use std::time::Duration;
+
+use base64::Engine;
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+use region_sim::data_plane::token_hash;
+use region_sim::{ApiFaults, Delays, FaultConfig, RegionSim, SimConfig};
+use reqwest::{Client, Method, StatusCode};
+use serde_json::{json, Value};
+
+const TOKEN: &str = "dop_v1_kube_test";
+const DI_TOKEN: &str = "di_abcdefghijklmnopqrstuvwxyz0123456789";
+
+async fn start() -> RegionSim {
+    let mut cfg = SimConfig::new("atl1", TOKEN);
+    cfg.delays = Delays {
+        cluster_provision_ms: 100,
+        node_provision_ms: 100,
+        deletion_ms: 200,
+        lb_provision_ms: 150,
+        model_load_ms: 100,
+        gateway_address_ms: 50,
+    };
+    RegionSim::start(cfg).await.expect("start")
+}
+
+async fn do_call(
+    sim: &RegionSim,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> (StatusCode, Value) {
+    let mut req = Client::new()
+        .request(method, format!("{}{path}", sim.base_url()))
+        .bearer_auth(TOKEN);
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    let r = req.send().await.unwrap();
+    let s = r.status();
+    let t = r.text().await.unwrap();
+    (
+        s,
+        if t.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&t).unwrap_or(Value::String(t))
+        },
+    )
+}
+
+/// A client built from the kubeconfig the DO API hands out.
+struct Kube {
+    server: String,
+    token: String,
+    http: Client,
+}
+
+impl Kube {
+    async fn for_cluster(sim: &RegionSim, id: &str) -> Kube {
+        let r = Client::new()
+            .get(format!(
+                "{}/v2/kubernetes/clusters/{id}/kubeconfig",
+                sim.base_url()
+            ))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["content-type"], "application/yaml");
+        let yaml = r.text().await.unwrap();
+        let cfg: Value = serde_saphyr::from_str(&yaml).expect("kubeconfig is YAML");
+        assert_eq!(cfg["kind"], "Config");
+        assert_eq!(cfg["current-context"], "do-atl1-c1");
+        Kube {
+            server: cfg["clusters"][0]["cluster"]["server"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+            token: cfg["users"][0]["user"]["token"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+            http: Client::new(),
+        }
+    }
+
+    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.server))
+            .bearer_auth(&self.token);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let r = req.send().await.unwrap();
+        let s = r.status();
+        (s, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, Value) {
+        self.call(Method::GET, path, None).await
+    }
+
+    async fn create(&self, path: &str, body: Value) {
+        let (s, v) = self.call(Method::POST, path, Some(body)).await;
+        assert!(s.is_success(), "POST {path}: {s} {v}");
+    }
+}
+
+async fn eventually<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    for _ in 0..300 {
+        if let Some(v) = f().await {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+async fn running_cluster(sim: &RegionSim, pools: Value) -> String {
+    let (s, v) = do_call(
+        sim,
+        Method::POST,
+        "/v2/kubernetes/clusters",
+        Some(json!({"name": "c1", "region": "atl1", "version": "latest", "node_pools": pools})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let id = v["kubernetes_cluster"]["id"].as_str().unwrap().to_string();
+    eventually("cluster running", async || {
+        let (_, v) = do_call(
+            sim,
+            Method::GET,
+            &format!("/v2/kubernetes/clusters/{id}"),
+            None,
+        )
+        .await;
+        (v["kubernetes_cluster"]["status"]["state"] == "running").then_some(())
+    })
+    .await;
+    id
+}
+
+fn items(v: &Value) -> Vec<Value> {
+    v["items"].as_array().cloned().unwrap_or_default()
+}
+
+#[tokio::test]
+async fn kubeconfig_reaches_the_cluster_api_with_its_token_and_faults() {
+    let sim = start().await;
+    let id = running_cluster(
+        &sim,
+        json!([{"name": "cpu", "size": "s-2vcpu-4gb", "count": 1}]),
+    )
+    .await;
+    let kube = Kube::for_cluster(&sim, &id).await;
+    let (s, v) = kube.get("/version").await;
+    assert_eq!(s, 200);
+    assert!(v["gitVersion"].as_str().is_some(), "{v}");
+    // The cluster's endpoint is the kubeconfig's server.
+    let (_, c) = do_call(
+        &sim,
+        Method::GET,
+        &format!("/v2/kubernetes/clusters/{id}"),
+        None,
+    )
+    .await;
+    assert_eq!(c["kubernetes_cluster"]["endpoint"], kube.server.as_str());
+    // The credentials endpoint hands out the same server and token.
+    let (s, creds) = do_call(
+        &sim,
+        Method::GET,
+        &format!("/v2/kubernetes/clusters/{id}/credentials"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(creds["server"], kube.server.as_str());
+    assert_eq!(creds["token"], kube.token.as_str());
+    assert!(creds["expires_at"].is_string());
+    // No token, no access.
+    let r = Client::new()
+        .get(format!("{}/version", kube.server))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    // Kubernetes API faults come back as Kubernetes Status errors.
+    sim.set_faults(FaultConfig {
+        kube: ApiFaults {
+            error_rate: 1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let (s, v) = kube.get("/api/v1/nodes").await;
+    assert_eq!(s, 500);
+    assert_eq!(v["kind"], "Status");
+    sim.set_faults(FaultConfig {
+        kube: ApiFaults {
+            rate_limit_rate: 1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let (s, v) = kube.get("/api/v1/nodes").await;
+    assert_eq!(s, 429);
+    assert_eq!(v["reason"], "TooManyRequests");
+    sim.set_faults(FaultConfig::default());
+    assert_eq!(kube.get("/api/v1/nodes").await.0, 200);
+    // An unknown cluster has no kubeconfig.
+    let (s, v) = do_call(
+        &sim,
+        Method::GET,
+        "/v2/kubernetes/clusters/nope/kubeconfig",
+        None,
+    )
+    .await;
+    assert_eq!(s, 404);
+    assert_eq!(v["id"], "not_found");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn node_pools_become_labelled_tainted_nodes() {
+    let sim = start().await;
+    let id = running_cluster(
+        &sim,
+        json!([
+            {"name": "cpu", "size": "s-2vcpu-4gb", "count": 1},
+            {"name": "amd", "size": "gpu-mi300x1-192gb", "count": 2, "labels": {"di.do/id": "d1"},
+             "taints": [{"key": "di.do/id", "value": "d1", "effect": "NoSchedule"}]}
+        ]),
+    )
+    .await;
+    let kube = Kube::for_cluster(&sim, &id).await;
+    let gpu_nodes = async || {
+        let (_, v) = kube
+            .get("/api/v1/nodes?labelSelector=doks.digitalocean.com%2Fnode-pool%3Damd")
+            .await;
+        items(&v)
+    };
+    let nodes = eventually("2 GPU nodes", async || {
+        let n = gpu_nodes().await;
+        (n.len() == 2).then_some(n)
+    })
+    .await;
+    let n = &nodes[0];
+    let labels = &n["metadata"]["labels"];
+    assert!(n["metadata"]["name"].as_str().unwrap().starts_with("amd-"));
+    assert_eq!(labels["doks.digitalocean.com/gpu-brand"], "amd");
+    assert_eq!(
+        labels["node.kubernetes.io/instance-type"],
+        "gpu-mi300x1-192gb"
+    );
+    assert_eq!(labels["di.do/id"], "d1");
+    assert!(labels["doks.digitalocean.com/node-pool-id"].is_string());
+    assert_eq!(n["status"]["allocatable"]["amd.com/gpu"], "1");
+    let taints: Vec<&str> = n["spec"]["taints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["key"].as_str().unwrap())
+        .collect();
+    assert!(
+        taints.contains(&"amd.com/gpu") && taints.contains(&"di.do/id"),
+        "{taints:?}"
+    );
+    let ready = n["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|c| c["type"] == "Ready" && c["status"] == "True");
+    assert!(ready);
+    // The CPU node carries no GPU taint.
+    let (_, v) = kube
+        .get("/api/v1/nodes?labelSelector=doks.digitalocean.com%2Fnode-pool%3Dcpu")
+        .await;
+    assert!(items(&v)[0]["spec"]["taints"]
+        .as_array()
+        .is_none_or(|t| t.is_empty()));
+
+    // Scale down removes a Node.
+    let (_, pools) = do_call(
+        &sim,
+        Method::GET,
+        &format!("/v2/kubernetes/clusters/{id}/node_pools"),
+        None,
+    )
+    .await;
+    let amd = pools["node_pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "amd")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (s, _) = do_call(
+        &sim,
+        Method::PUT,
+        &format!("/v2/kubernetes/clusters/{id}/node_pools/{amd}"),
+        Some(json!({"name": "amd", "count": 1})),
+    )
+    .await;
+    assert_eq!(s, 202);
+    let left = eventually("1 GPU node", async || {
+        let n = gpu_nodes().await;
+        (n.len() == 1).then_some(n)
+    })
+    .await;
+    // Killing it: NotReady at once, then replaced by a new node.
+    let victim = left[0]["metadata"]["name"].as_str().unwrap().to_string();
+    let r = Client::new()
+        .post(format!("{}/_sim/nodes/{victim}/kill", sim.base_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    let (_, node) = kube.get(&format!("/api/v1/nodes/{victim}")).await;
+    let ready = node["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Ready")
+        .unwrap();
+    assert_ne!(ready["status"], "True", "{node}");
+    let replacement = eventually("replacement node", async || {
+        let n = gpu_nodes().await;
+        (n.len() == 1 && n[0]["metadata"]["name"] != victim.as_str()).then_some(n)
+    })
+    .await;
+    assert_eq!(
+        replacement[0]["metadata"]["labels"]["doks.digitalocean.com/gpu-brand"],
+        "amd"
+    );
+
+    // Deleting the pool removes its nodes.
+    let (s, _) = do_call(
+        &sim,
+        Method::DELETE,
+        &format!("/v2/kubernetes/clusters/{id}/node_pools/{amd}"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 204);
+    eventually("no GPU nodes", async || {
+        gpu_nodes().await.is_empty().then_some(())
+    })
+    .await;
+    sim.shutdown().await;
+}
+
+fn pki() -> (String, String, String) {
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, "di-ca");
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = leaf.signed_by(&key, &ca_cert, &ca_key).unwrap();
+    (ca_cert.pem(), cert.pem(), key.serialize_pem())
+}
+
+fn b64(s: &str) -> String {
+    base64::engine::general_purpose::STANDARD.encode(s)
+}
+
+#[tokio::test]
+async fn load_balancer_services_are_mirrored_and_serve_the_model() {
+    let sim = start().await;
+    let id = running_cluster(
+        &sim,
+        json!([
+            {"name": "cpu", "size": "s-2vcpu-4gb", "count": 1},
+            {"name": "gpu", "size": "gpu-h100x1-80gb", "count": 1}
+        ]),
+    )
+    .await;
+    let kube = Kube::for_cluster(&sim, &id).await;
+    eventually("gpu node", async || {
+        let (_, v) = kube.get("/api/v1/nodes").await;
+        (items(&v).len() == 2).then_some(())
+    })
+    .await;
+    let (ca, cert, key) = pki();
+    let ns = "di-1";
+    kube.create(
+        "/api/v1/namespaces",
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+    )
+    .await;
+    let core = format!("/api/v1/namespaces/{ns}");
+    kube.create(&format!("{core}/secrets"), json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "endpoint-tls"}, "type": "kubernetes.io/tls",
+        "data": {"tls.crt": b64(&cert), "tls.key": b64(&key)}})).await;
+    kube.create(&format!("{core}/secrets"), json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "inference-access-tokens"}, "type": "Opaque",
+        "data": {"tok-1": b64(&token_hash(DI_TOKEN))}})).await;
+    kube.create(&format!("/apis/apps/v1/namespaces/{ns}/deployments"), json!({
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "vllm"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "vllm"}},
+          "template": {"metadata": {"labels": {"app": "vllm"}}, "spec": {
+            "nodeSelector": {"doks.digitalocean.com/node-pool": "gpu"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [{"name": "vllm", "image": "vllm/vllm-openai",
+              "args": ["--model", "meta-llama/Llama-3.1-8B-Instruct", "--served-model-name", "llama-3.1-8b"],
+              "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}})).await;
+    kube.create(&format!("/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"), json!({
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "pool"},
+        "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [{"number": 8000}],
+                 "endpointPickerRef": {"name": "pool-epp", "port": {"number": 9002}}}})).await;
+    kube.create(&format!("/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/gateways"), json!({
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway", "metadata": {"name": "gw"},
+        "spec": {"gatewayClassName": "istio", "listeners": [{"name": "https", "port": 443, "protocol": "HTTPS",
+          "tls": {"mode": "Terminate", "certificateRefs": [{"kind": "Secret", "name": "endpoint-tls"}]}}]}})).await;
+    kube.create(&format!("/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes"), json!({
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "route"},
+        "spec": {"parentRefs": [{"name": "gw"}], "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+          "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "pool"}]}]}})).await;
+    kube.create(&format!("{core}/services"), json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "private", "annotations": {
+            "service.beta.kubernetes.io/do-loadbalancer-type": "REGIONAL_NETWORK",
+            "service.beta.kubernetes.io/do-loadbalancer-network": "INTERNAL"}},
+        "spec": {"type": "LoadBalancer", "selector": {"gateway.networking.k8s.io/gateway-name": "gw"},
+                 "ports": [{"name": "https", "port": 443, "targetPort": 443, "protocol": "TCP"}]}})).await;
+
+    // The DO API shows a load balancer for the Service: new, then active with an address.
+    let lb = eventually("active load balancer", async || {
+        let (_, v) = do_call(&sim, Method::GET, "/v2/load_balancers", None).await;
+        let lbs = v["load_balancers"].as_array().cloned().unwrap_or_default();
+        (lbs.len() == 1 && lbs[0]["status"] == "active").then(|| lbs[0].clone())
+    })
+    .await;
+    assert_eq!(lb["network"], "INTERNAL");
+    assert_eq!(lb["type"], "REGIONAL_NETWORK");
+    assert_eq!(lb["ip"], "127.0.0.1");
+    assert_eq!(lb["region"]["slug"], "atl1");
+    assert_eq!(lb["forwarding_rules"][0]["entry_port"], 443);
+    let (s, one) = do_call(
+        &sim,
+        Method::GET,
+        &format!("/v2/load_balancers/{}", lb["id"].as_str().unwrap()),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(one["load_balancer"]["id"], lb["id"]);
+
+    // The Service gets its ingress: the loopback address and the endpoint's port.
+    let port = eventually("service ingress", async || {
+        let (_, svc) = kube.get(&format!("{core}/services/private")).await;
+        let ing = svc.pointer("/status/loadBalancer/ingress/0").cloned()?;
+        (ing["ip"] == "127.0.0.1").then_some(())?;
+        ing.pointer("/ports/0/port").and_then(Value::as_u64)
+    })
+    .await;
+    let https = Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(ca.as_bytes()).unwrap())
+        .build()
+        .unwrap();
+    let url = format!("https://127.0.0.1:{port}/v1/models");
+    // Once the model server pod is ready, the endpoint serves its model.
+    let models = eventually("model served", async || {
+        let r = https.get(&url).bearer_auth(DI_TOKEN).send().await.ok()?;
+        if r.status() != 200 {
+            return None;
+        }
+        r.json::<Value>().await.ok()
+    })
+    .await;
+    assert_eq!(models["data"][0]["id"], "llama-3.1-8b");
+    let r = https
+        .get(&url)
+        .bearer_auth("di_wrong")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = https
+        .post(format!("https://127.0.0.1:{port}/v1/chat/completions"))
+        .bearer_auth(DI_TOKEN)
+        .json(&json!({"model": "llama-3.1-8b", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let pod = r.headers()["x-sim-backend"].to_str().unwrap().to_string();
+    assert!(pod.starts_with("vllm-"), "{pod}");
+    let inv = sim.inventory();
+    assert_eq!(inv.endpoints.len(), 1);
+    assert!(
+        inv.endpoints[0].problems.is_empty(),
+        "{:?}",
+        inv.endpoints[0].problems
+    );
+    assert!(!inv.kube_objects("InferencePool").is_empty());
+
+    // Removing the route: 404 at the same address.
+    let (s, _) = kube
+        .call(
+            Method::DELETE,
+            &format!("/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes/route"),
+            None,
+        )
+        .await;
+    assert!(s.is_success());
+    eventually("404 without a route", async || {
+        let r = https.get(&url).bearer_auth(DI_TOKEN).send().await.ok()?;
+        (r.status() == 404).then_some(())
+    })
+    .await;
+
+    // Deleting the Service removes the load balancer and closes the endpoint.
+    let (s, _) = kube
+        .call(Method::DELETE, &format!("{core}/services/private"), None)
+        .await;
+    assert!(s.is_success());
+    eventually("load balancer gone", async || {
+        let (_, v) = do_call(&sim, Method::GET, "/v2/load_balancers", None).await;
+        (v["meta"]["total"] == 0).then_some(())
+    })
+    .await;
+    eventually("endpoint closed", async || {
+        https.get(&url).send().await.is_err().then_some(())
+    })
+    .await;
+
+    // Deleting the cluster leaves nothing behind, Kubernetes objects included.
+    let (s, _) = do_call(
+        &sim,
+        Method::DELETE,
+        &format!("/v2/kubernetes/clusters/{id}"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 204);
+    eventually("cluster gone", async || {
+        sim.inventory().leftovers().is_empty().then_some(())
+    })
+    .await;
+    assert!(sim.inventory().kubernetes.is_empty());
+    assert!(Client::new()
+        .get(format!("{}/version", kube.server))
+        .bearer_auth(&kube.token)
+        .send()
+        .await
+        .is_err());
+    sim.shutdown().await;
+}

@@ -1,0 +1,421 @@
+//! The regional store on real Postgres (`#[sqlx::test]` gives each test a fresh database).
+
+use api_types::regional::{CreateRequest, NewToken};
+use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
+use common::seal::Sealer;
+use region_store::{Endpoints, NewCa, ObservedAccelerator, Store, StoreError};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+fn store(pool: PgPool) -> Store {
+    Store::new(pool, Sealer::from_base64(&Sealer::generate_key()).unwrap())
+}
+
+fn spec(name: &str, scale: i32) -> Spec {
+    Spec {
+        version: 1,
+        name: name.into(),
+        region: "atl1".into(),
+        vpc_uuid: Uuid::from_u128(7),
+        enable_public_endpoint: true,
+        model_deployments: vec![ModelDeployment {
+            model_id: None,
+            model_slug: "qwen/qwen2.5-7b-instruct".into(),
+            model_provider: "hugging_face".into(),
+            workload_config: serde_json::json!({}),
+            accelerators: vec![AcceleratorGroup {
+                accelerator_slug: "gpu-h100x1-80gb".into(),
+                role: "prefill_decode".into(),
+                scale,
+            }],
+        }],
+    }
+}
+
+fn create_request(team: Uuid, hf: Option<&str>) -> CreateRequest {
+    CreateRequest {
+        id: Uuid::new_v4(),
+        team_id: team,
+        spec: spec("di", 1),
+        hugging_face_token: hf.map(str::to_owned),
+        managed_token: NewToken {
+            id: Uuid::new_v4(),
+            name: "managed".into(),
+            sha256_hex: common::tokens::sha256_hex(&Uuid::new_v4().to_string()),
+        },
+    }
+}
+
+fn ca() -> NewCa {
+    NewCa {
+        cert_pem: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
+        key_pem: "-----BEGIN PRIVATE KEY-----\nsecret-key\n-----END PRIVATE KEY-----\n".into(),
+    }
+}
+
+async fn outbox_len(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn create_is_idempotent_on_id(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let req = create_request(team, Some("hf_secret_value"));
+    let first = store.dedicated_inference_create(&req, &ca()).await.unwrap();
+    assert_eq!(first.status, "new");
+    assert_eq!(first.pending_spec.as_ref().unwrap().version, 1);
+    assert!(first.spec.is_none());
+    let again = store.dedicated_inference_create(&req, &ca()).await.unwrap();
+    assert_eq!(first, again);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM dedicated_inferences")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+    assert_eq!(outbox_len(&pool).await, 1);
+    // Another team cannot claim the id.
+    let mut stolen = req.clone();
+    stolen.team_id = Uuid::new_v4();
+    assert!(matches!(
+        store.dedicated_inference_create(&stolen, &ca()).await,
+        Err(StoreError::Conflict(_))
+    ));
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn secrets_are_sealed_at_rest(pool: PgPool) {
+    let store = store(pool.clone());
+    let req = create_request(Uuid::new_v4(), Some("hf_secret_value"));
+    store.dedicated_inference_create(&req, &ca()).await.unwrap();
+    let dump: String =
+        sqlx::query_scalar("SELECT string_agg(encode(sealed, 'escape'), '') FROM provider_secrets")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(!dump.contains("hf_secret_value"));
+    let key: Vec<u8> = sqlx::query_scalar("SELECT key_sealed FROM certificate_authorities")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&key).contains("secret-key"));
+    assert_eq!(
+        store.hugging_face_token(req.id).await.unwrap().as_deref(),
+        Some("hf_secret_value")
+    );
+    assert!(store
+        .certificate_authority(req.id)
+        .await
+        .unwrap()
+        .key_pem
+        .contains("secret-key"));
+    // A store with another key cannot open them.
+    let other = Store::new(pool, Sealer::from_base64(&Sealer::generate_key()).unwrap());
+    assert!(matches!(
+        other.hugging_face_token(req.id).await,
+        Err(StoreError::Seal)
+    ));
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn patch_versions_supersede_and_check_staleness(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let req = create_request(team, None);
+    let created = store.dedicated_inference_create(&req, &ca()).await.unwrap();
+    let model_id = created.pending_spec.unwrap().model_deployments[0].model_id;
+
+    let mut next = spec("renamed", 2);
+    next.model_deployments[0].model_id = model_id;
+    let v2 = store
+        .dedicated_inference_patch(req.id, team, Some(&next), None, false)
+        .await
+        .unwrap();
+    assert_eq!(v2.pending_spec.as_ref().unwrap().version, 2);
+    assert_eq!(
+        v2.pending_spec.as_ref().unwrap().model_deployments[0].model_id,
+        model_id,
+        "model ids are kept"
+    );
+    assert_eq!(v2.status, "new", "never provisioned: still new");
+
+    // Stale: version 1 again.
+    let err = store
+        .dedicated_inference_patch(req.id, team, Some(&next), None, false)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::Conflict(ref m) if m.contains("current version is 2")),
+        "{err:?}"
+    );
+    // Immutable fields.
+    let mut moved = next.clone();
+    moved.version = 2;
+    moved.vpc_uuid = Uuid::from_u128(8);
+    assert!(matches!(
+        store
+            .dedicated_inference_patch(req.id, team, Some(&moved), None, false)
+            .await,
+        Err(StoreError::Unprocessable(_))
+    ));
+    // Unknown model ids.
+    let mut foreign = next.clone();
+    foreign.version = 2;
+    foreign.model_deployments[0].model_id = Some(Uuid::new_v4());
+    assert!(matches!(
+        store
+            .dedicated_inference_patch(req.id, team, Some(&foreign), None, false)
+            .await,
+        Err(StoreError::Unprocessable(_))
+    ));
+    // Gated model without any stored token.
+    let mut gated = next.clone();
+    gated.version = 2;
+    assert!(matches!(
+        store
+            .dedicated_inference_patch(req.id, team, Some(&gated), None, true)
+            .await,
+        Err(StoreError::Unprocessable(_))
+    ));
+    assert!(store
+        .dedicated_inference_patch(req.id, team, Some(&gated), Some("hf_new"), true)
+        .await
+        .is_ok());
+    // Another team sees nothing.
+    assert!(matches!(
+        store
+            .dedicated_inference_patch(req.id, Uuid::new_v4(), Some(&gated), None, false)
+            .await,
+        Err(StoreError::NotFound)
+    ));
+    // Every version row is kept.
+    let versions: i64 = sqlx::query_scalar("SELECT count(*) FROM spec_versions WHERE di_id = $1")
+        .bind(req.id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(versions, 3);
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn worker_transitions_write_events_and_outbox(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let req = create_request(team, None);
+    store.dedicated_inference_create(&req, &ca()).await.unwrap();
+
+    let r = store.provisioning_begin(req.id).await.unwrap();
+    assert_eq!(r.status, "provisioning");
+    let again = store.provisioning_begin(req.id).await.unwrap();
+    assert_eq!(again.seq, r.seq, "a repeated transition writes nothing");
+
+    let ends = Endpoints {
+        public_fqdn: Some("https://pub".into()),
+        private_fqdn: Some("https://priv".into()),
+    };
+    assert!(
+        matches!(
+            store.rollout_complete(req.id, 2, &ends).await,
+            Err(StoreError::Conflict(_))
+        ),
+        "not the pending version"
+    );
+    let active = store.rollout_complete(req.id, 1, &ends).await.unwrap();
+    assert_eq!(active.status, "active");
+    assert!(active.pending_spec.is_none());
+    assert_eq!(active.spec.as_ref().unwrap().version, 1);
+    assert_eq!(active.public_endpoint_fqdn.as_deref(), Some("https://pub"));
+
+    // A patch on an active DI moves it to updating; a newer patch supersedes the pending one.
+    let mut v2 = spec("di", 2);
+    v2.model_deployments[0].model_id = active.spec.as_ref().unwrap().model_deployments[0].model_id;
+    let updating = store
+        .dedicated_inference_patch(req.id, team, Some(&v2), None, false)
+        .await
+        .unwrap();
+    assert_eq!(updating.status, "updating");
+    let mut v3 = v2.clone();
+    v3.version = 2;
+    v3.model_deployments[0].accelerators[0].scale = 3;
+    store
+        .dedicated_inference_patch(req.id, team, Some(&v3), None, false)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            store.rollout_complete(req.id, 2, &ends).await,
+            Err(StoreError::Conflict(_))
+        ),
+        "v2 was superseded"
+    );
+    let done = store.rollout_complete(req.id, 3, &ends).await.unwrap();
+    assert_eq!(
+        (done.status.as_str(), done.spec.as_ref().unwrap().version),
+        ("active", 3)
+    );
+
+    let failed = store
+        .error_set(req.id, "CapacityExhausted", "no GPUs left")
+        .await
+        .unwrap();
+    assert_eq!(
+        (failed.status.as_str(), failed.status_reason.as_deref()),
+        ("error", Some("CapacityExhausted"))
+    );
+
+    let deleting = store
+        .dedicated_inference_delete(req.id, team)
+        .await
+        .unwrap();
+    assert_eq!(deleting.status, "deleting");
+    let still = store
+        .error_set(req.id, "Late", "a late failure")
+        .await
+        .unwrap();
+    assert_eq!(still.status, "deleting", "deletion wins over errors");
+    let gone = store.gone(req.id).await.unwrap();
+    assert!(gone.gone);
+    assert!(matches!(
+        store.dedicated_inference_get(req.id, team).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(
+        store.token_hashes(req.id).await.unwrap().is_empty(),
+        "tokens die with the DI"
+    );
+
+    let page = store.events_list(req.id, team, 1, 200).await;
+    assert!(
+        matches!(page, Err(StoreError::NotFound)),
+        "events of a gone DI are gone for customers"
+    );
+    let reasons: Vec<String> =
+        sqlx::query_scalar("SELECT reason FROM events WHERE di_id = $1 ORDER BY id")
+            .bind(req.id)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        reasons,
+        [
+            "Created",
+            "ProvisioningStarted",
+            "RolloutComplete",
+            "SpecAccepted",
+            "SpecAccepted",
+            "RolloutComplete",
+            "CapacityExhausted",
+            "DeleteRequested",
+            "Deleted"
+        ]
+    );
+    assert_eq!(
+        outbox_len(&pool).await,
+        reasons.len() as i64,
+        "one outbox entry per change"
+    );
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn change_feed_resumes_and_includes_gone(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let a = create_request(team, None);
+    let b = create_request(team, None);
+    store.dedicated_inference_create(&a, &ca()).await.unwrap();
+    store.dedicated_inference_create(&b, &ca()).await.unwrap();
+    let all = store.changes_since(0, 100).await.unwrap();
+    assert_eq!(all.records.len(), 2);
+    let cursor = all.last_seq;
+    assert!(store
+        .changes_since(cursor, 100)
+        .await
+        .unwrap()
+        .records
+        .is_empty());
+    store.dedicated_inference_delete(a.id, team).await.unwrap();
+    store.gone(a.id).await.unwrap();
+    let next = store.changes_since(cursor, 100).await.unwrap();
+    assert_eq!(
+        next.records.len(),
+        1,
+        "two changes of one DI come as its latest state"
+    );
+    assert!(next.records[0].gone);
+    assert!(next.last_seq > cursor);
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn tokens_and_accelerators(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let req = create_request(team, None);
+    store.dedicated_inference_create(&req, &ca()).await.unwrap();
+    let token = NewToken {
+        id: Uuid::new_v4(),
+        name: "ci".into(),
+        sha256_hex: common::tokens::sha256_hex("di_value"),
+    };
+    let made = store.token_create(req.id, team, &token).await.unwrap();
+    assert_eq!(
+        store.token_create(req.id, team, &token).await.unwrap(),
+        made,
+        "idempotent on id"
+    );
+    assert_eq!(
+        store.tokens_list(req.id, team, 1, 20).await.unwrap().total,
+        2
+    );
+    let hashes = store.token_hashes(req.id).await.unwrap();
+    assert!(hashes
+        .iter()
+        .any(|(id, h)| *id == token.id && *h == common::tokens::sha256_hex("di_value")));
+    store.token_revoke(req.id, team, token.id).await.unwrap();
+    assert!(matches!(
+        store.token_revoke(req.id, team, token.id).await,
+        Err(StoreError::NotFound)
+    ));
+    assert_eq!(store.token_hashes(req.id).await.unwrap().len(), 1);
+
+    let observed = |status: &str| {
+        vec![ObservedAccelerator {
+            name: "node-a".into(),
+            slug: "gpu-h100x1-80gb".into(),
+            role: "prefill_decode".into(),
+            status: status.into(),
+        }]
+    };
+    store
+        .accelerators_replace(req.id, &observed("provisioning"))
+        .await
+        .unwrap();
+    let first = store
+        .accelerators_list(req.id, team, None, 1, 20)
+        .await
+        .unwrap();
+    store
+        .accelerators_replace(req.id, &observed("active"))
+        .await
+        .unwrap();
+    let second = store
+        .accelerators_list(req.id, team, None, 1, 20)
+        .await
+        .unwrap();
+    assert_eq!(
+        first.items[0].id, second.items[0].id,
+        "ids are stable by name"
+    );
+    assert_eq!(second.items[0].status, "active");
+    store.accelerators_replace(req.id, &[]).await.unwrap();
+    assert_eq!(
+        store
+            .accelerators_list(req.id, team, None, 1, 20)
+            .await
+            .unwrap()
+            .total,
+        0
+    );
+}

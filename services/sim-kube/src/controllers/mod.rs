@@ -1,0 +1,170 @@
+//! The simulated world behind the API: one loop that, after every change (and
+//! on timers), runs the controllers a real cluster would have. Each controller
+//! reads a snapshot, decides, and writes through [`ops::mutate`]/[`ops::create`]
+//! only when the result differs, so the loop settles instead of spinning.
+
+mod deployment;
+mod gc;
+mod network;
+mod scheduler;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::resources::index_of;
+use crate::store::Key;
+use crate::Shared;
+
+pub use scheduler::complete_node;
+
+/// Objects as of the start of a pass.
+pub(crate) struct Snapshot {
+    objects: BTreeMap<Key, Value>,
+}
+
+impl Snapshot {
+    pub fn of_kind(&self, kind: &str) -> impl Iterator<Item = (&Key, &Value)> + '_ {
+        let rt = index_of(kind);
+        self.objects.iter().filter(move |(k, _)| k.rt == rt)
+    }
+    pub fn get(&self, kind: &str, ns: &str, name: &str) -> Option<&Value> {
+        self.objects.get(&Key::new(index_of(kind), ns, name))
+    }
+    pub fn all(&self) -> impl Iterator<Item = (&Key, &Value)> + '_ {
+        self.objects.iter()
+    }
+}
+
+/// Timers the controllers keep between passes, keyed by object uid.
+#[derive(Default)]
+pub(crate) struct Timers {
+    /// When a pod was bound to a node (it turns Ready `model_load_delay` later).
+    pub pod_bound: HashMap<String, Instant>,
+    /// When a LoadBalancer Service or Gateway was first seen without an address.
+    pub first_seen: HashMap<String, Instant>,
+    /// Earliest moment a timer expires; the loop sleeps until then.
+    pub next_wake: Option<Instant>,
+}
+
+impl Timers {
+    /// Whether `delay` has passed since `start`; if not, schedules a wake-up.
+    pub fn elapsed(&mut self, start: Instant, delay: Duration) -> bool {
+        let due = start + delay;
+        if Instant::now() >= due {
+            return true;
+        }
+        self.next_wake = Some(self.next_wake.map_or(due, |w| w.min(due)));
+        false
+    }
+}
+
+pub(crate) async fn run(shared: Arc<Shared>) {
+    let mut timers = Timers::default();
+    let mut stop = shared.shutdown_rx();
+    loop {
+        timers.next_wake = None;
+        pass(&shared, &mut timers);
+        let wait = timers
+            .next_wake
+            .map(|w| w.saturating_duration_since(Instant::now()))
+            .unwrap_or(Duration::from_secs(1))
+            .min(Duration::from_secs(1));
+        tokio::select! {
+            _ = shared.store.notify.notified() => {
+                // Let a burst of writes land before the next pass.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+fn snapshot(shared: &Shared) -> Snapshot {
+    Snapshot {
+        objects: shared.store.lock().objects.clone(),
+    }
+}
+
+fn pass(shared: &Shared, timers: &mut Timers) {
+    let config = shared.config();
+    let store = &shared.store;
+    // Each controller sees the writes of the ones before it.
+    gc::run(store, &snapshot(shared));
+    scheduler::run(store, &snapshot(shared), timers, &config);
+    deployment::run(store, &snapshot(shared));
+    network::run(store, &snapshot(shared), timers, &config);
+    let live: std::collections::HashSet<String> = shared
+        .store
+        .lock()
+        .objects
+        .values()
+        .filter_map(|o| {
+            o.pointer("/metadata/uid")
+                .and_then(Value::as_str)
+                .map(String::from)
+        })
+        .collect();
+    timers.pod_bound.retain(|uid, _| live.contains(uid));
+    timers.first_seen.retain(|uid, _| live.contains(uid));
+}
+
+pub(crate) fn uid(obj: &Value) -> String {
+    obj.pointer("/metadata/uid")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string()
+}
+
+pub(crate) fn is_deleting(obj: &Value) -> bool {
+    obj.pointer("/metadata/deletionTimestamp").is_some()
+}
+
+/// Sets one condition in a `conditions` array, keeping `lastTransitionTime`
+/// when the status does not change (so re-running a controller writes nothing).
+pub(crate) fn set_condition(
+    conditions: &mut Value,
+    ty: &str,
+    status: &str,
+    reason: &str,
+    message: &str,
+    observed_generation: Option<i64>,
+    with_update_time: bool,
+) {
+    if !conditions.is_array() {
+        *conditions = json!([]);
+    }
+    let list = conditions.as_array_mut().expect("array");
+    let now = crate::store::now_rfc3339();
+    let existing = list.iter().position(|c| c["type"] == ty);
+    let mut c = existing
+        .map(|i| list[i].clone())
+        .unwrap_or_else(|| json!({"type": ty}));
+    let transition = c["status"] != status;
+    let changed = transition || c["reason"] != reason || c["message"] != message;
+    c["status"] = json!(status);
+    c["reason"] = json!(reason);
+    c["message"] = json!(message);
+    if transition || c.get("lastTransitionTime").is_none() {
+        c["lastTransitionTime"] = json!(now);
+    }
+    if with_update_time && (changed || c.get("lastUpdateTime").is_none()) {
+        c["lastUpdateTime"] = json!(now);
+    }
+    if let Some(g) = observed_generation {
+        c["observedGeneration"] = json!(g);
+    }
+    match existing {
+        Some(i) => list[i] = c,
+        None => list.push(c),
+    }
+}
+
+pub(crate) fn condition_true(obj: &Value, ty: &str) -> bool {
+    obj.pointer("/status/conditions")
+        .and_then(Value::as_array)
+        .is_some_and(|cs| cs.iter().any(|c| c["type"] == ty && c["status"] == "True"))
+}

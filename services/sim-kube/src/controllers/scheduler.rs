@@ -1,0 +1,443 @@
+//! The scheduler and the kubelet's part: binds pending pods to nodes whose
+//! labels, taints and free resources fit, gives them an IP and marks them
+//! Running, and turns them Ready once the model-load delay has passed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use super::{is_deleting, set_condition, uid, Snapshot, Timers};
+use crate::managed::Scope;
+use crate::ops;
+use crate::resources::{index_of, TYPES};
+use crate::selector::LabelSelector;
+use crate::store::{now_rfc3339, Key, Store};
+use crate::ClusterConfig;
+
+const SCHEDULER: &str = "kube-scheduler";
+const KUBELET: &str = "kubelet";
+
+/// Parses a Kubernetes quantity ("500m", "8Gi", "1.5", "2e3") into base units.
+pub fn parse_quantity(s: &str) -> Option<f64> {
+    let s = s.trim();
+    const SUFFIXES: &[(&str, f64)] = &[
+        ("Ki", 1024.0),
+        ("Mi", 1048576.0),
+        ("Gi", 1073741824.0),
+        ("Ti", 1099511627776.0),
+        ("Pi", 1125899906842624.0),
+        ("Ei", 1152921504606846976.0),
+        ("n", 1e-9),
+        ("u", 1e-6),
+        ("m", 1e-3),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+        ("P", 1e15),
+        ("E", 1e18),
+    ];
+    for (suffix, mult) in SUFFIXES {
+        if let Some(num) = s.strip_suffix(suffix) {
+            return num.parse::<f64>().ok().map(|n| n * mult);
+        }
+    }
+    s.parse::<f64>().ok()
+}
+
+fn quantity(v: &Value) -> f64 {
+    match v {
+        Value::String(s) => parse_quantity(s).unwrap_or(0.0),
+        Value::Number(n) => n.as_f64().unwrap_or(0.0),
+        _ => 0.0,
+    }
+}
+
+/// Resources a pod asks for: per container, requests, or limits where a request
+/// is missing (the API server defaults requests to limits).
+pub fn pod_requests(pod: &Value) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for c in pod
+        .pointer("/spec/containers")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let mut per: BTreeMap<String, f64> = BTreeMap::new();
+        for src in ["limits", "requests"] {
+            if let Some(m) = c
+                .pointer(&format!("/resources/{src}"))
+                .and_then(Value::as_object)
+            {
+                for (k, v) in m {
+                    per.insert(k.clone(), quantity(v));
+                }
+            }
+        }
+        for (k, v) in per {
+            *out.entry(k).or_insert(0.0) += v;
+        }
+    }
+    *out.entry("pods".into()).or_insert(0.0) += 1.0;
+    out
+}
+
+fn tolerates(pod: &Value, taint: &Value) -> bool {
+    let effect = taint["effect"].as_str().unwrap_or_default();
+    if effect == "PreferNoSchedule" {
+        return true;
+    }
+    let key = taint["key"].as_str().unwrap_or_default();
+    let value = taint["value"].as_str().unwrap_or_default();
+    pod.pointer("/spec/tolerations")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .any(|t| {
+            let t_effect = t["effect"].as_str().unwrap_or_default();
+            if !t_effect.is_empty() && t_effect != effect {
+                return false;
+            }
+            let t_key = t["key"].as_str().unwrap_or_default();
+            match t["operator"].as_str().unwrap_or("Equal") {
+                "Exists" => t_key.is_empty() || t_key == key,
+                _ => t_key == key && t["value"].as_str().unwrap_or_default() == value,
+            }
+        })
+}
+
+fn node_ready(node: &Value) -> bool {
+    super::condition_true(node, "Ready")
+        && node.pointer("/spec/unschedulable") != Some(&json!(true))
+}
+
+fn selector_fits(pod: &Value, node: &Value) -> bool {
+    let labels = node.pointer("/metadata/labels");
+    let simple = pod
+        .pointer("/spec/nodeSelector")
+        .map(|s| LabelSelector::from_object(&json!({"matchLabels": s})).matches_labels(labels))
+        .unwrap_or(true);
+    let terms = pod
+        .pointer("/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution/nodeSelectorTerms")
+        .and_then(Value::as_array);
+    let affinity = match terms {
+        Some(ts) if !ts.is_empty() => ts.iter().any(|t| {
+            LabelSelector::from_object(&json!({"matchExpressions": t["matchExpressions"]}))
+                .matches_labels(labels)
+        }),
+        _ => true,
+    };
+    simple && affinity
+}
+
+/// Why a node cannot take a pod, in the words of the real scheduler's message.
+fn misfit(pod: &Value, node: &Value, used: &BTreeMap<String, f64>) -> Option<String> {
+    if !node_ready(node) {
+        return Some("node(s) were unschedulable".into());
+    }
+    if !selector_fits(pod, node) {
+        return Some("node(s) didn't match Pod's node affinity/selector".into());
+    }
+    for taint in node
+        .pointer("/spec/taints")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        if !tolerates(pod, taint) {
+            return Some(format!(
+                "node(s) had untolerated taint {{{}: {}}}",
+                taint["key"].as_str().unwrap_or_default(),
+                taint["value"].as_str().unwrap_or_default()
+            ));
+        }
+    }
+    let allocatable = node.pointer("/status/allocatable");
+    for (res, want) in pod_requests(pod) {
+        if want <= 0.0 {
+            continue;
+        }
+        let have = allocatable
+            .and_then(|a| a.get(&res))
+            .map(quantity)
+            .unwrap_or(0.0);
+        let in_use = used.get(&res).copied().unwrap_or(0.0);
+        if in_use + want > have + 1e-9 {
+            return Some(format!("Insufficient {res}"));
+        }
+    }
+    None
+}
+
+/// Fills in what a kubelet would report for a node the simulator adds.
+pub fn complete_node(node: &mut Value, seq: u64) {
+    let name = node["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let labels = &mut node["metadata"]["labels"];
+    for (k, v) in [
+        ("kubernetes.io/hostname", name.as_str()),
+        ("kubernetes.io/os", "linux"),
+        ("kubernetes.io/arch", "amd64"),
+    ] {
+        if labels.get(k).is_none() {
+            labels[k] = json!(v);
+        }
+    }
+    let status = &mut node["status"];
+    for (k, v) in [("cpu", "8"), ("memory", "32Gi"), ("pods", "110")] {
+        if status.pointer(&format!("/capacity/{k}")).is_none() {
+            status["capacity"][k] = json!(v);
+        }
+    }
+    if status.get("allocatable").is_none() {
+        status["allocatable"] = status["capacity"].clone();
+    }
+    if status.get("conditions").is_none() {
+        let now = now_rfc3339();
+        status["conditions"] = json!([{
+            "type": "Ready", "status": "True", "reason": "KubeletReady",
+            "message": "kubelet is posting ready status",
+            "lastHeartbeatTime": now, "lastTransitionTime": now
+        }]);
+    }
+    if status.get("addresses").is_none() {
+        status["addresses"] = json!([
+            {"type": "InternalIP", "address": format!("10.116.{}.{}", (seq / 250) % 250, seq % 250 + 2)},
+            {"type": "Hostname", "address": name}
+        ]);
+    }
+    if status.get("nodeInfo").is_none() {
+        status["nodeInfo"] = json!({
+            "kubeletVersion": "v1.34.1", "kubeProxyVersion": "v1.34.1", "operatingSystem": "linux",
+            "architecture": "amd64", "containerRuntimeVersion": "containerd://1.7.0",
+            "osImage": "Debian GNU/Linux 12 (bookworm)", "kernelVersion": "6.1.0",
+            "machineID": "", "systemUUID": "", "bootID": ""
+        });
+    }
+    if status.get("phase").is_none() {
+        status["phase"] = json!("Running");
+    }
+}
+
+fn pod_active(pod: &Value) -> bool {
+    !is_deleting(pod)
+        && !matches!(
+            pod.pointer("/status/phase").and_then(Value::as_str),
+            Some("Succeeded" | "Failed")
+        )
+}
+
+pub fn run(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &ClusterConfig) {
+    let nodes: Vec<&Value> = snap.of_kind("Node").map(|(_, n)| n).collect();
+    let mut used: HashMap<String, BTreeMap<String, f64>> = HashMap::new();
+    for (_, pod) in snap.of_kind("Pod") {
+        if let Some(n) = pod.pointer("/spec/nodeName").and_then(Value::as_str) {
+            if pod_active(pod) || is_deleting(pod) {
+                let entry = used.entry(n.to_string()).or_default();
+                for (r, q) in pod_requests(pod) {
+                    *entry.entry(r).or_insert(0.0) += q;
+                }
+            }
+        }
+    }
+    let mut pending: Vec<(&Key, &Value)> = snap
+        .of_kind("Pod")
+        .filter(|(_, p)| {
+            p.pointer("/spec/nodeName")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .is_empty()
+                && pod_active(p)
+        })
+        .collect();
+    pending.sort_by_key(|(k, p)| {
+        (
+            p.pointer("/metadata/creationTimestamp")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string(),
+            (*k).clone(),
+        )
+    });
+    let pod_scope = Scope::for_main(&TYPES[index_of("Pod")]);
+    for (key, pod) in pending {
+        let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
+        let mut best: Option<(&Value, f64)> = None;
+        for node in &nodes {
+            let name = node["metadata"]["name"].as_str().unwrap_or_default();
+            let u = used.get(name).cloned().unwrap_or_default();
+            match misfit(pod, node, &u) {
+                Some(r) => *reasons.entry(r).or_default() += 1,
+                None => {
+                    // Spread: prefer the node running the fewest pods.
+                    let load = u.get("pods").copied().unwrap_or(0.0);
+                    if best.is_none_or(|(_, l)| load < l) {
+                        best = Some((node, load));
+                    }
+                }
+            }
+        }
+        match best {
+            Some((node, _)) => {
+                let node_name = node["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string();
+                let host_ip = node
+                    .pointer("/status/addresses")
+                    .and_then(Value::as_array)
+                    .and_then(|a| a.iter().find(|x| x["type"] == "InternalIP"))
+                    .and_then(|x| x["address"].as_str())
+                    .unwrap_or("10.116.0.2")
+                    .to_string();
+                let bound = ops::mutate(store, key, pod_scope, SCHEDULER, |p| {
+                    p["spec"]["nodeName"] = json!(node_name)
+                });
+                if bound.is_none() {
+                    continue;
+                }
+                let entry = used.entry(node_name.clone()).or_default();
+                for (r, q) in pod_requests(pod) {
+                    *entry.entry(r).or_insert(0.0) += q;
+                }
+                let seq = store.next_seq();
+                let pod_ip = format!("10.244.{}.{}", (seq / 250) % 250, seq % 250 + 2);
+                let now = now_rfc3339();
+                ops::mutate(store, key, Scope::Status, KUBELET, |p| {
+                    let containers = p.pointer("/spec/containers").cloned().unwrap_or(json!([]));
+                    let st = &mut p["status"];
+                    st["phase"] = json!("Running");
+                    st["hostIP"] = json!(host_ip);
+                    st["hostIPs"] = json!([{"ip": host_ip}]);
+                    st["podIP"] = json!(pod_ip);
+                    st["podIPs"] = json!([{"ip": pod_ip}]);
+                    st["startTime"] = json!(now);
+                    st["qosClass"] = json!("Burstable");
+                    let conds = &mut st["conditions"];
+                    set_condition(conds, "PodScheduled", "True", "", "", None, false);
+                    set_condition(conds, "Initialized", "True", "", "", None, false);
+                    set_condition(
+                        conds,
+                        "ContainersReady",
+                        "False",
+                        "ContainersNotReady",
+                        "containers with unready status",
+                        None,
+                        false,
+                    );
+                    set_condition(
+                        conds,
+                        "Ready",
+                        "False",
+                        "ContainersNotReady",
+                        "containers with unready status",
+                        None,
+                        false,
+                    );
+                    st["containerStatuses"] = container_statuses(&containers, false, &now);
+                });
+                timers.pod_bound.insert(uid(pod), Instant::now());
+            }
+            None => {
+                let detail: Vec<String> = reasons.iter().map(|(r, n)| format!("{n} {r}")).collect();
+                let message = if nodes.is_empty() {
+                    "no nodes available to schedule pods".to_string()
+                } else {
+                    format!(
+                        "0/{} nodes are available: {}.",
+                        nodes.len(),
+                        detail.join(", ")
+                    )
+                };
+                ops::mutate(store, key, Scope::Status, SCHEDULER, |p| {
+                    p["status"]["phase"] = json!("Pending");
+                    set_condition(
+                        &mut p["status"]["conditions"],
+                        "PodScheduled",
+                        "False",
+                        "Unschedulable",
+                        &message,
+                        None,
+                        false,
+                    );
+                });
+            }
+        }
+    }
+
+    // Bound pods turn Ready after the model-load delay.
+    for (key, pod) in snap.of_kind("Pod") {
+        if !pod_active(pod)
+            || pod.pointer("/spec/nodeName").is_none()
+            || super::condition_true(pod, "Ready")
+        {
+            continue;
+        }
+        if pod.pointer("/status/phase").and_then(Value::as_str) != Some("Running") {
+            continue;
+        }
+        let start = *timers
+            .pod_bound
+            .entry(uid(pod))
+            .or_insert_with(Instant::now);
+        if !timers.elapsed(start, config.model_load_delay) {
+            continue;
+        }
+        let now = now_rfc3339();
+        ops::mutate(store, key, Scope::Status, KUBELET, |p| {
+            let containers = p.pointer("/spec/containers").cloned().unwrap_or(json!([]));
+            let conds = &mut p["status"]["conditions"];
+            set_condition(conds, "ContainersReady", "True", "", "", None, false);
+            set_condition(conds, "Ready", "True", "", "", None, false);
+            p["status"]["containerStatuses"] = container_statuses(&containers, true, &now);
+        });
+    }
+}
+
+fn container_statuses(containers: &Value, ready: bool, now: &str) -> Value {
+    Value::Array(
+        containers
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                json!({
+                    "name": c["name"],
+                    "image": c["image"],
+                    "imageID": "",
+                    "containerID": format!("containerd://{}", uuid::Uuid::new_v4().simple()),
+                    "ready": ready,
+                    "started": true,
+                    "restartCount": 0,
+                    "state": {"running": {"startedAt": now}},
+                })
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities() {
+        assert_eq!(parse_quantity("500m"), Some(0.5));
+        assert_eq!(parse_quantity("2Gi"), Some(2147483648.0));
+        assert_eq!(parse_quantity("1"), Some(1.0));
+        assert_eq!(parse_quantity("1e3"), Some(1000.0));
+    }
+
+    #[test]
+    fn taints_and_tolerations() {
+        let taint = json!({"key": "nvidia.com/gpu", "effect": "NoSchedule"});
+        let tolerant = json!({"spec": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}});
+        assert!(tolerates(&tolerant, &taint));
+        assert!(!tolerates(&json!({"spec": {}}), &taint));
+        let amd = json!({"key": "amd.com/gpu", "effect": "NoSchedule"});
+        assert!(!tolerates(&tolerant, &amd));
+    }
+}

@@ -1,0 +1,1013 @@
+//! Every Kubernetes object of one dedicated inference for one spec version, as JSON ready for
+//! server-side apply, in apply order.
+
+use base64::Engine;
+use serde_json::{json, Map, Value};
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+use super::model::{GpuVendor, Model, PlanError};
+use super::names;
+
+/// The gatewayClassName used unless configured otherwise.
+pub const DEFAULT_GATEWAY_CLASS: &str = "inference-gateway";
+/// The vLLM OpenAI server's port (also the InferencePool target port).
+pub const VLLM_PORT: u16 = 8000;
+/// EPP ports: ext-proc gRPC (h2c), gRPC health, Prometheus metrics.
+pub const EPP_GRPC_PORT: u16 = 9002;
+pub const EPP_HEALTH_PORT: u16 = 9003;
+pub const EPP_METRICS_PORT: u16 = 9090;
+/// The port both load balancers and the Gateway listener serve HTTPS on.
+pub const HTTPS_PORT: u16 = 443;
+/// File name of the EndpointPickerConfig inside the EPP ConfigMap (mounted at `/config`).
+pub const EPP_CONFIG_FILE: &str = "config.yaml";
+
+/// Container images, pinned. Configurable so that an upgrade is a configuration change (and a
+/// rollout), never an accident of `latest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Images {
+    pub vllm_nvidia: String,
+    pub vllm_amd: String,
+    pub epp: String,
+}
+
+impl Default for Images {
+    fn default() -> Self {
+        Images {
+            vllm_nvidia: "vllm/vllm-openai:v0.19.1".into(),
+            vllm_amd: "vllm/vllm-openai-rocm:v0.19.1".into(),
+            epp: "ghcr.io/llm-d/llm-d-router-endpoint-picker:v0.10.0".into(),
+        }
+    }
+}
+
+/// The endpoint's certificate chain and private key, PEM.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TlsPair {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl std::fmt::Debug for TlsPair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsPair")
+            .field("cert_pem", &self.cert_pem)
+            .field("key_pem", &"<redacted>")
+            .finish()
+    }
+}
+
+/// An access token as the data plane checks it: its id and the lowercase hex SHA-256 of its
+/// value. The region only ever stores the hash.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct AccessTokenHash {
+    id: Uuid,
+    sha256_hex: String,
+}
+
+impl AccessTokenHash {
+    /// From a stored hash; any case is accepted, lowercase is written.
+    pub fn new(id: Uuid, sha256_hex: &str) -> Result<Self, PlanError> {
+        let hex = sha256_hex.trim().to_ascii_lowercase();
+        if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(PlanError::BadTokenHash(id));
+        }
+        Ok(AccessTokenHash {
+            id,
+            sha256_hex: hex,
+        })
+    }
+
+    /// From a token value (tests, tools): hashes it.
+    pub fn from_value(id: Uuid, value: &str) -> Self {
+        AccessTokenHash {
+            id,
+            sha256_hex: hex::encode(Sha256::digest(value.as_bytes())),
+        }
+    }
+
+    pub fn id(&self) -> Uuid {
+        self.id
+    }
+
+    pub fn sha256_hex(&self) -> &str {
+        &self.sha256_hex
+    }
+}
+
+/// Everything [`manifests`] needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ManifestInput {
+    pub di_id: Uuid,
+    /// In spec order: the first model is the default route.
+    pub models: Vec<Model>,
+    pub enable_public_endpoint: bool,
+    pub hugging_face_token: Option<String>,
+    pub tls: TlsPair,
+    pub access_tokens: Vec<AccessTokenHash>,
+    pub gateway_class: String,
+    pub images: Images,
+}
+
+impl ManifestInput {
+    /// An input with the default gateway class and images, no HF token and no access tokens.
+    pub fn new(
+        di_id: Uuid,
+        models: Vec<Model>,
+        enable_public_endpoint: bool,
+        tls: TlsPair,
+    ) -> Self {
+        ManifestInput {
+            di_id,
+            models,
+            enable_public_endpoint,
+            hugging_face_token: None,
+            tls,
+            access_tokens: Vec::new(),
+            gateway_class: DEFAULT_GATEWAY_CLASS.into(),
+            images: Images::default(),
+        }
+    }
+}
+
+/// Identifies one object: enough to get or delete it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ObjectKey {
+    pub api_version: String,
+    pub kind: String,
+    /// `None` for cluster-scoped objects (the Namespace).
+    pub namespace: Option<String>,
+    pub name: String,
+}
+
+impl ObjectKey {
+    /// The key of a JSON object; `None` when it lacks apiVersion, kind or name.
+    pub fn of(obj: &Value) -> Option<Self> {
+        Some(ObjectKey {
+            api_version: obj.get("apiVersion")?.as_str()?.to_string(),
+            kind: obj.get("kind")?.as_str()?.to_string(),
+            namespace: obj
+                .pointer("/metadata/namespace")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            name: obj.pointer("/metadata/name")?.as_str()?.to_string(),
+        })
+    }
+}
+
+fn b64(s: &str) -> String {
+    base64::engine::general_purpose::STANDARD.encode(s.as_bytes())
+}
+
+fn labels_of(di_id: &Uuid, extra: &[(&str, String)]) -> Value {
+    let mut m = Map::new();
+    m.insert(names::MANAGED_BY_LABEL.into(), json!(names::MANAGED_BY));
+    m.insert(names::DI_ID_LABEL.into(), json!(di_id.to_string()));
+    for (k, v) in extra {
+        m.insert((*k).into(), json!(v));
+    }
+    Value::Object(m)
+}
+
+fn meta(di_id: &Uuid, name: &str, extra: &[(&str, String)]) -> Value {
+    json!({
+        "name": name,
+        "namespace": names::namespace(di_id),
+        "labels": labels_of(di_id, extra),
+    })
+}
+
+/// The InferencePool selector of a model deployment, also its vLLM pods' labels.
+pub fn pool_selector(model_id: &Uuid) -> Value {
+    json!({
+        names::SERVING_LABEL: "true",
+        names::MODEL_LABEL: names::model_label(model_id),
+    })
+}
+
+/// The EndpointPickerConfig: approximate prefix-cache, KV-cache-utilisation and queue scorers,
+/// metrics scraped from vLLM's `/metrics`.
+pub const EPP_CONFIG: &str = "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: metrics-data-source
+  parameters:
+    scheme: http
+    path: /metrics
+    insecureSkipVerify: true
+- type: core-metrics-extractor
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+";
+
+/// A short, stable hash of a JSON value (its serialisation is deterministic).
+fn json_hash(v: &Value) -> String {
+    let digest = Sha256::digest(serde_json::to_vec(v).expect("a JSON value serialises"));
+    hex::encode(&digest[..8])
+}
+
+fn vllm_deployment(input: &ManifestInput, m: &Model) -> Value {
+    let di = &input.di_id;
+    let name = names::vllm_deployment(&m.model_id);
+    let pool = names::node_pool(di, &m.model_id, &m.accelerator_slug);
+    let gpu = m.vendor.resource_name();
+    let image = match m.vendor {
+        GpuVendor::Nvidia => &input.images.vllm_nvidia,
+        GpuVendor::Amd => &input.images.vllm_amd,
+    };
+    let model_extra = [(names::MODEL_ID_LABEL, m.model_id.to_string())];
+    let mut pod_labels = labels_of(di, &model_extra);
+    for (k, v) in pool_selector(&m.model_id).as_object().expect("object") {
+        pod_labels[k] = v.clone();
+    }
+    pod_labels["llm-d.ai/role"] = json!("decode");
+    pod_labels["llm-d.ai/engine-type"] = json!("vllm");
+    let mut env = Vec::new();
+    if input.hugging_face_token.is_some() {
+        env.push(json!({
+            "name": names::HF_TOKEN_KEY,
+            "valueFrom": {"secretKeyRef": {"name": names::HF_TOKEN_SECRET, "key": names::HF_TOKEN_KEY}},
+        }));
+    }
+    let probe = |period: u32, failures: u32| {
+        json!({
+            "httpGet": {"path": "/health", "port": VLLM_PORT},
+            "periodSeconds": period,
+            "failureThreshold": failures,
+        })
+    };
+    let gpus = m.gpus_per_node.to_string();
+    let mut container = json!({
+        "name": "vllm",
+        "image": image,
+        "args": [
+            "--model", m.model_slug,
+            "--served-model-name", m.model_slug,
+            "--port", VLLM_PORT.to_string(),
+            "--enable-prefix-caching",
+            "--tensor-parallel-size", gpus,
+        ],
+        "ports": [{"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"}],
+        "resources": {"limits": {gpu: gpus}, "requests": {gpu: gpus}},
+        // Model download and load can take many minutes: the startup probe allows 30.
+        "startupProbe": probe(10, 180),
+        "readinessProbe": probe(5, 3),
+        "livenessProbe": probe(10, 6),
+        // Let the endpoint picker stop choosing this pod before vLLM stops.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "30"]}}},
+        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+    });
+    if !env.is_empty() {
+        container["env"] = Value::Array(env);
+    }
+    let mut template = json!({
+        "metadata": {"labels": pod_labels},
+        "spec": {
+            "nodeSelector": {names::NODE_POOL_LABEL: pool},
+            "tolerations": [{"key": gpu, "operator": "Exists", "effect": "NoSchedule"}],
+            "enableServiceLinks": false,
+            "terminationGracePeriodSeconds": 130,
+            "containers": [container],
+            "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}],
+        },
+    });
+    let hash = json_hash(&template);
+    template["metadata"]["annotations"] = json!({names::TEMPLATE_HASH_ANNOTATION: hash});
+    let mut metadata = meta(di, &name, &model_extra);
+    metadata["annotations"] = json!({names::TEMPLATE_HASH_ANNOTATION: hash});
+    json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": m.scale,
+            "selector": {"matchLabels": pool_selector(&m.model_id)},
+            // Zero downtime on whole-node pods: a new pod must be ready before an old one goes
+            // (maxUnavailable 0), one at a time (maxSurge 1). The node pool planner adds the
+            // one spare node the surge pod needs while the rollout lasts.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "progressDeadlineSeconds": 3600,
+            "template": template,
+        },
+    })
+}
+
+fn epp_objects(input: &ManifestInput, m: &Model) -> Vec<Value> {
+    let di = &input.di_id;
+    let ns = names::namespace(di);
+    let name = names::epp(&m.model_id);
+    let pool = names::inference_pool(&m.model_id);
+    let extra = [(names::MODEL_ID_LABEL, m.model_id.to_string())];
+    let selector = json!({names::EPP_LABEL: pool});
+    let mut pod_labels = labels_of(di, &extra);
+    pod_labels[names::EPP_LABEL] = json!(pool);
+    let read = json!(["get", "list", "watch"]);
+    let grpc_probe = |period: u32, delay: u32| {
+        json!({
+            "grpc": {"port": EPP_HEALTH_PORT, "service": "inference-extension"},
+            "periodSeconds": period,
+            "initialDelaySeconds": delay,
+        })
+    };
+    vec![
+        json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": meta(di, &name, &extra),
+            "data": {EPP_CONFIG_FILE: EPP_CONFIG},
+        }),
+        json!({
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": meta(di, &name, &extra),
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta(di, &name, &extra),
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": read},
+                {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"], "verbs": read},
+                {"apiGroups": ["llm-d.ai", "inference.networking.x-k8s.io"],
+                 "resources": ["inferenceobjectives", "inferencemodelrewrites"], "verbs": read},
+            ],
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta(di, &name, &extra),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
+        }),
+        json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta(di, &name, &extra),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": selector,
+                "ports": [
+                    {"name": "grpc-ext-proc", "port": EPP_GRPC_PORT, "targetPort": EPP_GRPC_PORT,
+                     "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
+                    {"name": "http-metrics", "port": EPP_METRICS_PORT, "targetPort": EPP_METRICS_PORT,
+                     "protocol": "TCP"},
+                ],
+            },
+        }),
+        json!({
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta(di, &name, &extra),
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": selector},
+                "strategy": {"type": "Recreate"},
+                "template": {
+                    "metadata": {"labels": pod_labels},
+                    "spec": {
+                        "serviceAccountName": name,
+                        "terminationGracePeriodSeconds": 130,
+                        "containers": [{
+                            "name": "epp",
+                            "image": input.images.epp,
+                            "args": [
+                                "--pool-name", pool,
+                                "--pool-namespace", ns,
+                                "--pool-group", "inference.networking.k8s.io",
+                                "--config-file", format!("/config/{EPP_CONFIG_FILE}"),
+                                "--grpc-health-port", EPP_HEALTH_PORT.to_string(),
+                                "--zap-encoder", "json",
+                            ],
+                            "env": [
+                                {"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                            ],
+                            "ports": [
+                                {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
+                                {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
+                                {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
+                            ],
+                            "livenessProbe": grpc_probe(10, 5),
+                            "readinessProbe": grpc_probe(2, 0),
+                            "resources": {
+                                "requests": {"cpu": "250m", "memory": "512Mi"},
+                                "limits": {"memory": "2Gi"},
+                            },
+                            "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": true}],
+                        }],
+                        "volumes": [{"name": "config", "configMap": {"name": name}}],
+                    },
+                },
+            },
+        }),
+    ]
+}
+
+fn inference_pool(input: &ManifestInput, m: &Model) -> Value {
+    let extra = [(names::MODEL_ID_LABEL, m.model_id.to_string())];
+    json!({
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": meta(&input.di_id, &names::inference_pool(&m.model_id), &extra),
+        "spec": {
+            "selector": {"matchLabels": pool_selector(&m.model_id)},
+            "targetPorts": [{"number": VLLM_PORT}],
+            "endpointPickerRef": {
+                "group": "",
+                "kind": "Service",
+                "name": names::epp(&m.model_id),
+                "port": {"number": EPP_GRPC_PORT},
+                // Serve (without cache-aware picking) rather than fail when the picker is down.
+                "failureMode": "FailOpen",
+            },
+        },
+    })
+}
+
+fn http_route(input: &ManifestInput) -> Value {
+    let several = input.models.len() > 1;
+    let rules: Vec<Value> = input
+        .models
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let all = json!({"path": {"type": "PathPrefix", "value": "/"}});
+            let matches = if several {
+                let by_header = json!({
+                    "path": {"type": "PathPrefix", "value": "/"},
+                    "headers": [{"type": "Exact", "name": names::MODEL_HEADER, "value": m.model_slug}],
+                });
+                // The first model also takes requests without the header. A header match is
+                // more specific, so the other models' rules still win for their header.
+                if i == 0 {
+                    vec![by_header, all]
+                } else {
+                    vec![by_header]
+                }
+            } else {
+                vec![all]
+            };
+            json!({
+                "matches": matches,
+                "backendRefs": [{
+                    "group": "inference.networking.k8s.io",
+                    "kind": "InferencePool",
+                    "name": names::inference_pool(&m.model_id),
+                }],
+            })
+        })
+        .collect();
+    json!({
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": meta(&input.di_id, names::HTTP_ROUTE, &[]),
+        "spec": {
+            "parentRefs": [{
+                "group": "gateway.networking.k8s.io",
+                "kind": "Gateway",
+                "name": names::GATEWAY,
+                "sectionName": "https",
+            }],
+            "rules": rules,
+        },
+    })
+}
+
+fn load_balancer(input: &ManifestInput, name: &str, which: &str, network: &str) -> Value {
+    let mut metadata = meta(&input.di_id, name, &[]);
+    metadata["annotations"] = json!({
+        "service.beta.kubernetes.io/do-loadbalancer-type": "REGIONAL_NETWORK",
+        "service.beta.kubernetes.io/do-loadbalancer-network": network,
+        "service.beta.kubernetes.io/do-loadbalancer-name": names::load_balancer(&input.di_id, which),
+    });
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "type": "LoadBalancer",
+            "selector": {names::GATEWAY_NAME_LABEL: names::GATEWAY},
+            "ports": [{"name": "https", "port": HTTPS_PORT, "targetPort": HTTPS_PORT, "protocol": "TCP"}],
+        },
+    })
+}
+
+/// Every object of one DI, in apply order: Namespace, Secrets, per model (EPP ConfigMap,
+/// ServiceAccount, Role, RoleBinding, Service, Deployment; vLLM Deployment; InferencePool),
+/// Gateway, HTTPRoute, LoadBalancer Services. Deterministic: the same input gives the same
+/// bytes (access tokens are sorted by id).
+pub fn manifests(input: &ManifestInput) -> Vec<Value> {
+    let di = &input.di_id;
+    let mut out = vec![json!({
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": names::namespace(di), "labels": labels_of(di, &[])},
+    })];
+    if let Some(token) = &input.hugging_face_token {
+        out.push(json!({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": meta(di, names::HF_TOKEN_SECRET, &[]),
+            "type": "Opaque",
+            "data": {names::HF_TOKEN_KEY: b64(token)},
+        }));
+    }
+    out.push(json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta(di, names::TLS_SECRET, &[]),
+        "type": "kubernetes.io/tls",
+        "data": {"tls.crt": b64(&input.tls.cert_pem), "tls.key": b64(&input.tls.key_pem)},
+    }));
+    let mut tokens = input.access_tokens.clone();
+    tokens.sort();
+    tokens.dedup_by_key(|t| t.id);
+    let data: Map<String, Value> = tokens
+        .iter()
+        .map(|t| (t.id.to_string(), json!(b64(&t.sha256_hex))))
+        .collect();
+    out.push(json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta(di, names::ACCESS_TOKENS_SECRET, &[]),
+        "type": "Opaque",
+        "data": data,
+    }));
+    for m in &input.models {
+        out.extend(epp_objects(input, m));
+        out.push(vllm_deployment(input, m));
+        out.push(inference_pool(input, m));
+    }
+    out.push(json!({
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "Gateway",
+        "metadata": meta(di, names::GATEWAY, &[]),
+        "spec": {
+            "gatewayClassName": input.gateway_class,
+            "listeners": [{
+                "name": "https",
+                "port": HTTPS_PORT,
+                "protocol": "HTTPS",
+                "tls": {
+                    "mode": "Terminate",
+                    "certificateRefs": [{"group": "", "kind": "Secret", "name": names::TLS_SECRET}],
+                },
+                "allowedRoutes": {"namespaces": {"from": "Same"}},
+            }],
+        },
+    }));
+    out.push(http_route(input));
+    out.push(load_balancer(
+        input,
+        names::PRIVATE_SERVICE,
+        "private",
+        "INTERNAL",
+    ));
+    if input.enable_public_endpoint {
+        out.push(load_balancer(
+            input,
+            names::PUBLIC_SERVICE,
+            "public",
+            "EXTERNAL",
+        ));
+    }
+    out
+}
+
+/// The order to delete objects in: the reverse of apply order (load balancers first, the
+/// Namespace last). Objects without a key are skipped.
+pub fn teardown_order(manifests: &[Value]) -> Vec<ObjectKey> {
+    manifests.iter().rev().filter_map(ObjectKey::of).collect()
+}
+
+/// Observed objects this DI's worker created (by the managed-by and DI id labels) that the
+/// desired manifests no longer contain, e.g. a removed model deployment's objects, in deletion
+/// order (reverse of the order kinds are applied in).
+pub fn prune(di_id: &Uuid, desired: &[Value], observed: &[Value]) -> Vec<ObjectKey> {
+    let want: std::collections::BTreeSet<ObjectKey> =
+        desired.iter().filter_map(ObjectKey::of).collect();
+    let ours = |o: &Value| {
+        let l = o.pointer("/metadata/labels");
+        l.and_then(|l| l.get(names::MANAGED_BY_LABEL)) == Some(&json!(names::MANAGED_BY))
+            && l.and_then(|l| l.get(names::DI_ID_LABEL)) == Some(&json!(di_id.to_string()))
+    };
+    // Apply order by kind (see `manifests`); deletion goes the other way.
+    let rank = |o: &Value| match o["kind"].as_str().unwrap_or("") {
+        "Namespace" => 0,
+        "Secret" => 1,
+        "ConfigMap" | "ServiceAccount" | "Role" | "RoleBinding" => 2,
+        "Service" if o.pointer("/spec/type") != Some(&json!("LoadBalancer")) => 3,
+        "Deployment" => 4,
+        "InferencePool" => 5,
+        "Gateway" | "HTTPRoute" => 6,
+        _ => 7,
+    };
+    let mut gone: Vec<(i32, ObjectKey)> = observed
+        .iter()
+        .filter(|o| ours(o))
+        .filter_map(|o| Some((rank(o), ObjectKey::of(o)?)))
+        .filter(|(_, k)| !want.contains(k))
+        .collect();
+    gone.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    let mut gone: Vec<ObjectKey> = gone.into_iter().map(|(_, k)| k).collect();
+    gone.dedup();
+    gone
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::model::{models, tests::deployment};
+
+    const DI: &str = "0d1e2f3a-0000-4000-8000-00000000d1d1";
+    const M1: &str = "aaaaaaaa-0000-4000-8000-000000000001";
+    const M2: &str = "bbbbbbbb-0000-4000-8000-000000000002";
+
+    fn di() -> Uuid {
+        DI.parse().unwrap()
+    }
+
+    fn tls() -> TlsPair {
+        TlsPair {
+            cert_pem: "CERT".into(),
+            key_pem: "KEY".into(),
+        }
+    }
+
+    fn input(mds: &[api_types::spec::ModelDeployment], public: bool) -> ManifestInput {
+        let mut i = ManifestInput::new(di(), models(mds).unwrap(), public, tls());
+        i.access_tokens = vec![
+            AccessTokenHash::from_value(
+                "00000000-0000-4000-8000-0000000000a2".parse().unwrap(),
+                "t2",
+            ),
+            AccessTokenHash::from_value(
+                "00000000-0000-4000-8000-0000000000a1".parse().unwrap(),
+                "t1",
+            ),
+        ];
+        i
+    }
+
+    fn one() -> ManifestInput {
+        input(
+            &[deployment(
+                M1,
+                "meta-llama/Llama-3.1-8B-Instruct",
+                "gpu-h100x8-640gb",
+                2,
+            )],
+            true,
+        )
+    }
+
+    fn two() -> ManifestInput {
+        input(
+            &[
+                deployment(M1, "org/first", "gpu-h100x1-80gb", 1),
+                deployment(M2, "org/second", "gpu-mi300x1-192gb", 3),
+            ],
+            false,
+        )
+    }
+
+    fn find<'a>(objs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+        objs.iter()
+            .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+    }
+
+    fn decode(v: &Value) -> String {
+        String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(v.as_str().unwrap())
+                .unwrap(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn same_input_gives_identical_bytes() {
+        let a = serde_json::to_vec(&manifests(&two())).unwrap();
+        let b = serde_json::to_vec(&manifests(&two())).unwrap();
+        assert_eq!(a, b);
+        let mut shuffled = two();
+        shuffled.access_tokens.reverse();
+        assert_eq!(a, serde_json::to_vec(&manifests(&shuffled)).unwrap());
+    }
+
+    #[test]
+    fn every_object_is_labelled_and_namespaced() {
+        let objs = manifests(&two());
+        assert_eq!(objs[0]["kind"], "Namespace");
+        assert_eq!(objs[0]["metadata"]["name"], format!("di-{DI}"));
+        for o in &objs {
+            assert!(o["apiVersion"].is_string() && o["kind"].is_string(), "{o}");
+            assert!(o["metadata"]["name"].is_string(), "{o}");
+            let l = &o["metadata"]["labels"];
+            assert_eq!(l[names::MANAGED_BY_LABEL], "dedicated-inference-worker");
+            assert_eq!(l[names::DI_ID_LABEL], DI);
+            if o["kind"] != "Namespace" {
+                assert_eq!(o["metadata"]["namespace"], format!("di-{DI}"), "{o}");
+            }
+        }
+        let keys: std::collections::BTreeSet<_> = objs.iter().map(ObjectKey::of).collect();
+        assert_eq!(keys.len(), objs.len(), "object keys are unique");
+    }
+
+    #[test]
+    fn vllm_deployment_shape() {
+        let objs = manifests(&one());
+        let d = find(&objs, "Deployment", "vllm-aaaaaaaa");
+        let pod = &d["spec"]["template"]["spec"];
+        let c = &pod["containers"][0];
+        assert!(c["image"]
+            .as_str()
+            .unwrap()
+            .starts_with("vllm/vllm-openai:v"));
+        let args: Vec<&str> = c["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        let m = "meta-llama/Llama-3.1-8B-Instruct";
+        assert_eq!(
+            args,
+            [
+                "--model",
+                m,
+                "--served-model-name",
+                m,
+                "--port",
+                "8000",
+                "--enable-prefix-caching",
+                "--tensor-parallel-size",
+                "8"
+            ]
+        );
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "8");
+        assert_eq!(c["ports"][0]["containerPort"], 8000);
+        assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
+        assert_eq!(c["volumeMounts"][0]["mountPath"], "/dev/shm");
+        assert_eq!(pod["volumes"][0]["emptyDir"]["medium"], "Memory");
+        assert_eq!(
+            pod["nodeSelector"][names::NODE_POOL_LABEL],
+            names::node_pool(&di(), &M1.parse().unwrap(), "gpu-h100x8-640gb")
+        );
+        assert_eq!(pod["tolerations"][0]["key"], "nvidia.com/gpu");
+        assert_eq!(d["spec"]["replicas"], 2);
+        assert_eq!(d["spec"]["strategy"]["rollingUpdate"]["maxSurge"], 1);
+        assert_eq!(d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"], 0);
+        let sel = &d["spec"]["selector"]["matchLabels"];
+        assert_eq!(sel, &pool_selector(&M1.parse().unwrap()));
+        for (k, v) in sel.as_object().unwrap() {
+            assert_eq!(&d["spec"]["template"]["metadata"]["labels"][k], v);
+        }
+        assert!(c.get("env").is_none(), "no HF token, no env");
+    }
+
+    #[test]
+    fn gated_model_gets_hf_token_env_and_secret() {
+        let mut i = one();
+        i.hugging_face_token = Some("hf_secret".into());
+        let objs = manifests(&i);
+        let s = find(&objs, "Secret", "hf-token");
+        assert_eq!(decode(&s["data"]["HF_TOKEN"]), "hf_secret");
+        let d = find(&objs, "Deployment", "vllm-aaaaaaaa");
+        let env = &d["spec"]["template"]["spec"]["containers"][0]["env"][0];
+        assert_eq!(env["name"], "HF_TOKEN");
+        assert_eq!(env["valueFrom"]["secretKeyRef"]["name"], "hf-token");
+        assert_eq!(env["valueFrom"]["secretKeyRef"]["key"], "HF_TOKEN");
+        assert!(!manifests(&one())
+            .iter()
+            .any(|o| o["metadata"]["name"] == "hf-token"));
+        // Adding the token changes the pod template: the template hash follows.
+        let hash = |objs: &[Value]| {
+            find(objs, "Deployment", "vllm-aaaaaaaa")["metadata"]["annotations"]
+                [names::TEMPLATE_HASH_ANNOTATION]
+                .clone()
+        };
+        assert_ne!(hash(&objs), hash(&manifests(&one())));
+    }
+
+    #[test]
+    fn scale_change_keeps_template_hash() {
+        let a = manifests(&one());
+        let mut i = one();
+        i.models[0].scale = 5;
+        let b = manifests(&i);
+        let get = |objs: &[Value]| find(objs, "Deployment", "vllm-aaaaaaaa").clone();
+        assert_eq!(get(&b)["spec"]["replicas"], 5);
+        assert_eq!(
+            get(&a)["metadata"]["annotations"],
+            get(&b)["metadata"]["annotations"]
+        );
+    }
+
+    #[test]
+    fn amd_model_uses_amd_resource_toleration_and_image() {
+        let objs = manifests(&two());
+        let d = find(&objs, "Deployment", "vllm-bbbbbbbb");
+        let pod = &d["spec"]["template"]["spec"];
+        assert_eq!(
+            pod["containers"][0]["resources"]["limits"]["amd.com/gpu"],
+            "1"
+        );
+        assert!(pod["containers"][0]["resources"]["limits"]
+            .get("nvidia.com/gpu")
+            .is_none());
+        assert_eq!(pod["tolerations"][0]["key"], "amd.com/gpu");
+        assert!(pod["containers"][0]["image"]
+            .as_str()
+            .unwrap()
+            .contains("rocm"));
+    }
+
+    #[test]
+    fn tls_and_token_secrets() {
+        let objs = manifests(&one());
+        let tls = find(&objs, "Secret", "inference-tls");
+        assert_eq!(tls["type"], "kubernetes.io/tls");
+        assert_eq!(decode(&tls["data"]["tls.crt"]), "CERT");
+        assert_eq!(decode(&tls["data"]["tls.key"]), "KEY");
+        let t = find(&objs, "Secret", "inference-access-tokens");
+        let data = t["data"].as_object().unwrap();
+        assert_eq!(data.len(), 2);
+        let v = decode(&data["00000000-0000-4000-8000-0000000000a1"]);
+        assert_eq!(v, hex::encode(Sha256::digest(b"t1")));
+        assert_eq!(v, v.to_ascii_lowercase());
+        assert_eq!(v.len(), 64);
+    }
+
+    #[test]
+    fn token_hashes_are_validated_and_lowercased() {
+        let id = Uuid::nil();
+        let upper = "A".repeat(64);
+        assert_eq!(
+            AccessTokenHash::new(id, &upper).unwrap().sha256_hex(),
+            "a".repeat(64)
+        );
+        assert!(AccessTokenHash::new(id, "abc").is_err());
+        assert!(AccessTokenHash::new(id, &"g".repeat(64)).is_err());
+    }
+
+    #[test]
+    fn epp_and_pool_wiring() {
+        let objs = manifests(&one());
+        let pool = find(&objs, "InferencePool", "pool-aaaaaaaa");
+        assert_eq!(pool["apiVersion"], "inference.networking.k8s.io/v1");
+        assert_eq!(pool["spec"]["targetPorts"], json!([{"number": 8000}]));
+        assert_eq!(
+            pool["spec"]["selector"]["matchLabels"],
+            pool_selector(&M1.parse().unwrap())
+        );
+        let epp = &pool["spec"]["endpointPickerRef"];
+        assert_eq!(epp["name"], "pool-aaaaaaaa-epp");
+        assert_eq!(epp["port"]["number"], 9002);
+        let svc = find(&objs, "Service", "pool-aaaaaaaa-epp");
+        assert_eq!(svc["spec"]["ports"][0]["port"], 9002);
+        assert_eq!(svc["spec"]["ports"][0]["appProtocol"], "kubernetes.io/h2c");
+        assert_eq!(svc["spec"]["ports"][1]["port"], 9090);
+        let d = find(&objs, "Deployment", "pool-aaaaaaaa-epp");
+        for (k, v) in svc["spec"]["selector"].as_object().unwrap() {
+            assert_eq!(&d["spec"]["template"]["metadata"]["labels"][k], v);
+        }
+        let spec = &d["spec"]["template"]["spec"];
+        assert_eq!(spec["serviceAccountName"], "pool-aaaaaaaa-epp");
+        assert!(spec.get("tolerations").is_none(), "EPP runs on CPU nodes");
+        let args = spec["containers"][0]["args"].to_string();
+        assert!(args.contains("\"--pool-name\",\"pool-aaaaaaaa\""));
+        let cm = find(&objs, "ConfigMap", "pool-aaaaaaaa-epp");
+        let cfg = cm["data"]["config.yaml"].as_str().unwrap();
+        for scorer in [
+            "prefix-cache-scorer",
+            "kv-cache-utilization-scorer",
+            "queue-scorer",
+        ] {
+            assert!(cfg.contains(&format!("pluginRef: {scorer}")), "{scorer}");
+        }
+        let rb = find(&objs, "RoleBinding", "pool-aaaaaaaa-epp");
+        assert_eq!(rb["roleRef"]["name"], "pool-aaaaaaaa-epp");
+        find(&objs, "Role", "pool-aaaaaaaa-epp");
+        find(&objs, "ServiceAccount", "pool-aaaaaaaa-epp");
+    }
+
+    #[test]
+    fn gateway_and_single_model_route() {
+        let objs = manifests(&one());
+        let gw = find(&objs, "Gateway", "inference-gateway");
+        assert_eq!(gw["spec"]["gatewayClassName"], DEFAULT_GATEWAY_CLASS);
+        let l = &gw["spec"]["listeners"][0];
+        assert_eq!(
+            (l["port"].clone(), l["protocol"].clone()),
+            (json!(443), json!("HTTPS"))
+        );
+        assert_eq!(l["tls"]["certificateRefs"][0]["name"], "inference-tls");
+        let r = find(&objs, "HTTPRoute", "inference-route");
+        assert_eq!(r["spec"]["parentRefs"][0]["name"], "inference-gateway");
+        let rules = r["spec"]["rules"].as_array().unwrap();
+        assert_eq!(rules.len(), 1);
+        assert!(rules[0]["matches"][0].get("headers").is_none());
+        assert_eq!(
+            rules[0]["backendRefs"][0],
+            json!({"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "pool-aaaaaaaa"})
+        );
+        let mut custom = one();
+        custom.gateway_class = "istio".into();
+        assert_eq!(
+            find(&manifests(&custom), "Gateway", "inference-gateway")["spec"]["gatewayClassName"],
+            "istio"
+        );
+    }
+
+    #[test]
+    fn several_models_route_by_header_first_is_default() {
+        let objs = manifests(&two());
+        let r = find(&objs, "HTTPRoute", "inference-route");
+        let rules = r["spec"]["rules"].as_array().unwrap();
+        assert_eq!(rules.len(), 2);
+        let header = |rule: &Value, i: usize| rule["matches"][i]["headers"][0].clone();
+        assert_eq!(
+            header(&rules[0], 0),
+            json!({"type": "Exact", "name": "X-Gateway-Model-Name", "value": "org/first"})
+        );
+        assert!(rules[0]["matches"][1].get("headers").is_none(), "catch-all");
+        assert_eq!(rules[1]["matches"].as_array().unwrap().len(), 1);
+        assert_eq!(header(&rules[1], 0)["value"], "org/second");
+        assert_eq!(rules[1]["backendRefs"][0]["name"], "pool-bbbbbbbb");
+    }
+
+    #[test]
+    fn public_service_only_when_enabled() {
+        let objs = manifests(&one());
+        let private = find(&objs, "Service", "inference-private");
+        let public = find(&objs, "Service", "inference-public");
+        let ann = |s: &Value, k: &str| s["metadata"]["annotations"][k].clone();
+        let net = "service.beta.kubernetes.io/do-loadbalancer-network";
+        let ty = "service.beta.kubernetes.io/do-loadbalancer-type";
+        assert_eq!(ann(private, net), "INTERNAL");
+        assert_eq!(ann(public, net), "EXTERNAL");
+        assert_eq!(ann(private, ty), "REGIONAL_NETWORK");
+        assert_eq!(ann(public, ty), "REGIONAL_NETWORK");
+        for s in [private, public] {
+            assert_eq!(s["spec"]["type"], "LoadBalancer");
+            assert_eq!(
+                s["spec"]["selector"],
+                json!({"gateway.networking.k8s.io/gateway-name": "inference-gateway"})
+            );
+            assert_eq!(
+                s["spec"]["ports"][0],
+                json!({"name": "https", "port": 443, "targetPort": 443, "protocol": "TCP"})
+            );
+        }
+        let mut i = one();
+        i.enable_public_endpoint = false;
+        let objs = manifests(&i);
+        assert!(!objs
+            .iter()
+            .any(|o| o["metadata"]["name"] == "inference-public"));
+        find(&objs, "Service", "inference-private");
+    }
+
+    #[test]
+    fn teardown_is_reverse_of_apply() {
+        let objs = manifests(&two());
+        let down = teardown_order(&objs);
+        assert_eq!(down.len(), objs.len());
+        assert_eq!(down.last().unwrap().kind, "Namespace");
+        assert_eq!(down[0].name, "inference-private");
+        let up: Vec<_> = objs.iter().filter_map(ObjectKey::of).collect();
+        assert_eq!(down.into_iter().rev().collect::<Vec<_>>(), up);
+    }
+
+    #[test]
+    fn prune_finds_removed_model_objects_only() {
+        let before = manifests(&two());
+        let after = manifests(&one());
+        let mut foreign = json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "x", "namespace": format!("di-{DI}"), "labels": {}}});
+        let mut observed = before.clone();
+        observed.push(foreign.take());
+        let gone = prune(&di(), &after, &observed);
+        assert!(gone.iter().all(|k| k.name.contains("bbbbbbbb")), "{gone:?}");
+        assert_eq!(
+            gone.len(),
+            8,
+            "6 EPP objects, vLLM Deployment, InferencePool"
+        );
+        assert_eq!(gone[0].kind, "InferencePool");
+        assert!(prune(&di(), &after, &after).is_empty());
+    }
+}

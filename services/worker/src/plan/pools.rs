@@ -1,0 +1,384 @@
+//! The DigitalOcean GPU node pools of one DI: one per model deployment, compared with what
+//! exists.
+//!
+//! Sizing: `count = scale` in the steady state. While a model's vLLM Deployment rolls out to a
+//! new pod template (see [`super::readiness::rollouts`]) its pool gets one spare node
+//! (`scale + 1`) for the surge pod, because every pod takes a whole node and the Deployment
+//! never removes an old pod before a new one is ready. Afterwards the pool shrinks by deleting
+//! idle nodes by id, never a node that still runs a model server.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use uuid::Uuid;
+
+use super::model::Model;
+use super::names;
+
+/// A node pool this DI should have.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DesiredPool {
+    pub name: String,
+    pub model_id: Uuid,
+    /// The Droplet size: the accelerator slug.
+    pub size: String,
+    pub count: u32,
+    pub labels: BTreeMap<String, String>,
+    pub tags: Vec<String>,
+}
+
+/// A node pool as the DO API reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObservedPool {
+    pub id: String,
+    pub name: String,
+    pub size: String,
+    pub count: u32,
+    pub labels: BTreeMap<String, String>,
+    /// The pool's nodes. Empty means "not known": shrinking then falls back to a resize.
+    pub nodes: Vec<ObservedNode>,
+}
+
+/// A node of a pool, joined with the cluster's pods by the worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObservedNode {
+    /// The DO node id (what `DELETE …/nodes/{node_id}` takes).
+    pub id: String,
+    /// The Kubernetes Node name.
+    pub name: String,
+    /// Runs a pod that is not finished (see [`super::readiness::busy_nodes`]).
+    pub busy: bool,
+}
+
+/// What to do to DigitalOcean. Execute in the order given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PoolAction {
+    /// `POST /v2/kubernetes/clusters/{id}/node_pools`.
+    Create(DesiredPool),
+    /// `PUT …/node_pools/{pool_id}` with `name` and the new `count`.
+    Resize {
+        pool_id: String,
+        name: String,
+        count: u32,
+    },
+    /// `DELETE …/node_pools/{pool_id}/nodes/{node_id}?replace=0`: remove one idle node (and
+    /// decrement the pool's count).
+    DeleteNode { pool_id: String, node_id: String },
+    /// `DELETE …/node_pools/{pool_id}`.
+    Delete { pool_id: String, name: String },
+}
+
+fn belongs_to(di_id: &Uuid, p: &ObservedPool) -> bool {
+    p.labels.get(names::DI_ID_LABEL) == Some(&di_id.to_string())
+}
+
+/// The pools `models` need. `rolling_out` holds the model ids whose vLLM Deployment is
+/// replacing pods; such a model's pool gets one spare node unless an older pool of the same
+/// model (another size) still exists to hold the old pods.
+pub fn desired_pools(
+    di_id: &Uuid,
+    models: &[Model],
+    rolling_out: &BTreeSet<Uuid>,
+    existing: &[ObservedPool],
+) -> Vec<DesiredPool> {
+    models
+        .iter()
+        .map(|m| {
+            let name = names::node_pool(di_id, &m.model_id, &m.accelerator_slug);
+            let older_pool = existing.iter().any(|p| {
+                belongs_to(di_id, p)
+                    && p.name != name
+                    && p.labels.get(names::MODEL_ID_LABEL) == Some(&m.model_id.to_string())
+            });
+            let surge = m.scale > 0 && rolling_out.contains(&m.model_id) && !older_pool;
+            let labels = BTreeMap::from([
+                (names::DI_ID_LABEL.to_string(), di_id.to_string()),
+                (names::MODEL_ID_LABEL.to_string(), m.model_id.to_string()),
+                (
+                    names::MANAGED_BY_LABEL.to_string(),
+                    names::MANAGED_BY.to_string(),
+                ),
+            ]);
+            DesiredPool {
+                name,
+                model_id: m.model_id,
+                size: m.accelerator_slug.clone(),
+                count: m.scale + u32::from(surge),
+                labels,
+                tags: names::node_pool_tags(di_id, &m.model_id),
+            }
+        })
+        .collect()
+}
+
+/// Compares the desired pools with the cluster's pools (all of them: pools of other DIs are
+/// recognised by their `dedicated-inference.dev/id` label and left alone) and returns the
+/// actions: creates, grows, idle-node deletions, then pool deletions. An unchanged spec gives
+/// no actions.
+pub fn node_pools(
+    di_id: &Uuid,
+    models: &[Model],
+    rolling_out: &BTreeSet<Uuid>,
+    existing: &[ObservedPool],
+) -> Vec<PoolAction> {
+    let desired = desired_pools(di_id, models, rolling_out, existing);
+    let ours: Vec<&ObservedPool> = existing.iter().filter(|p| belongs_to(di_id, p)).collect();
+    let (mut creates, mut resizes, mut node_deletes, mut deletes) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for d in &desired {
+        let Some(p) = ours.iter().find(|p| p.name == d.name) else {
+            creates.push(PoolAction::Create(d.clone()));
+            continue;
+        };
+        if d.count > p.count || (d.count < p.count && p.nodes.is_empty()) {
+            resizes.push(PoolAction::Resize {
+                pool_id: p.id.clone(),
+                name: p.name.clone(),
+                count: d.count,
+            });
+        } else if d.count < p.count {
+            // Only idle nodes go; busy ones are waited for (their pods are being scaled away).
+            let mut idle: Vec<&ObservedNode> = p.nodes.iter().filter(|n| !n.busy).collect();
+            idle.sort_by(|a, b| a.name.cmp(&b.name).then_with(|| a.id.cmp(&b.id)));
+            let excess = (p.count - d.count) as usize;
+            node_deletes.extend(
+                idle.into_iter()
+                    .take(excess)
+                    .map(|n| PoolAction::DeleteNode {
+                        pool_id: p.id.clone(),
+                        node_id: n.id.clone(),
+                    }),
+            );
+        }
+    }
+    let wanted: BTreeSet<&str> = desired.iter().map(|d| d.name.as_str()).collect();
+    let mut stale: Vec<&&ObservedPool> = ours
+        .iter()
+        .filter(|p| !wanted.contains(p.name.as_str()))
+        .collect();
+    stale.sort_by(|a, b| a.name.cmp(&b.name));
+    for p in stale {
+        // A pool of a model whose pods are moving to a pool of another size stays until the
+        // rollout is over.
+        let model = p.labels.get(names::MODEL_ID_LABEL);
+        let moving = models
+            .iter()
+            .any(|m| Some(&m.model_id.to_string()) == model && rolling_out.contains(&m.model_id));
+        if !moving {
+            deletes.push(PoolAction::Delete {
+                pool_id: p.id.clone(),
+                name: p.name.clone(),
+            });
+        }
+    }
+    creates
+        .into_iter()
+        .chain(resizes)
+        .chain(node_deletes)
+        .chain(deletes)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::model::{models, tests::deployment};
+
+    const DI: &str = "0d1e2f3a-0000-4000-8000-00000000d1d1";
+    const M1: &str = "aaaaaaaa-0000-4000-8000-000000000001";
+    const M2: &str = "bbbbbbbb-0000-4000-8000-000000000002";
+
+    fn di() -> Uuid {
+        DI.parse().unwrap()
+    }
+
+    fn id(s: &str) -> Uuid {
+        s.parse().unwrap()
+    }
+
+    fn spec(scale1: i32, with_second: bool) -> Vec<Model> {
+        let mut mds = vec![deployment(M1, "org/a", "gpu-h100x1-80gb", scale1)];
+        if with_second {
+            mds.push(deployment(M2, "org/b", "gpu-mi300x8-1536gb", 1));
+        }
+        models(&mds).unwrap()
+    }
+
+    /// What DO would report after creating the desired pools: `busy` nodes per pool.
+    fn observe(desired: &[DesiredPool]) -> Vec<ObservedPool> {
+        desired
+            .iter()
+            .enumerate()
+            .map(|(i, d)| ObservedPool {
+                id: format!("pool-{i}"),
+                name: d.name.clone(),
+                size: d.size.clone(),
+                count: d.count,
+                labels: d.labels.clone(),
+                nodes: (0..d.count)
+                    .map(|n| ObservedNode {
+                        id: format!("node-{i}-{n}"),
+                        name: format!("{}-{n}", d.name),
+                        busy: true,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    fn none() -> BTreeSet<Uuid> {
+        BTreeSet::new()
+    }
+
+    #[test]
+    fn new_spec_creates_one_pool_per_model() {
+        let actions = node_pools(&di(), &spec(2, true), &none(), &[]);
+        assert_eq!(actions.len(), 2);
+        let PoolAction::Create(p) = &actions[0] else {
+            panic!("{actions:?}")
+        };
+        assert_eq!(p.name, names::node_pool(&di(), &id(M1), "gpu-h100x1-80gb"));
+        assert_eq!(p.size, "gpu-h100x1-80gb");
+        assert_eq!(p.count, 2);
+        assert_eq!(p.labels[names::DI_ID_LABEL], DI);
+        assert_eq!(p.labels[names::MODEL_ID_LABEL], M1);
+        assert!(p.tags.contains(&format!("dedicated-inference:{DI}")));
+    }
+
+    #[test]
+    fn unchanged_spec_gives_no_actions() {
+        let models = spec(2, true);
+        let existing = observe(&desired_pools(&di(), &models, &none(), &[]));
+        assert_eq!(node_pools(&di(), &models, &none(), &existing), vec![]);
+    }
+
+    #[test]
+    fn scale_up_resizes() {
+        let existing = observe(&desired_pools(&di(), &spec(2, false), &none(), &[]));
+        assert_eq!(
+            node_pools(&di(), &spec(4, false), &none(), &existing),
+            vec![PoolAction::Resize {
+                pool_id: "pool-0".into(),
+                name: existing[0].name.clone(),
+                count: 4
+            }]
+        );
+    }
+
+    #[test]
+    fn scale_down_deletes_idle_nodes_only() {
+        let mut existing = observe(&desired_pools(&di(), &spec(3, false), &none(), &[]));
+        // All busy: wait for the Deployment to let go of two nodes.
+        assert_eq!(
+            node_pools(&di(), &spec(1, false), &none(), &existing),
+            vec![]
+        );
+        existing[0].nodes[0].busy = false;
+        existing[0].nodes[2].busy = false;
+        assert_eq!(
+            node_pools(&di(), &spec(1, false), &none(), &existing),
+            vec![
+                PoolAction::DeleteNode {
+                    pool_id: "pool-0".into(),
+                    node_id: "node-0-0".into()
+                },
+                PoolAction::DeleteNode {
+                    pool_id: "pool-0".into(),
+                    node_id: "node-0-2".into()
+                },
+            ]
+        );
+        // Nodes unknown: a plain resize.
+        existing[0].nodes.clear();
+        assert!(matches!(
+            node_pools(&di(), &spec(1, false), &none(), &existing)[..],
+            [PoolAction::Resize { count: 1, .. }]
+        ));
+    }
+
+    #[test]
+    fn removed_model_deletes_its_pool_added_model_creates_one() {
+        let existing = observe(&desired_pools(&di(), &spec(1, true), &none(), &[]));
+        let actions = node_pools(&di(), &spec(1, false), &none(), &existing);
+        assert_eq!(
+            actions,
+            vec![PoolAction::Delete {
+                pool_id: "pool-1".into(),
+                name: existing[1].name.clone()
+            }]
+        );
+        let first_only = observe(&desired_pools(&di(), &spec(1, false), &none(), &[]));
+        let actions = node_pools(&di(), &spec(1, true), &none(), &first_only);
+        assert!(
+            matches!(&actions[..], [PoolAction::Create(p)] if p.model_id == id(M2) && p.size == "gpu-mi300x8-1536gb")
+        );
+    }
+
+    #[test]
+    fn other_dis_pools_are_left_alone() {
+        let other = Uuid::new_v4();
+        let mut theirs = observe(&desired_pools(&other, &spec(1, false), &none(), &[]));
+        theirs[0].id = "theirs".into();
+        let actions = node_pools(&di(), &[], &none(), &theirs);
+        assert_eq!(actions, vec![]);
+        // Also unlabelled pools (e.g. the cluster's CPU pool).
+        theirs[0].labels.clear();
+        assert_eq!(node_pools(&di(), &[], &none(), &theirs), vec![]);
+    }
+
+    #[test]
+    fn rollout_adds_one_surge_node_then_gives_it_back() {
+        let models = spec(2, false);
+        let existing = observe(&desired_pools(&di(), &models, &none(), &[]));
+        let rolling = BTreeSet::from([id(M1)]);
+        assert!(matches!(
+            node_pools(&di(), &models, &rolling, &existing)[..],
+            [PoolAction::Resize { count: 3, .. }]
+        ));
+        // During the rollout at scale + 1: nothing more.
+        let surged = observe(&desired_pools(&di(), &models, &rolling, &[]));
+        assert_eq!(surged[0].count, 3);
+        assert_eq!(node_pools(&di(), &models, &rolling, &surged), vec![]);
+        // Done: the node the old pod left is idle and goes.
+        let mut after = surged.clone();
+        after[0].nodes[1].busy = false;
+        assert_eq!(
+            node_pools(&di(), &models, &none(), &after),
+            vec![PoolAction::DeleteNode {
+                pool_id: "pool-0".into(),
+                node_id: "node-0-1".into()
+            }]
+        );
+    }
+
+    #[test]
+    fn new_size_is_a_new_pool_and_the_old_one_waits_for_the_rollout() {
+        let old = observe(&desired_pools(&di(), &spec(2, false), &none(), &[]));
+        let bigger = models(&[deployment(M1, "org/a", "gpu-h100x8-640gb", 2)]).unwrap();
+        let rolling = BTreeSet::from([id(M1)]);
+        let actions = node_pools(&di(), &bigger, &rolling, &old);
+        // No surge node: the old pool still holds the old pods.
+        assert!(
+            matches!(&actions[..], [PoolAction::Create(p)] if p.count == 2 && p.size == "gpu-h100x8-640gb"),
+            "{actions:?}"
+        );
+        // Rollout over: the old pool goes.
+        let mut both = old.clone();
+        let mut new = observe(&desired_pools(&di(), &bigger, &none(), &old));
+        new[0].id = "pool-new".into();
+        both.extend(new);
+        assert_eq!(
+            node_pools(&di(), &bigger, &none(), &both),
+            vec![PoolAction::Delete {
+                pool_id: "pool-0".into(),
+                name: old[0].name.clone()
+            }]
+        );
+    }
+
+    #[test]
+    fn scale_zero_has_no_surge() {
+        let models = spec(0, false);
+        let d = desired_pools(&di(), &models, &BTreeSet::from([id(M1)]), &[]);
+        assert_eq!(d[0].count, 0);
+    }
+}

@@ -1,0 +1,460 @@
+//! Regions failing, slow or down, central restarting, clients retrying: reads keep working, writes
+//! fail cleanly with 503, and a create happens exactly once on both sides.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::{json, Value};
+use system_tests::proxy::Mode;
+use system_tests::{create_body, eventually, Options, Reply, System};
+use uuid::Uuid;
+
+async fn post_with_key(sys: &System, token: &str, key: &str, body: &Value) -> Reply {
+    let resp = sys
+        .http
+        .post(sys.url("/v2/dedicated-inferences"))
+        .bearer_auth(token)
+        .header("idempotency-key", key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    Reply::from(resp).await
+}
+
+async fn region_rows(sys: &System, region: &str) -> i64 {
+    let url = &sys
+        .regions
+        .iter()
+        .find(|r| r.name == region)
+        .unwrap()
+        .database_url;
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
+    let n = sqlx::query_scalar("SELECT count(*) FROM dedicated_inferences")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    n
+}
+
+async fn listed(sys: &System, token: &str) -> Vec<Value> {
+    let reply = sys
+        .call(
+            Method::GET,
+            "/v2/dedicated-inferences?per_page=200",
+            token,
+            None,
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    reply.body["dedicated_inferences"]
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+#[tokio::test]
+async fn a_down_region_keeps_reads_and_refuses_writes_with_503() {
+    let mut sys = System::start().await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let created = sys
+        .call(
+            Method::POST,
+            "/v2/dedicated-inferences",
+            &token,
+            Some(create_body("steady", "atl1")),
+        )
+        .await;
+    let id = created.body["dedicated_inference"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    sys.region("atl1").go_down();
+    let got = sys
+        .call(
+            Method::GET,
+            &format!("/v2/dedicated-inferences/{id}"),
+            &token,
+            None,
+        )
+        .await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.body["dedicated_inference"]["status"], "new");
+    assert_eq!(listed(&sys, &token).await.len(), 1);
+
+    let spec = created.body["dedicated_inference"]["spec"].clone();
+    for reply in [
+        sys.call(
+            Method::PATCH,
+            &format!("/v2/dedicated-inferences/{id}"),
+            &token,
+            Some(json!({"spec": spec})),
+        )
+        .await,
+        sys.call(
+            Method::DELETE,
+            &format!("/v2/dedicated-inferences/{id}"),
+            &token,
+            None,
+        )
+        .await,
+        sys.call(
+            Method::POST,
+            &format!("/v2/dedicated-inferences/{id}/tokens"),
+            &token,
+            Some(json!({"name": "t"})),
+        )
+        .await,
+        sys.call(
+            Method::POST,
+            "/v2/dedicated-inferences",
+            &token,
+            Some(create_body("during-outage", "atl1")),
+        )
+        .await,
+    ] {
+        reply.assert_error(503, "service_unavailable");
+        assert!(reply.headers.contains_key("retry-after"));
+    }
+    // Other regions are unaffected.
+    let other = sys
+        .call(
+            Method::POST,
+            "/v2/dedicated-inferences",
+            &token,
+            Some(create_body("elsewhere", "nyc2")),
+        )
+        .await;
+    assert_eq!(other.status, 202);
+    // The rename reservation of the failed patch was released: the name is still "steady".
+    assert!(listed(&sys, &token)
+        .await
+        .iter()
+        .any(|d| d["name"] == "steady"));
+
+    // When the region returns, the create that failed during the outage is finished by recovery
+    // (it was accepted into central's pending creates), exactly once.
+    sys.region("atl1").come_back();
+    let names = eventually(Duration::from_secs(15), || async {
+        let names: Vec<String> = listed(&sys, &token)
+            .await
+            .iter()
+            .map(|d| d["name"].as_str().unwrap().to_string())
+            .collect();
+        names
+            .contains(&"during-outage".to_string())
+            .then_some(names)
+    })
+    .await;
+    assert_eq!(names.len(), 3);
+    assert_eq!(region_rows(&sys, "atl1").await, 2);
+}
+
+#[tokio::test]
+async fn a_retried_create_after_region_failure_is_exactly_once() {
+    let mut sys = System::start_with(Options {
+        background: false,
+        ..Options::default()
+    })
+    .await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let body = create_body("retry-me", "tor1");
+
+    sys.region("tor1").go_down();
+    post_with_key(&sys, &token, "k-1", &body)
+        .await
+        .assert_error(503, "service_unavailable");
+    post_with_key(&sys, &token, "k-1", &body)
+        .await
+        .assert_error(503, "service_unavailable");
+    assert_eq!(
+        listed(&sys, &token).await.len(),
+        0,
+        "a create not yet in the region is not listed"
+    );
+
+    sys.region("tor1").come_back();
+    let first = post_with_key(&sys, &token, "k-1", &body).await;
+    assert_eq!(first.status, 202, "{}", first.body);
+    let again = post_with_key(&sys, &token, "k-1", &body).await;
+    assert_eq!(again.status, 202);
+    assert_eq!(
+        again.body, first.body,
+        "the replay is the first response, token included"
+    );
+    assert_eq!(listed(&sys, &token).await.len(), 1);
+    assert_eq!(region_rows(&sys, "tor1").await, 1);
+
+    // The same key with another body is refused.
+    post_with_key(&sys, &token, "k-1", &create_body("other", "tor1"))
+        .await
+        .assert_error(422, "unprocessable_entity");
+}
+
+#[tokio::test]
+async fn a_slow_region_timeout_then_retry_yields_one_di() {
+    let mut sys = System::start_with(Options {
+        region_timeout: Duration::from_millis(500),
+        background: false,
+        ..Options::default()
+    })
+    .await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let body = create_body("slow", "atl1");
+
+    // The region creates the DI, but its answer arrives after central gave up.
+    sys.region("atl1")
+        .proxy
+        .set_mode(Mode::SlowResponses(Duration::from_millis(1500)));
+    post_with_key(&sys, &token, "slow-key", &body)
+        .await
+        .assert_error(503, "service_unavailable");
+    // pydo retries without a key: the retry of an unanswered create finishes it, too.
+    let keyless = sys
+        .call(
+            Method::POST,
+            "/v2/dedicated-inferences",
+            &token,
+            Some(body.clone()),
+        )
+        .await;
+    keyless.assert_error(503, "service_unavailable");
+    eventually(Duration::from_secs(5), || async {
+        (region_rows(&sys, "atl1").await == 1).then_some(())
+    })
+    .await;
+
+    sys.region("atl1").proxy.set_mode(Mode::Pass);
+    let retried = sys
+        .call(
+            Method::POST,
+            "/v2/dedicated-inferences",
+            &token,
+            Some(body.clone()),
+        )
+        .await;
+    assert_eq!(retried.status, 202, "{}", retried.body);
+    let keyed = post_with_key(&sys, &token, "slow-key", &body).await;
+    assert_eq!(keyed.status, 202);
+    assert_eq!(
+        keyed.body["dedicated_inference"]["id"],
+        retried.body["dedicated_inference"]["id"]
+    );
+    assert_eq!(keyed.body["token"]["value"], retried.body["token"]["value"]);
+    assert_eq!(listed(&sys, &token).await.len(), 1);
+    assert_eq!(region_rows(&sys, "atl1").await, 1);
+    // Once answered, a plain retry is a duplicate name, not a second DI.
+    sys.call(Method::POST, "/v2/dedicated-inferences", &token, Some(body))
+        .await
+        .assert_error(409, "conflict");
+}
+
+#[tokio::test]
+async fn recovery_after_central_restart_settles_unanswered_creates() {
+    let mut sys = System::start_with(Options {
+        region_timeout: Duration::from_millis(500),
+        background: false,
+        ..Options::default()
+    })
+    .await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+
+    // One create the region never saw, one the region made but central never heard back from.
+    sys.region("nyc2").go_down();
+    post_with_key(
+        &sys,
+        &token,
+        "never-seen",
+        &create_body("never-seen", "nyc2"),
+    )
+    .await
+    .assert_error(503, "service_unavailable");
+    sys.region("nyc2").come_back();
+    sys.region("nyc2")
+        .proxy
+        .set_mode(Mode::SlowResponses(Duration::from_millis(1500)));
+    post_with_key(
+        &sys,
+        &token,
+        "unanswered",
+        &create_body("unanswered", "nyc2"),
+    )
+    .await
+    .assert_error(503, "service_unavailable");
+    sys.region("nyc2").proxy.set_mode(Mode::Pass);
+
+    // Central restarts: a new process on the same database, running the background work.
+    let mut config = sys.central_config.clone();
+    config.background = true;
+    sys.central = central::Server::start(config)
+        .await
+        .expect("central restarts");
+    sys.base = format!("http://{}", sys.central.addr);
+
+    let names = eventually(Duration::from_secs(20), || async {
+        let list = listed(&sys, &token).await;
+        (list.len() == 2).then_some(list)
+    })
+    .await;
+    assert!(names.iter().all(|d| d["status"] == "new"));
+    assert_eq!(region_rows(&sys, "nyc2").await, 2);
+    // Each key now replays the settled create.
+    for key in ["never-seen", "unanswered"] {
+        let replay = post_with_key(&sys, &token, key, &create_body(key, "nyc2")).await;
+        assert_eq!(replay.status, 202, "{}", replay.body);
+        assert_eq!(replay.body["dedicated_inference"]["name"], key);
+        assert!(replay.body["token"]["value"]
+            .as_str()
+            .unwrap()
+            .starts_with("di_"));
+    }
+    let settled = central::feed::recover_once(&sys.central.app).await.unwrap();
+    assert_eq!(settled, 0, "nothing left pending");
+}
+
+#[tokio::test]
+async fn concurrent_creates_with_one_key_make_one_di() {
+    let sys = System::start().await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let body = create_body("racy", "atl1");
+    let replies = futures_join(&sys, &token, &body).await;
+    let ok: Vec<&Reply> = replies.iter().filter(|r| r.status == 202).collect();
+    assert!(!ok.is_empty());
+    for r in &replies {
+        assert!(
+            r.status == 202 || r.status == 409,
+            "{} {}",
+            r.status,
+            r.body
+        );
+    }
+    let ids: std::collections::HashSet<String> = ok
+        .iter()
+        .map(|r| r.body["dedicated_inference"]["id"].to_string())
+        .collect();
+    assert_eq!(ids.len(), 1);
+    assert_eq!(listed(&sys, &token).await.len(), 1);
+    assert_eq!(region_rows(&sys, "atl1").await, 1);
+}
+
+async fn futures_join(sys: &System, token: &str, body: &Value) -> Vec<Reply> {
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (http, url, token, body) = (
+            sys.http.clone(),
+            sys.url("/v2/dedicated-inferences"),
+            token.to_string(),
+            body.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            Reply::from(
+                http.post(url)
+                    .bearer_auth(token)
+                    .header("idempotency-key", "same")
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap(),
+            )
+            .await
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test]
+async fn idempotent_patch_delete_and_token_create() {
+    let sys = System::start().await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let created = sys
+        .call(
+            Method::POST,
+            "/v2/dedicated-inferences",
+            &token,
+            Some(create_body("keys", "atl1")),
+        )
+        .await;
+    let id = created.body["dedicated_inference"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let send = |method: Method, path: String, key: &'static str, body: Option<Value>| {
+        let mut req = sys
+            .http
+            .request(method, sys.url(&path))
+            .bearer_auth(&token)
+            .header("idempotency-key", key);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        async move { Reply::from(req.send().await.unwrap()).await }
+    };
+    let t1 = send(
+        Method::POST,
+        format!("/v2/dedicated-inferences/{id}/tokens"),
+        "tok",
+        Some(json!({"name": "a"})),
+    )
+    .await;
+    let t2 = send(
+        Method::POST,
+        format!("/v2/dedicated-inferences/{id}/tokens"),
+        "tok",
+        Some(json!({"name": "a"})),
+    )
+    .await;
+    assert_eq!(t1.status, 202);
+    assert_eq!(t1.body, t2.body);
+    let tokens = sys
+        .call(
+            Method::GET,
+            &format!("/v2/dedicated-inferences/{id}/tokens"),
+            &token,
+            None,
+        )
+        .await;
+    assert_eq!(tokens.body["meta"]["total"], 2, "managed + one");
+
+    let spec = created.body["dedicated_inference"]["spec"].clone();
+    let p1 = send(
+        Method::PATCH,
+        format!("/v2/dedicated-inferences/{id}"),
+        "patch",
+        Some(json!({"spec": spec})),
+    )
+    .await;
+    let p2 = send(
+        Method::PATCH,
+        format!("/v2/dedicated-inferences/{id}"),
+        "patch",
+        Some(json!({"spec": spec})),
+    )
+    .await;
+    assert_eq!(p1.status, 202, "{}", p1.body);
+    assert_eq!(
+        p1.body, p2.body,
+        "the retried patch is not a stale-version conflict"
+    );
+
+    let d1 = send(
+        Method::DELETE,
+        format!("/v2/dedicated-inferences/{id}"),
+        "del",
+        None,
+    )
+    .await;
+    let d2 = send(
+        Method::DELETE,
+        format!("/v2/dedicated-inferences/{id}"),
+        "del",
+        None,
+    )
+    .await;
+    assert_eq!((d1.status, d2.status), (202, 202));
+}
