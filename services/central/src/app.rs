@@ -158,15 +158,22 @@ pub fn check_idempotency_key(key: Option<&str>) -> Result<Option<&str>, ApiError
     }
 }
 
-fn update_from(record: &Record, public: Option<&serde_json::Value>) -> (String, String) {
-    let name = record
-        .spec
-        .as_ref()
-        .or(record.pending_spec.as_ref())
-        .map(|s| s.name.clone())
-        .unwrap_or_default();
-    let _ = public;
-    (name, record.status.clone())
+/// The read-model row for a region record and its public view.
+fn read_model_update<'a>(
+    record: &'a Record,
+    public: &'a DedicatedInference,
+    body: &'a serde_json::Value,
+) -> ReadModelUpdate<'a> {
+    ReadModelUpdate {
+        id: record.id,
+        team_id: record.team_id,
+        region: &record.region,
+        name: &public.name,
+        status: &record.status,
+        body: Some(body),
+        gone: record.gone,
+        seq: record.seq,
+    }
 }
 
 impl App {
@@ -308,17 +315,7 @@ impl App {
                 let reply = Reply::json(StatusCode::ACCEPTED, &body);
                 let body_value =
                     serde_json::to_value(&body.dedicated_inference).expect("serialises");
-                let (name, status) = update_from(&record, None);
-                let update = ReadModelUpdate {
-                    id: record.id,
-                    team_id: record.team_id,
-                    region: &record.region,
-                    name: &name,
-                    status: &status,
-                    body: Some(&body_value),
-                    gone: record.gone,
-                    seq: record.seq,
-                };
+                let update = read_model_update(&record, &body.dedicated_inference, &body_value);
                 let sealed_reply = self
                     .sealer
                     .seal(&reply.body, response_aad(team_id).as_bytes());
@@ -854,18 +851,8 @@ impl App {
         let public = DedicatedInference::from_record(record)
             .ok_or_else(|| ApiError::internal("region returned a DI without spec"))?;
         let body = serde_json::to_value(&public).expect("serialises");
-        let (name, status) = update_from(record, None);
         self.store
-            .read_model_apply(&ReadModelUpdate {
-                id: record.id,
-                team_id: record.team_id,
-                region: &record.region,
-                name: &name,
-                status: &status,
-                body: Some(&body),
-                gone: record.gone,
-                seq: record.seq,
-            })
+            .read_model_apply(&read_model_update(record, &public, &body))
             .await
             .map_err(store_error)?;
         Ok(public)

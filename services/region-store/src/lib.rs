@@ -7,6 +7,9 @@
 //! HTTP, the catalog, or the cloud.
 
 mod records;
+mod work;
+
+pub use work::{Claim, ClaimOptions, LedgerEntry, Stall};
 
 use api_types::regional::{
     Accelerator, Changes, CreateRequest, Event, NewToken, Page, Record, Token,

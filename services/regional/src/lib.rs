@@ -200,3 +200,11 @@ impl IntoResponse for ApiError {
             .into_response()
     }
 }
+
+/// The regional API's OpenAPI document, as committed in `openapi/regional.json`.
+pub fn openapi_json() -> String {
+    use utoipa::OpenApi;
+    ApiDoc::openapi()
+        .to_pretty_json()
+        .expect("OpenAPI document serialises")
+}

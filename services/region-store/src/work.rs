@@ -1,0 +1,245 @@
+//! The workers' side of the store: the work queue with leases, stall tracking, and the teardown
+//! ledger of external resources.
+
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::{Result, Store};
+
+/// A lease on one DI: only the holder of `lease_token` may renew or release it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    pub di_id: Uuid,
+    pub lease_token: Uuid,
+    /// The DI's newest outbox position when it was claimed: changes up to here are being handled.
+    pub seq: i64,
+}
+
+/// What to claim.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimOptions {
+    pub lease: Duration,
+    pub limit: i64,
+}
+
+/// One external resource recorded for a DI.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerEntry {
+    pub seq: i64,
+    pub kind: String,
+    pub name: String,
+    /// For namespaces and node pools, the cluster they live in.
+    pub scope: String,
+    pub external_id: Option<String>,
+}
+
+/// How long a DI's progress fingerprint has been unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stall {
+    pub unchanged_for: Duration,
+    /// Whether a stall event was already appended for this fingerprint.
+    pub reported: bool,
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl Store {
+    // -----------------------------------------------------------------------------------------
+    // Work queue
+
+    /// Claims up to `limit` DIs that need work and that no live lease holds, for `lease`. Work is
+    /// needed for status new, provisioning, updating or deleting, for a pending spec, and for an
+    /// active DI's periodic resync; `error` DIs wait for a spec change or a delete. A DI is due
+    /// when its `next_check_after` has passed or it changed since a worker last looked at it.
+    /// `SKIP LOCKED` keeps concurrent claimers apart; an expired lease is free to take.
+    pub async fn work_claim(
+        &self,
+        worker_id: &str,
+        lease: Duration,
+        limit: i64,
+    ) -> Result<Vec<Claim>> {
+        let rows: Vec<(Uuid, Uuid, i64)> = sqlx::query_as(
+            "WITH due AS (
+                 SELECT w.di_id, coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id), 0) AS seq
+                 FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
+                 WHERE d.gone_at IS NULL
+                   AND (w.expires_at IS NULL OR w.expires_at <= now())
+                   AND d.status IN ('new', 'provisioning', 'updating', 'deleting', 'active')
+                   AND (w.next_check_after <= now()
+                        OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id), 0) > w.seen_seq)
+                 ORDER BY w.next_check_after
+                 LIMIT $3
+                 FOR UPDATE OF w SKIP LOCKED
+             )
+             UPDATE work_items w
+             SET holder = $1, lease_token = gen_random_uuid(),
+                 expires_at = now() + $2 * interval '1 millisecond'
+             FROM due WHERE w.di_id = due.di_id
+             RETURNING w.di_id, w.lease_token, due.seq",
+        )
+        .bind(worker_id)
+        .bind(millis(lease) as f64)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(di_id, lease_token, seq)| Claim {
+                di_id,
+                lease_token,
+                seq,
+            })
+            .collect())
+    }
+
+    /// Extends a lease; false when it is no longer ours (expired and taken, or released).
+    pub async fn work_renew(
+        &self,
+        di_id: Uuid,
+        lease_token: Uuid,
+        lease: Duration,
+    ) -> Result<bool> {
+        let done = sqlx::query(
+            "UPDATE work_items SET expires_at = now() + $3 * interval '1 millisecond'
+             WHERE di_id = $1 AND lease_token = $2",
+        )
+        .bind(di_id)
+        .bind(lease_token)
+        .bind(millis(lease) as f64)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Gives a lease back: the DI is next due after `next_check_after` (or as soon as it changes
+    /// past `seen_seq`, the outbox position the worker acted on). False when it was not ours.
+    pub async fn work_release(
+        &self,
+        di_id: Uuid,
+        lease_token: Uuid,
+        seen_seq: i64,
+        next_check_after: Duration,
+    ) -> Result<bool> {
+        let done = sqlx::query(
+            "UPDATE work_items SET holder = NULL, lease_token = NULL, expires_at = NULL,
+                 next_check_after = now() + $4 * interval '1 millisecond',
+                 seen_seq = greatest(seen_seq, $3), checked_at = now()
+             WHERE di_id = $1 AND lease_token = $2",
+        )
+        .bind(di_id)
+        .bind(lease_token)
+        .bind(seen_seq)
+        .bind(millis(next_check_after) as f64)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Records the DI's current progress fingerprint (what it waits for, in which phase) and
+    /// says how long it has been unchanged.
+    pub async fn work_progress(&self, di_id: Uuid, key: &str) -> Result<Stall> {
+        let (ms, reported): (f64, bool) = sqlx::query_as(
+            "UPDATE work_items SET
+                 progress_since = CASE WHEN progress_key IS DISTINCT FROM $2 OR progress_since IS NULL
+                                       THEN now() ELSE progress_since END,
+                 stall_reported = CASE WHEN progress_key IS DISTINCT FROM $2 THEN false ELSE stall_reported END,
+                 progress_key = $2
+             WHERE di_id = $1
+             RETURNING (extract(epoch FROM now() - progress_since) * 1000)::float8, stall_reported",
+        )
+        .bind(di_id)
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?
+        .unwrap_or((0.0, false));
+        Ok(Stall {
+            unchanged_for: Duration::from_millis(ms.max(0.0) as u64),
+            reported,
+        })
+    }
+
+    /// Notes that the stall of the current fingerprint has been reported as an event.
+    pub async fn work_stall_reported(&self, di_id: Uuid) -> Result<()> {
+        sqlx::query("UPDATE work_items SET stall_reported = true WHERE di_id = $1")
+            .bind(di_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Teardown ledger
+
+    /// Records an external resource before (or as) it is created. Idempotent; a known entry
+    /// keeps its position and gains `external_id` when one is given.
+    pub async fn ledger_record(
+        &self,
+        di_id: Uuid,
+        kind: &str,
+        name: &str,
+        scope: &str,
+        external_id: Option<&str>,
+    ) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO teardown_ledger (di_id, kind, name, scope, external_id) VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (di_id, kind, name) DO UPDATE
+                 SET external_id = coalesce(excluded.external_id, teardown_ledger.external_id)
+                 WHERE teardown_ledger.external_id IS DISTINCT FROM coalesce(excluded.external_id, teardown_ledger.external_id)",
+        )
+        .bind(di_id)
+        .bind(kind)
+        .bind(name)
+        .bind(scope)
+        .bind(external_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The DI's recorded resources, oldest first (delete walks them in reverse).
+    pub async fn ledger_entries(&self, di_id: Uuid) -> Result<Vec<LedgerEntry>> {
+        let rows: Vec<(i64, String, String, String, Option<String>)> = sqlx::query_as(
+            "SELECT seq, kind, name, scope, external_id FROM teardown_ledger WHERE di_id = $1 ORDER BY seq",
+        )
+        .bind(di_id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(seq, kind, name, scope, external_id)| LedgerEntry {
+                seq,
+                kind,
+                name,
+                scope,
+                external_id,
+            })
+            .collect())
+    }
+
+    /// Forgets a resource that is gone.
+    pub async fn ledger_remove(&self, di_id: Uuid, kind: &str, name: &str) -> Result<()> {
+        sqlx::query("DELETE FROM teardown_ledger WHERE di_id = $1 AND kind = $2 AND name = $3")
+            .bind(di_id)
+            .bind(kind)
+            .bind(name)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Other live DIs that recorded a use of the cluster `name`: while any exists, the cluster
+    /// must stay.
+    pub async fn ledger_cluster_users(&self, name: &str, except: Uuid) -> Result<Vec<Uuid>> {
+        Ok(sqlx::query_scalar(
+            "SELECT DISTINCT l.di_id FROM teardown_ledger l JOIN dedicated_inferences d ON d.id = l.di_id
+             WHERE l.kind = 'cluster' AND l.name = $1 AND l.di_id <> $2 AND d.gone_at IS NULL",
+        )
+        .bind(name)
+        .bind(except)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+}
