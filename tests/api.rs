@@ -583,3 +583,73 @@ async fn rate_limit_answers_429_with_retry_after() {
     assert!((1..=3600).contains(&retry));
     assert_eq!(limited.headers["ratelimit-limit"], "3");
 }
+
+#[tokio::test]
+async fn regional_services_demand_their_shared_secret() {
+    let sys = System::start().await;
+    let region = &sys.regions[0];
+    let url = format!("http://{}/internal/v1/changes", region.proxy.addr);
+    let anonymous = sys.http.get(&url).send().await.unwrap();
+    assert_eq!(anonymous.status(), 401);
+    let wrong = sys
+        .http
+        .get(&url)
+        .header("x-region-secret", "guess")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let right = sys
+        .http
+        .get(&url)
+        .header("x-region-secret", &region.secret)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(right.status(), 200);
+    // Another region's secret does not open this one.
+    let other = sys
+        .http
+        .get(&url)
+        .header("x-region-secret", &sys.regions[1].secret)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 401);
+}
+
+#[tokio::test]
+async fn metrics_are_served_by_central_and_regions() {
+    let sys = System::start().await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    assert_eq!(
+        sys.call(Method::GET, "/v2/dedicated-inferences", &token, None)
+            .await
+            .status,
+        200
+    );
+    let text = sys
+        .http
+        .get(sys.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.contains("# TYPE http_request_duration_seconds histogram"),
+        "{text}"
+    );
+    assert!(
+        text.contains("route=\"/v2/dedicated-inferences\",method=\"GET\",status=\"200\""),
+        "{text}"
+    );
+    let region = sys
+        .http
+        .get(format!("http://{}/metrics", sys.regions[0].proxy.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(region.status(), 200, "metrics need no region secret");
+}

@@ -157,6 +157,8 @@ pub fn router(app: App) -> axum::Router {
             auth::layer,
         ))
         .route("/healthz", axum::routing::get(|| async { "ok" }))
+        .route("/metrics", axum::routing::get(common::metrics::handler))
+        .layer(axum::middleware::from_fn(common::metrics::layer))
         .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(common::request_id::layer))
         .with_state(app)

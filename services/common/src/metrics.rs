@@ -1,0 +1,186 @@
+//! A small Prometheus registry: counters, gauges and latency histograms with labels, rendered in
+//! the text exposition format on `GET /metrics`. One process-wide registry; label sets are few
+//! (routes, statuses, phases), so a mutex-guarded map is plenty and keeps dependencies at zero.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request};
+use axum::middleware::Next;
+use axum::response::Response;
+
+const BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+type Labels = Vec<(&'static str, String)>;
+
+#[derive(Default)]
+struct Histogram {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+#[derive(Default)]
+struct Families {
+    help: BTreeMap<&'static str, (&'static str, &'static str)>,
+    counters: BTreeMap<(&'static str, Labels), f64>,
+    gauges: BTreeMap<(&'static str, Labels), f64>,
+    histograms: BTreeMap<(&'static str, Labels), Histogram>,
+}
+
+fn registry() -> &'static Mutex<Families> {
+    static REGISTRY: OnceLock<Mutex<Families>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+pub fn counter_add(name: &'static str, help: &'static str, labels: Labels, by: f64) {
+    let mut r = registry().lock().unwrap();
+    r.help.insert(name, ("counter", help));
+    *r.counters.entry((name, labels)).or_default() += by;
+}
+
+pub fn gauge_set(name: &'static str, help: &'static str, labels: Labels, value: f64) {
+    let mut r = registry().lock().unwrap();
+    r.help.insert(name, ("gauge", help));
+    r.gauges.insert((name, labels), value);
+}
+
+pub fn observe(name: &'static str, help: &'static str, labels: Labels, seconds: f64) {
+    let mut r = registry().lock().unwrap();
+    r.help.insert(name, ("histogram", help));
+    let h = r.histograms.entry((name, labels)).or_default();
+    if h.counts.is_empty() {
+        h.counts = vec![0; BUCKETS.len()];
+    }
+    for (i, bound) in BUCKETS.iter().enumerate() {
+        if seconds <= *bound {
+            h.counts[i] += 1;
+        }
+    }
+    h.sum += seconds;
+    h.count += 1;
+}
+
+fn label_text(labels: &Labels, extra: Option<(&str, String)>) -> String {
+    let mut parts: Vec<String> = labels
+        .iter()
+        .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
+        .collect();
+    if let Some((k, v)) = extra {
+        parts.push(format!("{k}=\"{v}\""));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!("{{{}}}", parts.join(","))
+    }
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The registry in Prometheus text format.
+pub fn render() -> String {
+    let r = registry().lock().unwrap();
+    let mut out = String::new();
+    for (name, (kind, help)) in &r.help {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for ((n, labels), v) in r.counters.iter().chain(r.gauges.iter()) {
+            if n == name {
+                let _ = writeln!(out, "{name}{} {v}", label_text(labels, None));
+            }
+        }
+        for ((n, labels), h) in &r.histograms {
+            if n != name {
+                continue;
+            }
+            for (bound, count) in BUCKETS.iter().zip(&h.counts) {
+                let _ = writeln!(
+                    out,
+                    "{name}_bucket{} {count}",
+                    label_text(labels, Some(("le", bound.to_string())))
+                );
+            }
+            let _ = writeln!(
+                out,
+                "{name}_bucket{} {}",
+                label_text(labels, Some(("le", "+Inf".into()))),
+                h.count
+            );
+            let _ = writeln!(out, "{name}_sum{} {}", label_text(labels, None), h.sum);
+            let _ = writeln!(out, "{name}_count{} {}", label_text(labels, None), h.count);
+        }
+    }
+    out
+}
+
+/// Records `http_request_duration_seconds` by route template, method and status.
+pub async fn layer(req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".into());
+    let method = req.method().to_string();
+    let started = Instant::now();
+    let response = next.run(req).await;
+    observe(
+        "http_request_duration_seconds",
+        "HTTP request latency by route, method and status",
+        vec![
+            ("route", route),
+            ("method", method),
+            ("status", response.status().as_u16().to_string()),
+        ],
+        started.elapsed().as_secs_f64(),
+    );
+    response
+}
+
+/// `GET /metrics`.
+pub async fn handler() -> ([(axum::http::HeaderName, &'static str); 1], String) {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        render(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_histograms_counters_and_gauges() {
+        observe(
+            "test_latency_seconds",
+            "test",
+            vec![("route", "/x".into())],
+            0.003,
+        );
+        observe(
+            "test_latency_seconds",
+            "test",
+            vec![("route", "/x".into())],
+            2.0,
+        );
+        counter_add("test_total", "test", vec![("outcome", "ok".into())], 2.0);
+        gauge_set("test_depth", "test", vec![], 7.0);
+        let text = render();
+        assert!(text.contains("# TYPE test_latency_seconds histogram"));
+        assert!(text.contains("test_latency_seconds_bucket{route=\"/x\",le=\"0.005\"} 1"));
+        assert!(text.contains("test_latency_seconds_bucket{route=\"/x\",le=\"+Inf\"} 2"));
+        assert!(text.contains("test_latency_seconds_count{route=\"/x\"} 2"));
+        assert!(text.contains("test_total{outcome=\"ok\"} 2"));
+        assert!(text.contains("test_depth 7"));
+    }
+}
