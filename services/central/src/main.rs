@@ -28,6 +28,11 @@ enum Command {
         #[arg(long)]
         rate_limit_per_hour: Option<i32>,
     },
+    /// Apply the embedded migrations to DATABASE_URL and exit.
+    Migrate {
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+    },
     /// Print the public OpenAPI document.
     Openapi,
 }
@@ -39,7 +44,7 @@ async fn main() -> anyhow::Result<()> {
             common::telemetry::init("central");
             let server = central::Server::start(config).await?;
             tracing::info!(addr = %server.addr, "central API listening");
-            tokio::signal::ctrl_c().await?;
+            common::telemetry::shutdown_signal().await;
             tracing::info!("shutting down");
         }
         Command::MintToken {
@@ -73,6 +78,12 @@ async fn main() -> anyhow::Result<()> {
                 .await?;
             eprintln!("team {team}, scopes {}", scopes.join(","));
             println!("{value}");
+        }
+        Command::Migrate { database_url } => {
+            common::telemetry::init("central");
+            let pool = sqlx::PgPool::connect(&database_url).await?;
+            central_store::MIGRATOR.run(&pool).await?;
+            tracing::info!("migrations applied");
         }
         Command::Openapi => {
             println!("{}", central::openapi_json());

@@ -21,3 +21,19 @@ pub fn init(service: &'static str) {
         tracing::info!(service, "logging initialised");
     }
 }
+
+/// Resolves on Ctrl-C (SIGINT) or SIGTERM, which is what Kubernetes sends to stop a pod.
+pub async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}

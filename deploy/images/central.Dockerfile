@@ -1,0 +1,31 @@
+# syntax=docker/dockerfile:1
+# Image of the central binary. Build from the repository root:
+#   docker build -f deploy/images/central.Dockerfile -t dedicated-inference/central:TAG .
+
+FROM rust:1-bookworm AS build
+WORKDIR /src
+# Only what the workspace needs to compile: every member's manifest and source, the embedded
+# migrations and catalog. Cargo.lock is honoured as committed (--locked).
+COPY Cargo.toml Cargo.lock ./
+COPY services services
+COPY tests tests
+COPY migrations migrations
+COPY catalog catalog
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked -p central \
+    && install -D -m 0755 target/release/central /out/central
+
+FROM debian:bookworm-slim
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 app \
+    && useradd --system --uid 10001 --gid app --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin app
+COPY --from=build /out/central /usr/local/bin/central
+# Numeric, so Kubernetes can verify runAsNonRoot without a runAsUser of its own.
+USER 10001:10001
+# The binary shuts down on SIGINT; as PID 1 without a handler it would ignore SIGTERM.
+STOPSIGNAL SIGINT
+ENTRYPOINT ["/usr/local/bin/central"]
+CMD ["serve"]
