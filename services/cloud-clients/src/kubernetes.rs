@@ -1,0 +1,610 @@
+//! A client for one Kubernetes API server, working on manifests as JSON values (`apiVersion`,
+//! `kind`, `metadata`, ...), as the worker's planner renders them.
+//!
+//! Writes are server-side apply under one field manager with `force`, so a second pass over an
+//! unchanged manifest writes nothing. Kinds resolve through a static table ([`known_resource`]),
+//! so no discovery round trip is needed. Transient failures (429, 409, 5xx, connection errors)
+//! are retried per [`RetryConfig`]; kube's own retry layer is turned off so that this is the only
+//! retry policy and its time bound holds.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use either::Either;
+use kube::api::{ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+use serde_json::Value;
+
+use crate::retry::{retry, RetryClass, RetryConfig};
+
+// ------------------------------------------------------------------ errors
+
+/// A failed Kubernetes API call.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    /// The API server answered with a failure `Status`.
+    #[error("Kubernetes API {code} {reason}: {message}")]
+    Api {
+        code: u16,
+        /// `NotFound`, `Conflict`, `Invalid`, `Forbidden`, `TooManyRequests`, ...
+        reason: String,
+        message: String,
+        /// `details.retryAfterSeconds`, when the server sent it.
+        retry_after: Option<Duration>,
+    },
+    /// The request did not complete (connection refused or reset, timeout).
+    #[error("Kubernetes API unreachable: {0}")]
+    Transport(#[source] kube::Error),
+    /// Anything else kube reported (undecodable response, auth plugin failure, ...).
+    #[error("Kubernetes client error: {0}")]
+    Client(#[source] kube::Error),
+    /// The kubeconfig could not be used.
+    #[error("kubeconfig: {0}")]
+    Config(String),
+    /// A kind missing from the static table.
+    #[error("unsupported kind {kind} in {api_version}")]
+    UnknownKind { api_version: String, kind: String },
+    /// A manifest without what the call needs (apiVersion, kind, metadata.name, a namespace for
+    /// a namespaced kind).
+    #[error("invalid object: {0}")]
+    InvalidObject(String),
+}
+
+impl KubeError {
+    /// 429, 409 (a conflicting write: retry), 5xx and requests that did not complete.
+    /// Validation errors (400, 422), 401, 403 (including "namespace is terminating"), 404 and
+    /// local errors are permanent.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            KubeError::Api { code, .. } => *code == 429 || *code == 409 || *code >= 500,
+            KubeError::Transport(_) => true,
+            _ => false,
+        }
+    }
+
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, KubeError::Api { code: 404, .. })
+    }
+
+    pub fn is_forbidden(&self) -> bool {
+        matches!(self, KubeError::Api { code: 403, .. })
+    }
+
+    /// The HTTP status of an API error.
+    pub fn code(&self) -> Option<u16> {
+        match self {
+            KubeError::Api { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// The `Status.reason` of an API error.
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            KubeError::Api { reason, .. } => Some(reason),
+            _ => None,
+        }
+    }
+}
+
+impl From<kube::Error> for KubeError {
+    fn from(e: kube::Error) -> Self {
+        match e {
+            kube::Error::Api(s) => KubeError::Api {
+                code: s.code,
+                reason: s.reason.clone(),
+                message: s.message.clone(),
+                retry_after: s
+                    .details
+                    .as_ref()
+                    .map(|d| d.retry_after_seconds)
+                    .filter(|s| *s > 0)
+                    .map(|s| Duration::from_secs(s.into())),
+            },
+            e @ (kube::Error::HyperError(_)
+            | kube::Error::Service(_)
+            | kube::Error::ReadEvents(_)) => KubeError::Transport(e),
+            e => KubeError::Client(e),
+        }
+    }
+}
+
+impl RetryClass for KubeError {
+    fn is_transient(&self) -> bool {
+        KubeError::is_transient(self)
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            KubeError::Api { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+}
+
+// ------------------------------------------------------------------ kinds
+
+/// (group, kind, plural, namespaced) of every kind the control plane writes or reads.
+const KINDS: &[(&str, &str, &str, bool)] = &[
+    ("", "Namespace", "namespaces", false),
+    ("", "Node", "nodes", false),
+    ("", "Secret", "secrets", true),
+    ("", "ConfigMap", "configmaps", true),
+    ("", "ServiceAccount", "serviceaccounts", true),
+    ("", "Service", "services", true),
+    ("", "Pod", "pods", true),
+    ("", "Event", "events", true),
+    ("events.k8s.io", "Event", "events", true),
+    ("apps", "Deployment", "deployments", true),
+    ("rbac.authorization.k8s.io", "Role", "roles", true),
+    (
+        "rbac.authorization.k8s.io",
+        "RoleBinding",
+        "rolebindings",
+        true,
+    ),
+    (
+        "gateway.networking.k8s.io",
+        "GatewayClass",
+        "gatewayclasses",
+        false,
+    ),
+    ("gateway.networking.k8s.io", "Gateway", "gateways", true),
+    ("gateway.networking.k8s.io", "HTTPRoute", "httproutes", true),
+    (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        "inferencepools",
+        true,
+    ),
+];
+
+/// A kind from the static table, at the version the caller asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KnownResource {
+    pub api_resource: ApiResource,
+    pub namespaced: bool,
+}
+
+/// Resolves `apiVersion` + `kind` without a discovery call. The version is taken as given (the
+/// server answers 404 for one it does not serve); group and kind must be in the table.
+pub fn known_resource(api_version: &str, kind: &str) -> Option<KnownResource> {
+    let (group, version) = match api_version.split_once('/') {
+        Some((g, v)) => (g, v),
+        None => ("", api_version),
+    };
+    if version.is_empty() {
+        return None;
+    }
+    KINDS
+        .iter()
+        .find(|(g, k, _, _)| *g == group && *k == kind)
+        .map(|(g, k, plural, namespaced)| KnownResource {
+            api_resource: ApiResource {
+                group: g.to_string(),
+                version: version.to_string(),
+                api_version: api_version.to_string(),
+                kind: k.to_string(),
+                plural: plural.to_string(),
+            },
+            namespaced: *namespaced,
+        })
+}
+
+// ------------------------------------------------------------------ results
+
+/// The outcome of [`KubeClient::apply`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Applied {
+    /// The object was created, or the apply changed it (its `resourceVersion` moved and more
+    /// than its status did). False for a second apply of the same manifest.
+    pub changed: bool,
+    /// The object as the server returned it.
+    pub object: Value,
+}
+
+/// The outcome of [`KubeClient::delete`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deleted {
+    /// Nothing to delete: it was already gone (404), which is success.
+    AlreadyGone,
+    /// Deletion started but the object still exists (finalizers, a Terminating Namespace still
+    /// emptying, foreground dependents). Delete again or get it later to see it go.
+    Deleting,
+    /// The object is gone.
+    Deleted,
+}
+
+// ------------------------------------------------------------------ client
+
+/// Transport settings of a [`KubeClient`].
+#[derive(Debug, Clone)]
+pub struct KubeClientOptions {
+    pub connect_timeout: Duration,
+    /// Time to wait for a response (these clients do no watches).
+    pub read_timeout: Duration,
+    pub write_timeout: Duration,
+    pub retry: RetryConfig,
+}
+
+impl Default for KubeClientOptions {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(5),
+            read_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(30),
+            retry: RetryConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    mutating: AtomicU64,
+    changes: AtomicU64,
+}
+
+/// A client for one cluster's API server, writing under one field manager. Cheap to clone;
+/// clones share the connection pool and the counters.
+#[derive(Clone)]
+pub struct KubeClient {
+    client: Client,
+    field_manager: String,
+    retry: RetryConfig,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for KubeClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeClient")
+            .field("field_manager", &self.field_manager)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KubeClient {
+    /// A client from a kubeconfig document (its current context), e.g. the one DigitalOcean's
+    /// `/v2/kubernetes/clusters/{id}/kubeconfig` returns. Plain `http://` servers work.
+    pub async fn from_kubeconfig_yaml(
+        yaml: &str,
+        field_manager: &str,
+    ) -> Result<KubeClient, KubeError> {
+        Self::from_kubeconfig_yaml_with(yaml, field_manager, KubeClientOptions::default()).await
+    }
+
+    pub async fn from_kubeconfig_yaml_with(
+        yaml: &str,
+        field_manager: &str,
+        options: KubeClientOptions,
+    ) -> Result<KubeClient, KubeError> {
+        if field_manager.is_empty() {
+            return Err(KubeError::Config(
+                "the field manager must not be empty".into(),
+            ));
+        }
+        // Errors from here may quote the document; say what failed without echoing it (it
+        // carries the cluster token).
+        let kubeconfig = Kubeconfig::from_yaml(yaml).map_err(|_| {
+            KubeError::Config("the kubeconfig is not valid YAML of a kubeconfig".into())
+        })?;
+        let mut config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| {
+                KubeError::Config(format!(
+                    "the kubeconfig cannot be used: {}",
+                    kubeconfig_error_kind(&e)
+                ))
+            })?;
+        config.default_retry = false;
+        config.connect_timeout = Some(options.connect_timeout);
+        config.read_timeout = Some(options.read_timeout);
+        config.write_timeout = Some(options.write_timeout);
+        config.reset_reader_on_write = true;
+        let client = Client::try_from(config)
+            .map_err(|e| KubeError::Config(format!("building the client: {e}")))?;
+        Ok(Self::from_client(client, field_manager, options.retry))
+    }
+
+    /// Wraps an existing kube client (its own retry layer should be off).
+    pub fn from_client(client: Client, field_manager: &str, retry: RetryConfig) -> KubeClient {
+        KubeClient {
+            client,
+            field_manager: field_manager.to_string(),
+            retry,
+            counters: Arc::new(Counters::default()),
+        }
+    }
+
+    /// The same client with another retry policy (counters stay shared).
+    pub fn with_retry(mut self, retry: RetryConfig) -> KubeClient {
+        self.retry = retry;
+        self
+    }
+
+    /// The underlying kube client, for typed APIs or watches.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    pub fn field_manager(&self) -> &str {
+        &self.field_manager
+    }
+
+    /// Write requests (apply PATCHes, DELETEs) sent, every attempt counted, no-op applies
+    /// included.
+    pub fn mutating_requests(&self) -> u64 {
+        self.counters.mutating.load(Ordering::SeqCst)
+    }
+
+    /// Writes that changed something: applies with `changed == true` and deletes that found the
+    /// object. A second reconcile pass over an unchanged spec leaves this unchanged.
+    pub fn changes(&self) -> u64 {
+        self.counters.changes.load(Ordering::SeqCst)
+    }
+
+    fn api(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: Option<&str>,
+        all_namespaces: bool,
+    ) -> Result<(Api<DynamicObject>, ApiResource), KubeError> {
+        let known = known_resource(api_version, kind).ok_or_else(|| KubeError::UnknownKind {
+            api_version: api_version.to_string(),
+            kind: kind.to_string(),
+        })?;
+        let ar = known.api_resource;
+        let api = if !known.namespaced {
+            Api::all_with(self.client.clone(), &ar)
+        } else {
+            match namespace.filter(|n| !n.is_empty()) {
+                Some(ns) => Api::namespaced_with(self.client.clone(), ns, &ar),
+                None if all_namespaces => Api::all_with(self.client.clone(), &ar),
+                None => {
+                    return Err(KubeError::InvalidObject(format!(
+                        "{kind} is namespaced: a namespace is required"
+                    )))
+                }
+            }
+        };
+        Ok((api, ar))
+    }
+
+    /// Server-side apply of `obj` under this client's field manager, with `force` (we own what
+    /// we render). Fields this manager applied before and `obj` omits are removed.
+    pub async fn apply(&self, obj: &Value) -> Result<Applied, KubeError> {
+        let field = |p: &str| {
+            obj.pointer(p)
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+        };
+        let api_version =
+            field("/apiVersion").ok_or_else(|| KubeError::InvalidObject("no apiVersion".into()))?;
+        let kind = field("/kind").ok_or_else(|| KubeError::InvalidObject("no kind".into()))?;
+        let name = field("/metadata/name")
+            .ok_or_else(|| KubeError::InvalidObject(format!("{kind} without metadata.name")))?;
+        let (api, _) = self.api(api_version, kind, field("/metadata/namespace"), false)?;
+        let before = retry(&self.retry, "kubernetes get", || async {
+            api.get_opt(name).await.map_err(KubeError::from)
+        })
+        .await?;
+        let params = PatchParams::apply(&self.field_manager).force();
+        let after = retry(&self.retry, "kubernetes apply", || async {
+            self.counters.mutating.fetch_add(1, Ordering::SeqCst);
+            api.patch(name, &params, &Patch::Apply(obj))
+                .await
+                .map_err(KubeError::from)
+        })
+        .await?;
+        let after = serde_json::to_value(&after)
+            .map_err(|e| KubeError::InvalidObject(format!("response: {e}")))?;
+        let changed = match before {
+            None => true,
+            Some(b) => {
+                let b = serde_json::to_value(&b)
+                    .map_err(|e| KubeError::InvalidObject(format!("response: {e}")))?;
+                changed(&b, &after, &self.field_manager)
+            }
+        };
+        if changed {
+            self.counters.changes.fetch_add(1, Ordering::SeqCst);
+        }
+        tracing::debug!(kind, name, changed, "applied");
+        Ok(Applied {
+            changed,
+            object: after,
+        })
+    }
+
+    /// The object, or `None` if it does not exist. `namespace` is ignored for cluster-scoped
+    /// kinds and required for namespaced ones.
+    pub async fn get(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Option<Value>, KubeError> {
+        let (api, ar) = self.api(api_version, kind, namespace, false)?;
+        let got = retry(&self.retry, "kubernetes get", || async {
+            api.get_opt(name).await.map_err(KubeError::from)
+        })
+        .await?;
+        got.map(|o| to_value(o, &ar)).transpose()
+    }
+
+    /// Objects matching `label_selector` (may be empty), in `namespace`, or in every namespace
+    /// when `None`. Items carry `apiVersion` and `kind`.
+    pub async fn list(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: Option<&str>,
+        label_selector: &str,
+    ) -> Result<Vec<Value>, KubeError> {
+        let (api, ar) = self.api(api_version, kind, namespace, true)?;
+        let mut params = ListParams::default();
+        if !label_selector.is_empty() {
+            params = params.labels(label_selector);
+        }
+        let list = retry(&self.retry, "kubernetes list", || async {
+            api.list(&params).await.map_err(KubeError::from)
+        })
+        .await?;
+        list.items.into_iter().map(|o| to_value(o, &ar)).collect()
+    }
+
+    /// Deletes with Background propagation. A missing object (or a missing namespace) is
+    /// [`Deleted::AlreadyGone`], never an error, so a teardown is not blocked by a child that is
+    /// already gone. A Namespace answers [`Deleted::Deleting`] while it is Terminating.
+    pub async fn delete(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Deleted, KubeError> {
+        let (api, _) = self.api(api_version, kind, namespace, false)?;
+        let params = DeleteParams::background();
+        let outcome = retry(&self.retry, "kubernetes delete", || async {
+            self.counters.mutating.fetch_add(1, Ordering::SeqCst);
+            match api.delete(name, &params).await {
+                Ok(Either::Left(_still_there)) => Ok(Deleted::Deleting),
+                Ok(Either::Right(_status)) => Ok(Deleted::Deleted),
+                Err(e) => match KubeError::from(e) {
+                    e if e.is_not_found() => Ok(Deleted::AlreadyGone),
+                    e => Err(e),
+                },
+            }
+        })
+        .await?;
+        if outcome != Deleted::AlreadyGone {
+            self.counters.changes.fetch_add(1, Ordering::SeqCst);
+        }
+        tracing::debug!(kind, name, ?outcome, "deleted");
+        Ok(outcome)
+    }
+}
+
+/// Names the kind of kubeconfig problem without quoting values (which may hold the token).
+fn kubeconfig_error_kind(e: &kube::config::KubeconfigError) -> String {
+    let s = e.to_string();
+    // The variants' messages are fixed strings followed by details; keep the fixed part.
+    s.split(':').next().unwrap_or("invalid").trim().to_string()
+}
+
+fn to_value(obj: DynamicObject, ar: &ApiResource) -> Result<Value, KubeError> {
+    let mut v = serde_json::to_value(&obj)
+        .map_err(|e| KubeError::InvalidObject(format!("response: {e}")))?;
+    if let Some(m) = v.as_object_mut() {
+        m.entry("apiVersion")
+            .or_insert_with(|| Value::String(ar.api_version.clone()));
+        m.entry("kind")
+            .or_insert_with(|| Value::String(ar.kind.clone()));
+    }
+    Ok(v)
+}
+
+/// Whether an apply changed the object: its `resourceVersion` moved, and not only because a
+/// controller wrote its status (or another manager's bookkeeping) between our get and our apply.
+fn changed(before: &Value, after: &Value, manager: &str) -> bool {
+    let rv = |v: &Value| v.pointer("/metadata/resourceVersion").cloned();
+    if rv(before) == rv(after) {
+        return false;
+    }
+    fingerprint(before, manager) != fingerprint(after, manager)
+}
+
+fn fingerprint(obj: &Value, manager: &str) -> Value {
+    let mut o = obj.clone();
+    if let Some(m) = o.as_object_mut() {
+        m.remove("status");
+        if let Some(meta) = m.get_mut("metadata").and_then(Value::as_object_mut) {
+            meta.remove("resourceVersion");
+            meta.remove("generation");
+            if let Some(mf) = meta.get_mut("managedFields").and_then(Value::as_array_mut) {
+                mf.retain(|e| {
+                    e.get("manager").and_then(Value::as_str) == Some(manager)
+                        && e.get("subresource").is_none()
+                });
+            }
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn resolves_kinds_and_scopes() {
+        let ns = known_resource("v1", "Namespace").unwrap();
+        assert!(!ns.namespaced);
+        assert_eq!(ns.api_resource.plural, "namespaces");
+        assert_eq!(ns.api_resource.group, "");
+        let d = known_resource("apps/v1", "Deployment").unwrap();
+        assert!(d.namespaced);
+        assert_eq!(
+            (
+                d.api_resource.group.as_str(),
+                d.api_resource.version.as_str()
+            ),
+            ("apps", "v1")
+        );
+        let route = known_resource("gateway.networking.k8s.io/v1", "HTTPRoute").unwrap();
+        assert_eq!(route.api_resource.plural, "httproutes");
+        let pool = known_resource("inference.networking.k8s.io/v1", "InferencePool").unwrap();
+        assert_eq!(pool.api_resource.plural, "inferencepools");
+        assert!(known_resource("v1", "Deployment").is_none());
+        assert!(known_resource("apps/v1", "StatefulSet").is_none());
+        assert!(known_resource("apps/", "Deployment").is_none());
+        for (_, kind, _, _) in KINDS {
+            assert!(KINDS.iter().filter(|(_, k, _, _)| k == kind).count() <= 2);
+        }
+    }
+
+    #[test]
+    fn status_only_changes_are_not_changes() {
+        let before = json!({
+            "metadata": {"name": "a", "resourceVersion": "5", "managedFields": [
+                {"manager": "me", "operation": "Apply", "time": "t1"}]},
+            "spec": {"x": 1}, "status": {"ready": 0}
+        });
+        let mut status_moved = before.clone();
+        status_moved["metadata"]["resourceVersion"] = json!("6");
+        status_moved["status"]["ready"] = json!(1);
+        status_moved["metadata"]["managedFields"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"manager": "ctrl", "operation": "Update", "subresource": "status"}));
+        assert!(!changed(&before, &status_moved, "me"));
+        let mut spec_moved = status_moved.clone();
+        spec_moved["spec"]["x"] = json!(2);
+        assert!(changed(&before, &spec_moved, "me"));
+        // Same resourceVersion: nothing was written, whatever the rest says.
+        assert!(!changed(&before, &before, "me"));
+    }
+
+    #[test]
+    fn error_classes() {
+        let api = |code: u16| KubeError::Api {
+            code,
+            reason: String::new(),
+            message: String::new(),
+            retry_after: None,
+        };
+        for code in [409, 429, 500, 503] {
+            assert!(api(code).is_transient(), "{code}");
+        }
+        for code in [400, 401, 403, 404, 422] {
+            assert!(!api(code).is_transient(), "{code}");
+        }
+        assert!(api(404).is_not_found());
+        assert!(api(403).is_forbidden());
+        assert!(!KubeError::InvalidObject("x".into()).is_transient());
+    }
+}

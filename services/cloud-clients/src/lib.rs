@@ -1,0 +1,15 @@
+//! Production clients for the clouds the control plane drives: DigitalOcean's public API (VPCs,
+//! DOKS clusters and their kubeconfigs, node pools, load balancers) and the Kubernetes API servers
+//! of those clusters (server-side apply, get, list and delete of the kinds we render). This crate
+//! owns transport concerns only: authentication, timeouts, typed request and response shapes,
+//! classifying errors as transient or permanent, retrying transient ones with jittered backoff,
+//! and counting the writes it sends. It knows nothing of dedicated inferences, databases or
+//! planning, and it must never log a credential.
+
+pub mod digitalocean;
+pub mod kubernetes;
+pub mod retry;
+
+pub use digitalocean::{DoClient, DoClientOptions, DoError};
+pub use kubernetes::{Applied, Deleted, KubeClient, KubeClientOptions, KubeError};
+pub use retry::RetryConfig;
