@@ -1,0 +1,113 @@
+//! `worker`: the reconcile worker of one region. Flags fall back to environment variables;
+//! pass secrets through the environment (or `*_FILE` variables naming a file), not argv.
+
+use std::time::Duration;
+
+use clap::Parser;
+use worker::runtime::{Config, Worker};
+
+#[derive(Parser)]
+#[command(
+    name = "worker",
+    about = "Reconcile worker of one Dedicated Inference region"
+)]
+struct Args {
+    /// Region slug, e.g. atl1.
+    #[arg(long, env = "REGION")]
+    region: String,
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// DigitalOcean API base URL (paths start with /v2).
+    #[arg(
+        long,
+        env = "DO_API_URL",
+        default_value = "https://api.digitalocean.com"
+    )]
+    do_api_url: String,
+    /// DigitalOcean API token (or DO_TOKEN_FILE).
+    #[arg(long, env = "DO_TOKEN", hide_env_values = true)]
+    do_token: Option<String>,
+    /// Base64 of the 32-byte key sealing secrets at rest (or SEAL_KEY_FILE).
+    #[arg(long, env = "SEAL_KEY", hide_env_values = true)]
+    seal_key: Option<String>,
+    /// Key deriving each DI's probe token; the same on every worker (or PROBE_SECRET_FILE).
+    #[arg(long, env = "PROBE_SECRET", hide_env_values = true)]
+    probe_secret: Option<String>,
+    /// This worker's name in leases (default: a random one).
+    #[arg(long, env = "WORKER_ID")]
+    worker_id: Option<String>,
+    /// Reconcile passes running at once.
+    #[arg(long, env = "WORKER_CONCURRENCY", default_value_t = 8)]
+    concurrency: usize,
+    #[arg(long, env = "WORKER_LEASE_SECS", default_value_t = 30)]
+    lease_secs: u64,
+    #[arg(long, env = "WORKER_TICK_MS", default_value_t = 5000)]
+    tick_ms: u64,
+    /// Polling interval while waiting for the cloud.
+    #[arg(long, env = "WORKER_POLL_MS", default_value_t = 2000)]
+    poll_ms: u64,
+    /// Periodic resync of converged DIs.
+    #[arg(long, env = "WORKER_RESYNC_SECS", default_value_t = 300)]
+    resync_secs: u64,
+    /// No progress for this long in a phase turns the DI to error.
+    #[arg(long, env = "WORKER_STALL_TIMEOUT_SECS", default_value_t = 1800)]
+    stall_timeout_secs: u64,
+    #[arg(long, env = "GATEWAY_CLASS", default_value = "inference-gateway")]
+    gateway_class: String,
+    /// Size and node count of the CPU pool of new clusters.
+    #[arg(long, env = "SYSTEM_POOL_SIZE", default_value = "s-4vcpu-8gb")]
+    system_pool_size: String,
+    #[arg(long, env = "SYSTEM_POOL_COUNT", default_value_t = 2)]
+    system_pool_count: u32,
+    #[arg(long, env = "KUBERNETES_VERSION", default_value = "latest")]
+    kubernetes_version: String,
+}
+
+/// A secret from its flag/variable, else from the file `<VAR>_FILE` names.
+fn secret(value: Option<String>, var: &str) -> anyhow::Result<String> {
+    if let Some(v) = value.filter(|v| !v.is_empty()) {
+        return Ok(v);
+    }
+    let file_var = format!("{var}_FILE");
+    let path = std::env::var(&file_var)
+        .map_err(|_| anyhow::anyhow!("{var} (or {file_var}) is required"))?;
+    let v =
+        std::fs::read_to_string(&path).map_err(|e| anyhow::anyhow!("reading {file_var}: {e}"))?;
+    Ok(v.trim().to_string())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    common::telemetry::init("worker");
+    let args = Args::parse();
+    let do_token = secret(args.do_token, "DO_TOKEN")?;
+    let seal_key = secret(args.seal_key, "SEAL_KEY")?;
+    let probe_secret = secret(args.probe_secret, "PROBE_SECRET")?;
+    let mut config = Config::new(
+        &args.region,
+        &args.database_url,
+        &seal_key,
+        &args.do_api_url,
+        &do_token,
+        probe_secret.as_bytes(),
+    );
+    if let Some(id) = args.worker_id {
+        config.worker_id = id;
+    }
+    config.concurrency = args.concurrency.max(1);
+    config.lease = Duration::from_secs(args.lease_secs.max(1));
+    config.tick = Duration::from_millis(args.tick_ms.max(10));
+    config.stall_timeout = Duration::from_secs(args.stall_timeout_secs.max(1));
+    config.settings.poll = Duration::from_millis(args.poll_ms.max(10));
+    config.settings.resync = Duration::from_secs(args.resync_secs.max(1));
+    config.settings.gateway_class = args.gateway_class;
+    config.settings.system_pool_size = args.system_pool_size;
+    config.settings.system_pool_count = args.system_pool_count.max(1);
+    config.settings.kubernetes_version = args.kubernetes_version;
+    tracing::info!(?config, "starting");
+    let worker = Worker::start(config).await?;
+    common::telemetry::shutdown_signal().await;
+    tracing::info!("shutting down; finishing running passes");
+    worker.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,845 @@
+//! One reconcile pass over one dedicated inference: observe the cloud (DigitalOcean and the VPC
+//! cluster's Kubernetes API), plan with the pure functions of [`crate::plan`], apply, and record
+//! progress and status in the regional store. A pass never blocks on the cloud: when something
+//! is still on its way (a cluster provisioning, pods loading a model) it says what it waits for
+//! and when to look again.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use api_types::regional::{Record, StoredSpec};
+use base64::Engine;
+use cloud_clients::digitalocean::{
+    Cluster, ClusterCreateRequest, ClusterState, NodePoolCreateRequest, NodePoolUpdateRequest,
+};
+use cloud_clients::{Deleted, DoClient, DoError, KubeClient, KubeError};
+use hmac::{Hmac, Mac};
+use region_store::{Endpoints, ObservedAccelerator, Store, StoreError};
+use serde_json::Value;
+use sha2::Sha256;
+use uuid::Uuid;
+
+use crate::plan::{self, names, AccessTokenHash, Images, ManifestInput, PoolAction, TlsPair};
+
+/// Ledger kinds (see the `teardown_ledger` table).
+pub const LEDGER_CLUSTER: &str = "cluster";
+pub const LEDGER_NODE_POOL: &str = "node_pool";
+pub const LEDGER_NAMESPACE: &str = "namespace";
+
+/// The kinds the worker renders, observed for readiness and pruning: (apiVersion, kind).
+const RENDERED_KINDS: &[(&str, &str)] = &[
+    ("v1", "Secret"),
+    ("v1", "ConfigMap"),
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("gateway.networking.k8s.io/v1", "Gateway"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+];
+
+/// What a worker needs beyond its clients.
+#[derive(Clone)]
+pub struct Settings {
+    pub region: String,
+    /// The Kubernetes field manager every object is applied under.
+    pub field_manager: String,
+    pub gateway_class: String,
+    pub images: Images,
+    /// DOKS version slug for new clusters (`latest` or e.g. `1.33.1-do.3`).
+    pub kubernetes_version: String,
+    /// The CPU node pool every new cluster gets (DOKS needs one; the EPP and gateway run there).
+    pub system_pool_size: String,
+    pub system_pool_count: u32,
+    /// Key of the HMAC that derives each DI's probe token (the same on every worker).
+    pub probe_secret: Vec<u8>,
+    pub probe_timeout: Duration,
+    /// How soon to look again while waiting for the cloud.
+    pub poll: Duration,
+    /// How soon to look again at a converged DI (periodic resync).
+    pub resync: Duration,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("region", &self.region)
+            .field("field_manager", &self.field_manager)
+            .field("gateway_class", &self.gateway_class)
+            .field("kubernetes_version", &self.kubernetes_version)
+            .field("system_pool_size", &self.system_pool_size)
+            .field("system_pool_count", &self.system_pool_count)
+            .field("probe_secret", &"<redacted>")
+            .field("poll", &self.poll)
+            .field("resync", &self.resync)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Settings {
+    /// Defaults for everything but the region and the probe secret.
+    pub fn new(region: &str, probe_secret: &[u8]) -> Self {
+        Settings {
+            region: region.to_string(),
+            field_manager: names::MANAGED_BY.to_string(),
+            gateway_class: plan::manifests::DEFAULT_GATEWAY_CLASS.to_string(),
+            images: Images::default(),
+            kubernetes_version: "latest".to_string(),
+            system_pool_size: "s-4vcpu-8gb".to_string(),
+            system_pool_count: 2,
+            probe_secret: probe_secret.to_vec(),
+            probe_timeout: Duration::from_secs(5),
+            poll: Duration::from_secs(2),
+            resync: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Why a pass failed. Transient failures are retried with backoff; permanent ones put the DI in
+/// `error` until its spec changes.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("transient: {0}")]
+    Transient(String),
+    #[error("{reason}: {message}")]
+    Permanent { reason: String, message: String },
+}
+
+impl ReconcileError {
+    pub fn is_transient(&self) -> bool {
+        matches!(self, ReconcileError::Transient(_))
+    }
+
+    fn permanent(reason: &str, message: impl Into<String>) -> Self {
+        ReconcileError::Permanent {
+            reason: reason.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<DoError> for ReconcileError {
+    fn from(e: DoError) -> Self {
+        if e.is_capacity() {
+            return ReconcileError::permanent(
+                "CapacityExhausted",
+                format!(
+                    "The region has no capacity for the requested GPUs: {}",
+                    e.message().unwrap_or("insufficient capacity")
+                ),
+            );
+        }
+        if e.is_transient() || e.is_not_found() || e.is_already_exists() {
+            // A 404 or 409 means the world moved since we looked: look again.
+            return ReconcileError::Transient(e.to_string());
+        }
+        match e.status() {
+            Some(401) | Some(403) => ReconcileError::Transient(e.to_string()),
+            Some(_) => ReconcileError::permanent(
+                "CloudRejected",
+                format!(
+                    "DigitalOcean rejected a request: {}",
+                    e.message().unwrap_or("unknown error")
+                ),
+            ),
+            None => ReconcileError::Transient(e.to_string()),
+        }
+    }
+}
+
+impl From<KubeError> for ReconcileError {
+    fn from(e: KubeError) -> Self {
+        match &e {
+            e if e.is_transient() || e.is_not_found() || e.is_forbidden() => {
+                ReconcileError::Transient(e.to_string())
+            }
+            KubeError::Api { code: 401, .. } => ReconcileError::Transient(e.to_string()),
+            KubeError::Api { code, message, .. } if (400..500).contains(code) => {
+                ReconcileError::permanent(
+                    "KubernetesRejected",
+                    format!("The cluster rejected an object: {message}"),
+                )
+            }
+            _ => ReconcileError::Transient(e.to_string()),
+        }
+    }
+}
+
+impl From<StoreError> for ReconcileError {
+    fn from(e: StoreError) -> Self {
+        ReconcileError::Transient(format!("store: {e}"))
+    }
+}
+
+impl From<plan::PlanError> for ReconcileError {
+    fn from(e: plan::PlanError) -> Self {
+        ReconcileError::permanent("InvalidSpec", e.to_string())
+    }
+}
+
+/// The result of a successful pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pass {
+    /// The DI's status when the pass began.
+    pub status: String,
+    /// What the DI still waits for; `None` when it is converged (or there is nothing to do).
+    pub waiting: Option<String>,
+    /// When to look again (sooner if the DI changes).
+    pub next_check: Duration,
+    /// Mutating DigitalOcean calls made.
+    pub do_writes: u64,
+    /// Kubernetes writes that changed something (applies that changed an object, deletes).
+    pub kube_writes: u64,
+}
+
+impl Pass {
+    fn new(status: &str, next_check: Duration) -> Self {
+        Pass {
+            status: status.to_string(),
+            waiting: None,
+            next_check,
+            do_writes: 0,
+            kube_writes: 0,
+        }
+    }
+
+    fn wait(mut self, what: impl Into<String>, next_check: Duration) -> Self {
+        self.waiting = Some(what.into());
+        self.next_check = next_check;
+        self
+    }
+}
+
+/// Reconciles DIs of one region. Cheap to share: one per worker, used by every concurrent pass.
+pub struct Reconciler {
+    store: Store,
+    cloud: DoClient,
+    settings: Settings,
+    kube: Mutex<HashMap<String, KubeClient>>,
+    kube_writes_total: AtomicU64,
+}
+
+type Result<T> = std::result::Result<T, ReconcileError>;
+
+/// The probe token of a DI: `(token id, token value)`, derived with HMAC-SHA256 from the
+/// worker's probe secret so that every worker computes the same one (and the access-token
+/// Secret does not change when another worker takes over).
+pub fn probe_token(secret: &[u8], di_id: Uuid) -> (Uuid, String) {
+    let mac = |label: &str| {
+        let mut m = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
+        m.update(label.as_bytes());
+        m.update(di_id.as_bytes());
+        m.finalize().into_bytes()
+    };
+    let id_bytes = mac("probe-token-id:");
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&id_bytes[..16]);
+    let id = uuid::Builder::from_random_bytes(b).into_uuid();
+    (id, format!("di_{}", hex::encode(mac("probe-token:"))))
+}
+
+fn b64_decode(v: &Value) -> Option<String> {
+    let s = v.as_str()?;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(s).ok()?;
+    String::from_utf8(bytes).ok()
+}
+
+fn label_selector(di_id: Uuid) -> String {
+    format!(
+        "{}={},{}={}",
+        names::MANAGED_BY_LABEL,
+        names::MANAGED_BY,
+        names::DI_ID_LABEL,
+        di_id
+    )
+}
+
+impl Reconciler {
+    pub fn new(store: Store, cloud: DoClient, settings: Settings) -> Self {
+        Reconciler {
+            store,
+            cloud,
+            settings,
+            kube: Mutex::new(HashMap::new()),
+            kube_writes_total: AtomicU64::new(0),
+        }
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Mutating DigitalOcean calls this reconciler's client sent (attempts, retries included).
+    pub fn do_mutations(&self) -> u64 {
+        self.cloud.mutating_calls()
+    }
+
+    /// Kubernetes writes that changed something, over every pass so far.
+    pub fn kube_writes(&self) -> u64 {
+        self.kube_writes_total.load(Ordering::SeqCst)
+    }
+
+    /// One pass over DI `id`.
+    pub async fn reconcile(&self, id: Uuid) -> Result<Pass> {
+        let rec = match self.store.dedicated_inference_any(id).await {
+            Ok(r) => r,
+            Err(StoreError::NotFound) => return Ok(Pass::new("gone", self.settings.resync)),
+            Err(e) => return Err(e.into()),
+        };
+        if rec.gone {
+            return Ok(Pass::new("gone", self.settings.resync));
+        }
+        let kube_before = self.kube_writes();
+        let do_before = self.cloud.mutating_calls();
+        let mut pass = match rec.status.as_str() {
+            // Deletion wins over everything: a refusal while tearing down is retried, never
+            // parked in `error` (the store would not apply it to a deleting DI anyway).
+            "deleting" => self.teardown(&rec).await.map_err(|e| match e {
+                ReconcileError::Permanent { reason, message } => {
+                    ReconcileError::Transient(format!("{reason}: {message}"))
+                }
+                e => e,
+            })?,
+            "error" => Pass::new("error", self.settings.resync),
+            _ => self.converge(&rec).await?,
+        };
+        pass.kube_writes = self.kube_writes() - kube_before;
+        pass.do_writes = self.cloud.mutating_calls() - do_before;
+        Ok(pass)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Converge
+
+    async fn converge(&self, rec: &Record) -> Result<Pass> {
+        let id = rec.id;
+        let s = &self.settings;
+        let Some(spec) = rec.pending_spec.as_ref().or(rec.spec.as_ref()) else {
+            return Ok(Pass::new(&rec.status, s.resync));
+        };
+        let pending = rec.pending_spec.as_ref().map(|p| p.version);
+        let mut status = rec.status.clone();
+        if status == "new" {
+            status = self.store.provisioning_begin(id).await?.status;
+        } else if status == "active" && pending.is_some() {
+            status = self.store.updating_begin(id).await?.status;
+        }
+        let pass = Pass::new(&status, s.poll);
+        let models = plan::models(&spec.model_deployments)?;
+
+        // The VPC's cluster: create it (recorded first), then wait for it to run.
+        let cluster_name = names::cluster(&rec.vpc_uuid);
+        self.store
+            .ledger_record(id, LEDGER_CLUSTER, &cluster_name, "", None)
+            .await?;
+        let cluster = match self.find_cluster(&cluster_name, false).await? {
+            Some(c) => c,
+            None => {
+                let c = self.create_cluster(&cluster_name, rec).await?;
+                self.store
+                    .ledger_record(id, LEDGER_CLUSTER, &cluster_name, "", Some(&c.id))
+                    .await?;
+                return Ok(pass.wait(format!("cluster {cluster_name}: creating"), s.poll));
+            }
+        };
+        self.store
+            .ledger_record(id, LEDGER_CLUSTER, &cluster_name, "", Some(&cluster.id))
+            .await?;
+        if cluster.status.state != ClusterState::Running {
+            return Ok(pass.wait(
+                format!("cluster {cluster_name}: {:?}", cluster.status.state).to_lowercase(),
+                s.poll,
+            ));
+        }
+        let kube = self.kube_for(&cluster).await?;
+
+        // Observe.
+        let ns = names::namespace(&id);
+        let observed = self.observe(&kube, id, &ns).await?;
+        let rendered: Vec<Value> = observed
+            .iter()
+            .filter(|o| o["kind"] != "Pod" && o["kind"] != "Node")
+            .cloned()
+            .collect();
+
+        // Desired objects.
+        let tls = self.tls(id, &observed).await?;
+        let mut tokens: Vec<AccessTokenHash> = self
+            .store
+            .token_hashes(id)
+            .await?
+            .into_iter()
+            .map(|(tid, hash)| AccessTokenHash::new(tid, &hash))
+            .collect::<std::result::Result<_, _>>()?;
+        let (probe_id, probe_value) = probe_token(&s.probe_secret, id);
+        tokens.push(AccessTokenHash::from_value(probe_id, &probe_value));
+        let input = ManifestInput {
+            di_id: id,
+            models: models.clone(),
+            enable_public_endpoint: rec.enable_public_endpoint,
+            hugging_face_token: self.store.hugging_face_token(id).await?,
+            tls,
+            access_tokens: tokens,
+            gateway_class: s.gateway_class.clone(),
+            images: s.images.clone(),
+        };
+        let desired = plan::manifests(&input);
+
+        // Node pools.
+        let pools = self.cloud.node_pool_list(&cluster.id).await?;
+        let busy = plan::readiness::busy_nodes(&observed);
+        let observed_pools: Vec<plan::ObservedPool> = pools
+            .iter()
+            .map(|p| plan::ObservedPool {
+                id: p.id.clone(),
+                name: p.name.clone(),
+                size: p.size.clone(),
+                count: p.count,
+                labels: p.labels.clone(),
+                nodes: p
+                    .nodes
+                    .iter()
+                    .map(|n| plan::ObservedNode {
+                        id: n.id.clone(),
+                        name: n.name.clone(),
+                        busy: busy.contains(&n.name),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let rolling = plan::readiness::rollouts(&desired, &observed);
+        let mut writes = 0u64;
+        for action in plan::node_pools(&id, &models, &rolling, &observed_pools) {
+            writes += 1;
+            match action {
+                PoolAction::Create(d) => {
+                    self.store
+                        .ledger_record(id, LEDGER_NODE_POOL, &d.name, &cluster.name, None)
+                        .await?;
+                    let mut req = NodePoolCreateRequest::new(&d.name, &d.size, d.count);
+                    req.labels = d.labels.clone();
+                    req.tags = d.tags.clone();
+                    let created = self.cloud.node_pool_create(&cluster.id, &req).await?;
+                    self.store
+                        .ledger_record(
+                            id,
+                            LEDGER_NODE_POOL,
+                            &d.name,
+                            &cluster.name,
+                            Some(&created.id),
+                        )
+                        .await?;
+                    tracing::info!(di = %id, pool = %d.name, "node pool created");
+                }
+                PoolAction::Resize {
+                    pool_id,
+                    name,
+                    count,
+                } => {
+                    self.cloud
+                        .node_pool_update(
+                            &cluster.id,
+                            &pool_id,
+                            &NodePoolUpdateRequest::new(&name, count),
+                        )
+                        .await?;
+                    tracing::info!(di = %id, pool = %name, count, "node pool resized");
+                }
+                PoolAction::DeleteNode { pool_id, node_id } => {
+                    match self
+                        .cloud
+                        .node_delete(&cluster.id, &pool_id, &node_id, false)
+                        .await
+                    {
+                        Err(e) if e.is_not_found() => {}
+                        r => r?,
+                    }
+                }
+                PoolAction::Delete { pool_id, name } => {
+                    match self.cloud.node_pool_delete(&cluster.id, &pool_id).await {
+                        Err(e) if e.is_not_found() => {}
+                        r => r?,
+                    }
+                    self.store
+                        .ledger_remove(id, LEDGER_NODE_POOL, &name)
+                        .await?;
+                    tracing::info!(di = %id, pool = %name, "node pool deleted");
+                }
+            }
+        }
+
+        // Kubernetes objects: the namespace is recorded before it is created.
+        self.store
+            .ledger_record(id, LEDGER_NAMESPACE, &ns, &cluster.name, None)
+            .await?;
+        for obj in &desired {
+            if kube.apply(obj).await?.changed {
+                writes += 1;
+                self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        for key in plan::prune(&id, &desired, &rendered) {
+            let d = kube
+                .delete(
+                    &key.api_version,
+                    &key.kind,
+                    key.namespace.as_deref(),
+                    &key.name,
+                )
+                .await?;
+            if d != Deleted::AlreadyGone {
+                writes += 1;
+                self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+
+        // Progress.
+        let assessment = plan::assess(&id, &desired, &observed);
+        self.record_accelerators(id, spec, &assessment.accelerators)
+            .await?;
+        if writes > 0 {
+            return Ok(pass.wait(format!("applied {writes} changes"), s.poll));
+        }
+        if !assessment.progress.ready {
+            return Ok(pass.wait(assessment.progress.waiting_for.join("; "), s.poll));
+        }
+        let Some(version) = pending else {
+            // Converged and nothing to roll out: a resync.
+            return Ok(Pass::new(&status, s.resync));
+        };
+        let Some(url) = assessment
+            .public_endpoint
+            .clone()
+            .or_else(|| assessment.private_endpoint.clone())
+        else {
+            return Ok(pass.wait("waiting for an endpoint address", s.poll));
+        };
+        let ca = self.store.certificate_authority(id).await?;
+        if let Err(why) = self.probe(&url, &ca.cert_pem, &probe_value).await {
+            return Ok(pass.wait(format!("endpoint {url}: {why}"), s.poll));
+        }
+        let endpoints = Endpoints {
+            public_fqdn: assessment.public_endpoint.clone(),
+            private_fqdn: assessment.private_endpoint.clone(),
+        };
+        match self.store.rollout_complete(id, version, &endpoints).await {
+            Ok(_) => {
+                tracing::info!(di = %id, version, "rollout complete");
+                Ok(Pass::new(&status, s.resync))
+            }
+            // Superseded by a newer spec (or deleted) meanwhile: the next pass converges on it.
+            Err(StoreError::Conflict(why)) => Ok(pass.wait(why, Duration::ZERO)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn create_cluster(&self, name: &str, rec: &Record) -> Result<Cluster> {
+        let s = &self.settings;
+        let mut system = NodePoolCreateRequest::new(
+            format!("{name}-system"),
+            &s.system_pool_size,
+            s.system_pool_count.max(1),
+        );
+        system.labels = BTreeMap::from([(
+            names::MANAGED_BY_LABEL.to_string(),
+            names::MANAGED_BY.to_string(),
+        )]);
+        system.tags = vec!["dedicated-inference".to_string()];
+        let req = ClusterCreateRequest {
+            name: name.to_string(),
+            region: s.region.clone(),
+            version: s.kubernetes_version.clone(),
+            vpc_uuid: Some(rec.vpc_uuid.to_string()),
+            tags: vec!["dedicated-inference".to_string()],
+            node_pools: vec![system],
+            ..Default::default()
+        };
+        tracing::info!(di = %rec.id, cluster = name, "creating cluster");
+        Ok(self.cloud.cluster_create(&req).await?)
+    }
+
+    /// The cluster named `name`; a cluster being deleted counts only when `deleting_too`.
+    async fn find_cluster(&self, name: &str, deleting_too: bool) -> Result<Option<Cluster>> {
+        Ok(self.cloud.cluster_list().await?.into_iter().find(|c| {
+            c.name == name
+                && (deleting_too
+                    || !matches!(
+                        c.status.state,
+                        ClusterState::Deleting | ClusterState::Deleted
+                    ))
+        }))
+    }
+
+    async fn kube_for(&self, cluster: &Cluster) -> Result<KubeClient> {
+        if let Some(k) = self.kube.lock().expect("kube cache").get(&cluster.id) {
+            return Ok(k.clone());
+        }
+        let yaml = self.cloud.kubeconfig(&cluster.id).await?;
+        let client = KubeClient::from_kubeconfig_yaml(&yaml, &self.settings.field_manager)
+            .await
+            .map_err(|e| ReconcileError::Transient(e.to_string()))?;
+        self.kube
+            .lock()
+            .expect("kube cache")
+            .insert(cluster.id.clone(), client.clone());
+        Ok(client)
+    }
+
+    fn forget_kube(&self, cluster_id: &str) {
+        self.kube.lock().expect("kube cache").remove(cluster_id);
+    }
+
+    /// The DI's rendered objects, its pods and its nodes.
+    async fn observe(&self, kube: &KubeClient, id: Uuid, ns: &str) -> Result<Vec<Value>> {
+        let sel = label_selector(id);
+        let mut out = Vec::new();
+        for (api_version, kind) in RENDERED_KINDS {
+            out.extend(kube.list(api_version, kind, Some(ns), &sel).await?);
+        }
+        out.extend(kube.list("v1", "Pod", Some(ns), "").await?);
+        out.extend(
+            kube.list(
+                "v1",
+                "Node",
+                None,
+                &format!("{}={}", names::DI_ID_LABEL, id),
+            )
+            .await?,
+        );
+        Ok(out)
+    }
+
+    /// The endpoint certificate: the one in the cluster unless it must be reissued.
+    async fn tls(&self, id: Uuid, observed: &[Value]) -> Result<TlsPair> {
+        let ca = self.store.certificate_authority(id).await?;
+        let mut names_: Vec<String> = observed
+            .iter()
+            .filter(|o| o["kind"] == "Service" && o["spec"]["type"] == "LoadBalancer")
+            .filter_map(|o| o.pointer("/status/loadBalancer/ingress/0"))
+            .filter_map(|i| {
+                i.get("ip")
+                    .and_then(Value::as_str)
+                    .or_else(|| i.get("hostname").and_then(Value::as_str))
+            })
+            .filter(|h| !h.is_empty())
+            .map(str::to_string)
+            .collect();
+        names_.sort();
+        names_.dedup();
+        let now = SystemTime::now();
+        let existing = observed
+            .iter()
+            .find(|o| {
+                o["kind"] == "Secret"
+                    && o.pointer("/metadata/name").and_then(Value::as_str)
+                        == Some(names::TLS_SECRET)
+            })
+            .and_then(|o| {
+                Some(TlsPair {
+                    cert_pem: b64_decode(o.pointer("/data/tls.crt")?)?,
+                    key_pem: b64_decode(o.pointer("/data/tls.key")?)?,
+                })
+            });
+        match existing {
+            Some(pair) if !plan::needs_reissue(&pair.cert_pem, &ca.cert_pem, &names_, now) => {
+                Ok(pair)
+            }
+            _ => Ok(plan::issue(&ca.cert_pem, &ca.key_pem, &names_, now)?),
+        }
+    }
+
+    async fn record_accelerators(
+        &self,
+        id: Uuid,
+        spec: &StoredSpec,
+        seen: &[plan::ObservedAccelerator],
+    ) -> Result<()> {
+        let role = |model: Option<Uuid>| {
+            spec.model_deployments
+                .iter()
+                .find(|m| m.model_id.is_some() && m.model_id == model)
+                .and_then(|m| m.accelerators.first())
+                .map(|g| g.role.clone())
+                .unwrap_or_else(|| "prefill_decode".to_string())
+        };
+        let observed: Vec<ObservedAccelerator> = seen
+            .iter()
+            .map(|a| ObservedAccelerator {
+                name: a.name.clone(),
+                slug: a.slug.clone(),
+                role: role(a.model_id),
+                status: a.status.clone(),
+            })
+            .collect();
+        self.store.accelerators_replace(id, &observed).await?;
+        Ok(())
+    }
+
+    /// `GET {url}/v1/models` with the probe token, trusting only the DI's CA: 200 or why not.
+    async fn probe(&self, url: &str, ca_pem: &str, token: &str) -> std::result::Result<(), String> {
+        let ca = reqwest::Certificate::from_pem(ca_pem.as_bytes()).map_err(|e| e.to_string())?;
+        let client = reqwest::Client::builder()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(ca)
+            .timeout(self.settings.probe_timeout)
+            .build()
+            .map_err(|e| e.to_string())?;
+        let resp = client
+            .get(format!("{}/v1/models", url.trim_end_matches('/')))
+            .bearer_auth(token)
+            .send()
+            .await
+            .map_err(|e| format!("not answering ({e})"))?;
+        if resp.status() == reqwest::StatusCode::OK {
+            Ok(())
+        } else {
+            Err(format!("answered {}", resp.status()))
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Teardown
+
+    /// Deletes what the ledger records, newest first; every step treats "already gone" as done.
+    /// The cluster goes only when no other DI uses it. Then the DI is gone.
+    async fn teardown(&self, rec: &Record) -> Result<Pass> {
+        let id = rec.id;
+        let s = &self.settings;
+        let pass = Pass::new("deleting", s.poll);
+        let clusters = self.cloud.cluster_list().await?;
+        let find = |name: &str| clusters.iter().find(|c| c.name == name);
+        let entries = self.store.ledger_entries(id).await?;
+        for e in entries.iter().rev() {
+            match e.kind.as_str() {
+                LEDGER_NAMESPACE => {
+                    let Some(c) =
+                        find(&e.scope).filter(|c| c.status.state == ClusterState::Running)
+                    else {
+                        if find(&e.scope)
+                            .is_some_and(|c| c.status.state == ClusterState::Provisioning)
+                        {
+                            return Ok(pass.wait("cluster not reachable yet", s.poll));
+                        }
+                        // The cluster is gone or going: so is the namespace.
+                        self.store.ledger_remove(id, &e.kind, &e.name).await?;
+                        continue;
+                    };
+                    let kube = self.kube_for(c).await?;
+                    let deleted = match kube.delete("v1", "Namespace", None, &e.name).await {
+                        Err(err) if matches!(err, KubeError::Api { code: 401, .. }) => {
+                            self.forget_kube(&c.id);
+                            return Err(err.into());
+                        }
+                        r => r?,
+                    };
+                    if deleted != Deleted::AlreadyGone {
+                        self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
+                    }
+                    if deleted == Deleted::Deleting {
+                        return Ok(pass.wait(format!("namespace {}: terminating", e.name), s.poll));
+                    }
+                    self.store.ledger_remove(id, &e.kind, &e.name).await?;
+                }
+                LEDGER_NODE_POOL => {
+                    if let Some(c) = find(&e.scope) {
+                        let pools = match self.cloud.node_pool_list(&c.id).await {
+                            Err(err) if err.is_not_found() => Vec::new(),
+                            r => r?,
+                        };
+                        if let Some(p) = pools.iter().find(|p| p.name == e.name) {
+                            match self.cloud.node_pool_delete(&c.id, &p.id).await {
+                                Err(err) if err.is_not_found() => {}
+                                r => r?,
+                            }
+                        }
+                    }
+                    self.store.ledger_remove(id, &e.kind, &e.name).await?;
+                }
+                LEDGER_CLUSTER => {
+                    let Some(c) = find(&e.name) else {
+                        self.store.ledger_remove(id, &e.kind, &e.name).await?;
+                        continue;
+                    };
+                    // Sweep pools of this DI the ledger missed (e.g. recorded by a newer spec
+                    // and removed out of order).
+                    let di = id.to_string();
+                    let pools = match self.cloud.node_pool_list(&c.id).await {
+                        Err(err) if err.is_not_found() => Vec::new(),
+                        r => r?,
+                    };
+                    for p in pools
+                        .iter()
+                        .filter(|p| p.labels.get(names::DI_ID_LABEL) == Some(&di))
+                    {
+                        match self.cloud.node_pool_delete(&c.id, &p.id).await {
+                            Err(err) if err.is_not_found() => {}
+                            r => r?,
+                        }
+                    }
+                    let others_in_ledger = self.store.ledger_cluster_users(&e.name, id).await?;
+                    let others_in_cloud = pools.iter().any(|p| {
+                        p.labels
+                            .get(names::DI_ID_LABEL)
+                            .is_some_and(|owner| *owner != di)
+                    });
+                    if !others_in_ledger.is_empty() || others_in_cloud {
+                        // Shared with another DI of the VPC: it stays.
+                        self.store.ledger_remove(id, &e.kind, &e.name).await?;
+                        continue;
+                    }
+                    if !matches!(
+                        c.status.state,
+                        ClusterState::Deleting | ClusterState::Deleted
+                    ) {
+                        match self.cloud.cluster_delete(&c.id).await {
+                            Err(err) if err.is_not_found() => {}
+                            r => r?,
+                        }
+                        self.forget_kube(&c.id);
+                        tracing::info!(di = %id, cluster = %c.name, "cluster deleting");
+                    }
+                    // Keep the entry until the cluster is really gone.
+                    return Ok(pass.wait(format!("cluster {}: deleting", c.name), s.poll));
+                }
+                other => {
+                    tracing::warn!(di = %id, kind = other, "unknown ledger entry; forgetting it");
+                    self.store.ledger_remove(id, &e.kind, &e.name).await?;
+                }
+            }
+        }
+        match self.store.gone(id).await {
+            Ok(_) | Err(StoreError::NotFound) => {
+                tracing::info!(di = %id, "gone");
+                Ok(Pass::new("deleting", s.resync))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// A shared reconciler.
+pub type SharedReconciler = Arc<Reconciler>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_tokens_are_deterministic_per_secret_and_di() {
+        let di = Uuid::new_v4();
+        let (id1, v1) = probe_token(b"secret", di);
+        let (id2, v2) = probe_token(b"secret", di);
+        assert_eq!((id1, &v1), (id2, &v2));
+        assert!(v1.starts_with("di_") && v1.len() == 3 + 64);
+        assert_ne!(probe_token(b"other", di).1, v1);
+        assert_ne!(probe_token(b"secret", Uuid::new_v4()).0, id1);
+    }
+}

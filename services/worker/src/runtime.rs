@@ -1,0 +1,326 @@
+//! The worker runtime: claims DIs from the regional store (woken by `LISTEN di_changes` and by a
+//! periodic tick), runs up to N reconcile passes at once, each under a renewed lease, and turns
+//! each pass's outcome into the lease's next check: soon while waiting for the cloud, a jittered
+//! backoff after a transient failure, `error` after a permanent one or a stall.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cloud_clients::{DoClient, DoClientOptions};
+use common::seal::Sealer;
+use region_store::{Claim, Store};
+use sqlx::postgres::PgPoolOptions;
+use tokio::sync::{watch, Notify, Semaphore};
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use crate::queue::{self, Queue};
+use crate::reconcile::{Pass, ReconcileError, Reconciler, Settings};
+
+/// Everything a worker needs. Secrets are redacted from `Debug`.
+#[derive(Clone)]
+pub struct Config {
+    pub worker_id: String,
+    pub database_url: String,
+    /// Key (base64) that opens the sealed secrets in the regional store.
+    pub seal_key: String,
+    pub do_api_url: String,
+    pub do_token: String,
+    pub settings: Settings,
+    /// Reconcile passes running at once.
+    pub concurrency: usize,
+    pub lease: Duration,
+    /// Look for due work at least this often (besides notifications).
+    pub tick: Duration,
+    /// First and largest delay of the backoff after transient failures.
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+    /// No progress for this long in a phase: an event at half of it, `error` at all of it.
+    pub stall_timeout: Duration,
+    pub db_max_connections: u32,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("worker_id", &self.worker_id)
+            .field("do_api_url", &self.do_api_url)
+            .field("settings", &self.settings)
+            .field("concurrency", &self.concurrency)
+            .field("lease", &self.lease)
+            .field("tick", &self.tick)
+            .field("stall_timeout", &self.stall_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Config {
+    /// Defaults for everything but the connections and secrets.
+    pub fn new(
+        region: &str,
+        database_url: &str,
+        seal_key: &str,
+        do_api_url: &str,
+        do_token: &str,
+        probe_secret: &[u8],
+    ) -> Self {
+        Config {
+            worker_id: format!("worker-{}", Uuid::new_v4().simple()),
+            database_url: database_url.to_string(),
+            seal_key: seal_key.to_string(),
+            do_api_url: do_api_url.to_string(),
+            do_token: do_token.to_string(),
+            settings: Settings::new(region, probe_secret),
+            concurrency: 8,
+            lease: Duration::from_secs(30),
+            tick: Duration::from_secs(5),
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(60),
+            stall_timeout: Duration::from_secs(30 * 60),
+            db_max_connections: 10,
+        }
+    }
+}
+
+/// Counters of what a worker did, for tests and metrics.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Stats {
+    pub passes: u64,
+    pub transient_failures: u64,
+    pub permanent_failures: u64,
+    pub leases_lost: u64,
+}
+
+struct Shared {
+    queue: Queue,
+    reconciler: Reconciler,
+    store: Store,
+    config: Config,
+    wake: Arc<Notify>,
+    attempts: Mutex<HashMap<Uuid, u32>>,
+    stats: Mutex<Stats>,
+}
+
+/// The worker entry point.
+pub struct Worker;
+
+/// A running worker.
+pub struct WorkerHandle {
+    stop: watch::Sender<bool>,
+    main: tokio::task::JoinHandle<()>,
+    listener: tokio::task::JoinHandle<()>,
+    shared: Arc<Shared>,
+}
+
+impl Worker {
+    /// Connects to the store, builds the DigitalOcean client and starts claiming work.
+    pub async fn start(config: Config) -> anyhow::Result<WorkerHandle> {
+        let pool = PgPoolOptions::new()
+            .max_connections(config.db_max_connections.max(2))
+            .connect(&config.database_url)
+            .await?;
+        let sealer = Sealer::from_base64(&config.seal_key)
+            .map_err(|_| anyhow::anyhow!("the seal key is not a valid base64 key"))?;
+        let store = Store::new(pool.clone(), sealer);
+        let cloud = DoClient::with_options(
+            &config.do_api_url,
+            &config.do_token,
+            DoClientOptions::default(),
+        )?;
+        let reconciler = Reconciler::new(store.clone(), cloud, config.settings.clone());
+        let shared = Arc::new(Shared {
+            queue: Queue::new(store.clone(), &config.worker_id, config.lease),
+            reconciler,
+            store,
+            config,
+            wake: Arc::new(Notify::new()),
+            attempts: Mutex::new(HashMap::new()),
+            stats: Mutex::new(Stats::default()),
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let listener = tokio::spawn(queue::listen(pool, shared.wake.clone(), stop_rx.clone()));
+        let main = tokio::spawn(run(shared.clone(), stop_rx));
+        tracing::info!(worker = %shared.config.worker_id, "worker started");
+        Ok(WorkerHandle {
+            stop,
+            main,
+            listener,
+            shared,
+        })
+    }
+}
+
+impl WorkerHandle {
+    pub fn worker_id(&self) -> &str {
+        &self.shared.config.worker_id
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.shared.stats.lock().expect("stats").clone()
+    }
+
+    pub fn reconciler(&self) -> &Reconciler {
+        &self.shared.reconciler
+    }
+
+    /// Stops claiming, lets running passes finish (they release their leases), then returns.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.main.await;
+        let _ = self.listener.await;
+        tracing::info!(worker = %self.shared.config.worker_id, "worker stopped");
+    }
+
+    /// Stops at once without releasing anything, as a killed process would: its leases expire.
+    pub fn kill(self) {
+        self.main.abort();
+        self.listener.abort();
+    }
+}
+
+async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let slots = Arc::new(Semaphore::new(shared.config.concurrency.max(1)));
+    let mut tasks: JoinSet<()> = JoinSet::new();
+    loop {
+        if *stop.borrow() {
+            break;
+        }
+        let free = slots.available_permits();
+        let mut full_batch = false;
+        if free > 0 {
+            match shared.queue.claim(free).await {
+                Ok(claims) => {
+                    full_batch = claims.len() == free;
+                    for claim in claims {
+                        let permit = slots.clone().try_acquire_owned().expect("a slot per claim");
+                        let shared = shared.clone();
+                        tasks.spawn(async move {
+                            run_one(&shared, claim).await;
+                            drop(permit);
+                            shared.wake.notify_one();
+                        });
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "claiming work failed"),
+            }
+        }
+        while tasks.try_join_next().is_some() {}
+        if full_batch && slots.available_permits() > 0 {
+            continue;
+        }
+        tokio::select! {
+            _ = shared.wake.notified() => {}
+            _ = tokio::time::sleep(shared.config.tick) => {}
+            _ = stop.changed() => {}
+        }
+    }
+    // Graceful: let running passes finish and release their leases.
+    while tasks.join_next().await.is_some() {}
+}
+
+async fn run_one(shared: &Shared, claim: Claim) {
+    let id = claim.di_id;
+    let lost = Arc::new(Notify::new());
+    let keep = shared.queue.keep_alive(claim, lost.clone());
+    let outcome = tokio::select! {
+        r = shared.reconciler.reconcile(id) => Some(r),
+        _ = lost.notified() => None,
+    };
+    drop(keep);
+    let cfg = &shared.config;
+    let next = match outcome {
+        None => {
+            shared.stats.lock().expect("stats").leases_lost += 1;
+            return;
+        }
+        Some(Ok(pass)) => {
+            shared.attempts.lock().expect("attempts").remove(&id);
+            shared.stats.lock().expect("stats").passes += 1;
+            tracing::debug!(di = %id, status = %pass.status, waiting = ?pass.waiting,
+                do_writes = pass.do_writes, kube_writes = pass.kube_writes, "pass");
+            watch_progress(shared, id, &pass).await;
+            pass.next_check
+        }
+        Some(Err(ReconcileError::Transient(why))) => {
+            let attempt = {
+                let mut a = shared.attempts.lock().expect("attempts");
+                let n = a.entry(id).or_insert(0);
+                *n += 1;
+                *n
+            };
+            shared.stats.lock().expect("stats").transient_failures += 1;
+            tracing::warn!(di = %id, attempt, error = %why, "transient failure; will retry");
+            let status = shared
+                .store
+                .dedicated_inference_any(id)
+                .await
+                .map(|r| r.status)
+                .unwrap_or_default();
+            let pass = Pass {
+                status,
+                waiting: Some("retrying after transient failures".into()),
+                next_check: Duration::ZERO,
+                do_writes: 0,
+                kube_writes: 0,
+            };
+            watch_progress(shared, id, &pass).await;
+            queue::backoff(attempt, cfg.backoff_base, cfg.backoff_max)
+        }
+        Some(Err(ReconcileError::Permanent { reason, message })) => {
+            shared.attempts.lock().expect("attempts").remove(&id);
+            shared.stats.lock().expect("stats").permanent_failures += 1;
+            tracing::warn!(di = %id, %reason, %message, "permanent failure");
+            if let Err(e) = shared.store.error_set(id, &reason, &message).await {
+                tracing::warn!(di = %id, error = %e, "recording the error failed");
+            }
+            cfg.settings.resync
+        }
+    };
+    if let Err(e) = shared.queue.release(&claim, next).await {
+        tracing::warn!(di = %id, error = %e, "releasing the lease failed; it will expire");
+    }
+}
+
+/// Stall detection: a DI in a moving phase whose fingerprint (phase + what it waits for) has
+/// not changed for half the stall timeout gets an event; for the whole timeout, `error`.
+async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) {
+    let moving = matches!(
+        pass.status.as_str(),
+        "new" | "provisioning" | "updating" | "deleting"
+    );
+    let key = match (&pass.waiting, moving) {
+        (Some(w), true) => format!("{}|{w}", pass.status),
+        _ => "idle".to_string(),
+    };
+    let stall = match shared.store.work_progress(id, &key).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(di = %id, error = %e, "recording progress failed");
+            return;
+        }
+    };
+    if key == "idle" {
+        return;
+    }
+    let timeout = shared.config.stall_timeout;
+    let waiting = pass.waiting.as_deref().unwrap_or("");
+    if stall.unchanged_for >= timeout {
+        let msg = format!(
+            "No progress for {}s while {}: {waiting}",
+            stall.unchanged_for.as_secs(),
+            pass.status
+        );
+        if let Err(e) = shared.store.error_set(id, "Stalled", &msg).await {
+            tracing::warn!(di = %id, error = %e, "recording the stall failed");
+        }
+    } else if stall.unchanged_for >= timeout / 2 && !stall.reported {
+        let msg = format!(
+            "No progress for {}s: {waiting}",
+            stall.unchanged_for.as_secs()
+        );
+        if shared.store.event_append(id, "Slow", &msg).await.is_ok() {
+            let _ = shared.store.work_stall_reported(id).await;
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! The work queue on real Postgres: leases keep claimers apart, expire, and follow changes.
+
+use std::time::Duration;
+
+use api_types::regional::{CreateRequest, NewToken};
+use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
+use common::seal::Sealer;
+use region_store::{sqlx, NewCa, Store};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+fn store(pool: PgPool) -> Store {
+    Store::new(pool, Sealer::from_base64(&Sealer::generate_key()).unwrap())
+}
+
+async fn create(store: &Store, team: Uuid) -> Uuid {
+    let req = CreateRequest {
+        id: Uuid::new_v4(),
+        team_id: team,
+        spec: Spec {
+            version: 1,
+            name: format!("di-{}", Uuid::new_v4().simple()),
+            region: "atl1".into(),
+            vpc_uuid: Uuid::from_u128(7),
+            enable_public_endpoint: false,
+            model_deployments: vec![ModelDeployment {
+                model_id: None,
+                model_slug: "m".into(),
+                model_provider: "hugging_face".into(),
+                workload_config: serde_json::json!({}),
+                accelerators: vec![AcceleratorGroup {
+                    accelerator_slug: "gpu-h100x1-80gb".into(),
+                    role: "prefill_decode".into(),
+                    scale: 1,
+                }],
+            }],
+        },
+        hugging_face_token: None,
+        managed_token: NewToken {
+            id: Uuid::new_v4(),
+            name: "managed".into(),
+            sha256_hex: common::tokens::sha256_hex(&Uuid::new_v4().to_string()),
+        },
+    };
+    let ca = NewCa {
+        cert_pem: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
+        key_pem: "k".into(),
+    };
+    store
+        .dedicated_inference_create(&req, &ca)
+        .await
+        .unwrap()
+        .id
+}
+
+const LEASE: Duration = Duration::from_secs(30);
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn two_claimers_never_share_a_di(pool: PgPool) {
+    let s = store(pool);
+    let team = Uuid::new_v4();
+    let mut ids = Vec::new();
+    for _ in 0..20 {
+        ids.push(create(&s, team).await);
+    }
+    let (a, b) = tokio::join!(s.work_claim("a", LEASE, 15), s.work_claim("b", LEASE, 15));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.len() + b.len(), 20);
+    for c in &a {
+        assert!(!b.iter().any(|d| d.di_id == c.di_id));
+    }
+    // Everything is held: nothing more to claim.
+    assert!(s.work_claim("c", LEASE, 100).await.unwrap().is_empty());
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn an_expired_lease_is_claimed_by_another_worker(pool: PgPool) {
+    let s = store(pool);
+    let id = create(&s, Uuid::new_v4()).await;
+    let first = s
+        .work_claim("dead", Duration::from_millis(200), 10)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 1);
+    assert!(s.work_claim("b", LEASE, 10).await.unwrap().is_empty());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = s.work_claim("b", LEASE, 10).await.unwrap();
+    assert_eq!(second.len(), 1);
+    assert_eq!(second[0].di_id, id);
+    // The dead worker's token no longer renews or releases.
+    assert!(!s.work_renew(id, first[0].lease_token, LEASE).await.unwrap());
+    assert!(!s
+        .work_release(id, first[0].lease_token, first[0].seq, Duration::ZERO)
+        .await
+        .unwrap());
+    assert!(s
+        .work_renew(id, second[0].lease_token, LEASE)
+        .await
+        .unwrap());
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn released_work_waits_for_its_time_or_a_change(pool: PgPool) {
+    let s = store(pool);
+    let team = Uuid::new_v4();
+    let id = create(&s, team).await;
+    let c = s.work_claim("a", LEASE, 10).await.unwrap().remove(0);
+    assert!(s
+        .work_release(id, c.lease_token, c.seq, Duration::from_secs(3600))
+        .await
+        .unwrap());
+    assert!(s.work_claim("a", LEASE, 10).await.unwrap().is_empty());
+    // A change (here a delete) makes it due at once.
+    s.dedicated_inference_delete(id, team).await.unwrap();
+    let again = s.work_claim("a", LEASE, 10).await.unwrap();
+    assert_eq!(again.len(), 1);
+    assert!(again[0].seq > c.seq);
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn error_dis_wait_for_a_new_spec(pool: PgPool) {
+    let s = store(pool);
+    let team = Uuid::new_v4();
+    let id = create(&s, team).await;
+    let c = s.work_claim("a", LEASE, 10).await.unwrap().remove(0);
+    s.error_set(id, "CapacityExhausted", "no GPUs")
+        .await
+        .unwrap();
+    s.work_release(id, c.lease_token, c.seq, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(s.work_claim("a", LEASE, 10).await.unwrap().is_empty());
+    let rec = s.dedicated_inference_any(id).await.unwrap();
+    let mut spec: Spec = Spec {
+        version: rec.pending_spec.as_ref().unwrap().version,
+        name: "renamed".into(),
+        region: "atl1".into(),
+        vpc_uuid: Uuid::from_u128(7),
+        enable_public_endpoint: false,
+        model_deployments: rec.pending_spec.unwrap().model_deployments,
+    };
+    spec.model_deployments[0].accelerators[0].scale = 1;
+    s.dedicated_inference_patch(id, team, Some(&spec), None, false)
+        .await
+        .unwrap();
+    assert_eq!(s.work_claim("a", LEASE, 10).await.unwrap().len(), 1);
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn ledger_and_stall_tracking(pool: PgPool) {
+    let s = store(pool);
+    let team = Uuid::new_v4();
+    let a = create(&s, team).await;
+    let b = create(&s, team).await;
+    s.ledger_record(a, "cluster", "di-vpc", "", None)
+        .await
+        .unwrap();
+    s.ledger_record(a, "cluster", "di-vpc", "", Some("c1"))
+        .await
+        .unwrap();
+    s.ledger_record(a, "node_pool", "pool-a", "di-vpc", None)
+        .await
+        .unwrap();
+    s.ledger_record(b, "cluster", "di-vpc", "", Some("c1"))
+        .await
+        .unwrap();
+    let entries = s.ledger_entries(a).await.unwrap();
+    assert_eq!(
+        entries.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(),
+        ["cluster", "node_pool"]
+    );
+    assert_eq!(entries[0].external_id.as_deref(), Some("c1"));
+    assert_eq!(s.ledger_cluster_users("di-vpc", a).await.unwrap(), vec![b]);
+    s.ledger_remove(b, "cluster", "di-vpc").await.unwrap();
+    assert!(s
+        .ledger_cluster_users("di-vpc", a)
+        .await
+        .unwrap()
+        .is_empty());
+
+    let first = s.work_progress(a, "provisioning|x").await.unwrap();
+    assert!(!first.reported);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let same = s.work_progress(a, "provisioning|x").await.unwrap();
+    assert!(same.unchanged_for >= Duration::from_millis(40));
+    s.work_stall_reported(a).await.unwrap();
+    assert!(s.work_progress(a, "provisioning|x").await.unwrap().reported);
+    let moved = s.work_progress(a, "provisioning|y").await.unwrap();
+    assert!(!moved.reported && moved.unchanged_for < Duration::from_millis(40));
+}
