@@ -7,16 +7,7 @@ use system_tests::{create_body, System};
 use uuid::Uuid;
 
 async fn create(sys: &System, token: &str, name: &str, region: &str) -> Value {
-    let reply = sys
-        .call(
-            Method::POST,
-            "/v2/dedicated-inferences",
-            token,
-            Some(create_body(name, region)),
-        )
-        .await;
-    assert_eq!(reply.status, 202, "{}", reply.body);
-    reply.body
+    sys.create_di(token, name, region).await.1
 }
 
 #[tokio::test]

@@ -83,18 +83,7 @@ async fn malformed_bodies() {
         .assert_error(413, "request_entity_too_large");
 
     // PATCH's access_tokens allows only hugging_face_token.
-    let created = sys
-        .call(
-            Method::POST,
-            "/v2/dedicated-inferences",
-            &token,
-            Some(create_body("patchme", "atl1")),
-        )
-        .await;
-    let id = created.body["dedicated_inference"]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (id, _) = sys.create_di(&token, "patchme", "atl1").await;
     let reply = sys
         .call(
             Method::PATCH,
@@ -302,18 +291,7 @@ async fn authentication_and_authorisation() {
     let sys = System::start().await;
     let team = Uuid::new_v4();
     let token = sys.token(team, &[]).await;
-    let created = sys
-        .call(
-            Method::POST,
-            "/v2/dedicated-inferences",
-            &token,
-            Some(create_body("mine", "atl1")),
-        )
-        .await;
-    let id = created.body["dedicated_inference"]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (id, _) = sys.create_di(&token, "mine", "atl1").await;
 
     // No token, a garbage token.
     let resp = sys

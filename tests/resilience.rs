@@ -58,18 +58,7 @@ async fn listed(sys: &System, token: &str) -> Vec<Value> {
 async fn a_down_region_keeps_reads_and_refuses_writes_with_503() {
     let mut sys = System::start().await;
     let token = sys.token(Uuid::new_v4(), &[]).await;
-    let created = sys
-        .call(
-            Method::POST,
-            "/v2/dedicated-inferences",
-            &token,
-            Some(create_body("steady", "atl1")),
-        )
-        .await;
-    let id = created.body["dedicated_inference"]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (id, created) = sys.create_di(&token, "steady", "atl1").await;
 
     sys.region("atl1").go_down();
     let got = sys
@@ -84,7 +73,7 @@ async fn a_down_region_keeps_reads_and_refuses_writes_with_503() {
     assert_eq!(got.body["dedicated_inference"]["status"], "new");
     assert_eq!(listed(&sys, &token).await.len(), 1);
 
-    let spec = created.body["dedicated_inference"]["spec"].clone();
+    let spec = created["dedicated_inference"]["spec"].clone();
     for reply in [
         sys.call(
             Method::PATCH,
@@ -372,18 +361,7 @@ async fn futures_join(sys: &System, token: &str, body: &Value) -> Vec<Reply> {
 async fn idempotent_patch_delete_and_token_create() {
     let sys = System::start().await;
     let token = sys.token(Uuid::new_v4(), &[]).await;
-    let created = sys
-        .call(
-            Method::POST,
-            "/v2/dedicated-inferences",
-            &token,
-            Some(create_body("keys", "atl1")),
-        )
-        .await;
-    let id = created.body["dedicated_inference"]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (id, created) = sys.create_di(&token, "keys", "atl1").await;
     let send = |method: Method, path: String, key: &'static str, body: Option<Value>| {
         let mut req = sys
             .http
@@ -421,7 +399,7 @@ async fn idempotent_patch_delete_and_token_create() {
         .await;
     assert_eq!(tokens.body["meta"]["total"], 2, "managed + one");
 
-    let spec = created.body["dedicated_inference"]["spec"].clone();
+    let spec = created["dedicated_inference"]["spec"].clone();
     let p1 = send(
         Method::PATCH,
         format!("/v2/dedicated-inferences/{id}"),

@@ -228,6 +228,24 @@ impl System {
         Reply::from(req.send().await.expect("central answers")).await
     }
 
+    /// Creates a DI named `name` in `region` through the public API; returns its id and the 202 body.
+    pub async fn create_di(&self, token: &str, name: &str, region: &str) -> (String, Value) {
+        let reply = self
+            .call(
+                reqwest::Method::POST,
+                "/v2/dedicated-inferences",
+                token,
+                Some(create_body(name, region)),
+            )
+            .await;
+        assert_eq!(reply.status, 202, "create {name}: {}", reply.body);
+        let id = reply.body["dedicated_inference"]["id"]
+            .as_str()
+            .expect("an id")
+            .to_string();
+        (id, reply.body)
+    }
+
     /// Brings the read model up to date with every region now, without waiting for the feed.
     pub async fn settle(&self) {
         for region in REGIONS {
