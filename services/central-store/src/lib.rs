@@ -2,7 +2,12 @@
 //! (dedicated inference id → team, region) together with the read model of each DI fed from the
 //! regions' change feeds, the pending creates that make a create exactly-once across central and
 //! region, idempotency records, and the feed cursors. Sealing and policy are the caller's: rows
-//! hold what they are given.
+//! hold what they are given. Ownership rows are also cached in process ([`read_cache`]), kept
+//! coherent across replicas by Postgres notifications while [`CentralStore::watch_read_cache`] runs.
+
+mod read_cache;
+
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgPool;
@@ -94,11 +99,26 @@ pub struct ReadModelUpdate<'a> {
 #[derive(Clone)]
 pub struct CentralStore {
     pool: PgPool,
+    cache: Arc<read_cache::ReadCache>,
 }
 
 impl CentralStore {
     pub fn new(pool: PgPool) -> CentralStore {
-        CentralStore { pool }
+        CentralStore {
+            pool,
+            cache: Arc::default(),
+        }
+    }
+
+    /// Serves [`CentralStore::dedicated_inference`] from memory for as long as the returned
+    /// future runs (spawn it once per process); without it every lookup reads the database.
+    pub fn watch_read_cache(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        read_cache::watch(self.cache.clone(), self.pool.clone())
+    }
+
+    /// Whether lookups are being served from memory (the cache's listener is connected).
+    pub fn read_cache_serving(&self) -> bool {
+        self.cache.serving()
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -201,6 +221,7 @@ impl CentralStore {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
+        self.cache.invalidate(new.di_id);
         Ok(CreateBegin::Started)
     }
 
@@ -281,6 +302,7 @@ impl CentralStore {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
+        self.cache.invalidate(update.id);
         Ok(())
     }
 
@@ -300,6 +322,7 @@ impl CentralStore {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
+        self.cache.invalidate(di_id);
         Ok(())
     }
 
@@ -307,15 +330,25 @@ impl CentralStore {
     // Ownership map and read model
 
     /// The team's DI by id, whatever its state; `None` for unknown ids and other teams' DIs.
-    pub async fn dedicated_inference(&self, id: Uuid, team_id: Uuid) -> Result<Option<Owned>> {
-        Ok(sqlx::query_as(
-            "SELECT id, team_id, region, name, state, status, body::text AS body FROM dedicated_inferences
-             WHERE id = $1 AND team_id = $2",
-        )
-        .bind(id)
-        .bind(team_id)
-        .fetch_optional(&self.pool)
-        .await?)
+    pub async fn dedicated_inference(&self, id: Uuid, team_id: Uuid) -> Result<Option<Arc<Owned>>> {
+        let row = match self.cache.get(id) {
+            Some(row) => row,
+            None => {
+                let ticket = self.cache.ticket();
+                let row: Option<Owned> = sqlx::query_as(
+                    "SELECT id, team_id, region, name, state, status, body::text AS body
+                     FROM dedicated_inferences WHERE id = $1",
+                )
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?;
+                let Some(row) = row else { return Ok(None) };
+                let row = Arc::new(row);
+                self.cache.fill(ticket, row.clone());
+                row
+            }
+        };
+        Ok((row.team_id == team_id).then_some(row))
     }
 
     /// One page of the team's live DIs (public JSON bodies), oldest first, with the total.
@@ -360,6 +393,7 @@ impl CentralStore {
         let mut tx = self.pool.begin().await?;
         apply(&mut tx, update).await?;
         tx.commit().await?;
+        self.cache.invalidate(update.id);
         Ok(())
     }
 
@@ -371,6 +405,7 @@ impl CentralStore {
             .bind(name)
             .execute(&self.pool)
             .await;
+        self.cache.invalidate(id);
         match renamed {
             Err(sqlx::Error::Database(e))
                 if e.constraint() == Some("dedicated_inferences_team_name") =>

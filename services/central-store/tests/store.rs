@@ -262,3 +262,80 @@ async fn api_tokens(pool: PgPool) {
     ));
     assert!(store.api_token_by_hash(&[2u8; 32]).await.unwrap().is_none());
 }
+
+/// Two central replicas on one database: each serves lookups from memory, sees its own writes at
+/// once and the other's as soon as Postgres delivers the commit's notification.
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn read_cache_is_coherent_across_replicas(pool: PgPool) {
+    let a = CentralStore::new(pool.clone());
+    let b = CentralStore::new(pool.clone());
+    let watchers = [
+        tokio::spawn(a.watch_read_cache()),
+        tokio::spawn(b.watch_read_cache()),
+    ];
+    let team = Uuid::new_v4();
+    let id = Uuid::new_v4();
+    let body = json!({"status": "new"});
+    a.read_model_apply(&update(id, team, "x", "new", &body, 1))
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !(a.read_cache_serving() && b.read_cache_serving()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "listeners never connected"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let status = |s: &CentralStore| {
+        let s = s.clone();
+        async move {
+            s.dedicated_inference(id, team)
+                .await
+                .unwrap()
+                .unwrap()
+                .status
+                .clone()
+        }
+    };
+    assert_eq!(status(&b).await, "new");
+
+    // A write that sends no notification (triggers off for that transaction) is invisible to a
+    // replica that has the row cached: proof that B answers from memory.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL session_replication_role = replica")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE dedicated_inferences SET status = 'unnotified' WHERE id = $1")
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(status(&b).await, "new");
+
+    // A normal write: the writer reads it back at once, the other replica shortly after.
+    let active = json!({"status": "active"});
+    a.read_model_apply(&update(id, team, "x", "active", &active, 2))
+        .await
+        .unwrap();
+    assert_eq!(status(&a).await, "active");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while status(&b).await != "active" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "replica B never saw the write"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // Other teams still see nothing, cached or not.
+    assert!(b
+        .dedicated_inference(id, Uuid::new_v4())
+        .await
+        .unwrap()
+        .is_none());
+    for w in watchers {
+        w.abort();
+    }
+}

@@ -2,6 +2,8 @@
 //! central's store and the owning region, and returns a `Reply` (status + JSON bytes) so that
 //! idempotent replays can return the stored bytes unchanged.
 
+use std::sync::Arc;
+
 use api_types::public::{
     AcceleratorInfo, AcceleratorList, AccessToken, CaResponse, CreateRequest, CreateResponse,
     DedicatedInference, DedicatedInferenceEnvelope, EventInfo, EventList, GpuModelConfig,
@@ -583,7 +585,7 @@ impl App {
     pub async fn get(&self, p: &Principal, id: Uuid) -> Result<Reply, ApiError> {
         p.require("dedicated_inference:read")?;
         let owned = self.owned(p, id).await?;
-        let body = owned.body.ok_or(ApiError::NotFound)?;
+        let body = owned.body.as_deref().ok_or(ApiError::NotFound)?;
         // The stored body is already the public JSON: wrap it without re-serialising.
         let mut out = Vec::with_capacity(body.len() + 26);
         out.extend_from_slice(b"{\"dedicated_inference\":");
@@ -834,7 +836,7 @@ impl App {
     // -----------------------------------------------------------------------------------------
 
     /// The caller's DI; another team's, an unknown, a pending or a gone one is 404 alike.
-    async fn owned(&self, p: &Principal, id: Uuid) -> Result<central_store::Owned, ApiError> {
+    async fn owned(&self, p: &Principal, id: Uuid) -> Result<Arc<central_store::Owned>, ApiError> {
         match self
             .store
             .dedicated_inference(id, p.team_id)

@@ -192,6 +192,7 @@ impl Server {
         } else {
             Vec::new()
         };
+        tasks.push(tokio::spawn(app.store.watch_read_cache()));
         let router = router(app.clone());
         tasks.push(tokio::spawn(async move {
             if let Err(error) = axum::serve(listener, router).await {
