@@ -163,7 +163,10 @@ pub fn router(app: App) -> axum::Router {
         .route("/metrics", axum::routing::get(common::metrics::handler))
         .layer(axum::middleware::from_fn(common::metrics::layer))
         .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
-        .layer(axum::middleware::from_fn(common::request_id::layer))
+        .layer(axum::middleware::from_fn_with_state(
+            "central",
+            common::request_id::layer,
+        ))
         .with_state(app)
 }
 

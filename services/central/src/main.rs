@@ -41,7 +41,7 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Serve(config) => {
-            common::telemetry::init("central");
+            let _telemetry = common::telemetry::init("central");
             let server = central::Server::start(config).await?;
             tracing::info!(addr = %server.addr, "central API listening");
             common::telemetry::shutdown_signal().await;
@@ -80,7 +80,7 @@ async fn main() -> anyhow::Result<()> {
             println!("{value}");
         }
         Command::Migrate { database_url } => {
-            common::telemetry::init("central");
+            let _telemetry = common::telemetry::init("central");
             let pool = sqlx::PgPool::connect(&database_url).await?;
             central_store::MIGRATOR.run(&pool).await?;
             tracing::info!("migrations applied");

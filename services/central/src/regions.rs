@@ -89,6 +89,9 @@ impl Regions {
             .request(method, format!("{}{path}", r.base_url))
             .header(SECRET_HEADER, &r.secret);
         request = request.header(common::request_id::HEADER, common::request_id::current());
+        let mut trace = reqwest::header::HeaderMap::new();
+        common::telemetry::inject(&mut trace);
+        request = request.headers(trace);
         if let Some(body) = body {
             request = request.json(body);
         }

@@ -3,7 +3,9 @@
 //!
 //! Every call is retried on transient failures per [`RetryConfig`]; every attempt of a mutating
 //! call (POST, PUT, DELETE) is counted, so tests can assert that a second reconcile pass over an
-//! unchanged spec writes nothing. The token is sent as a sensitive header and never logged.
+//! unchanged spec writes nothing; every attempt is also counted in the Prometheus registry by
+//! method and outcome ([`crate::metrics`]). The token is sent as a sensitive header and never
+//! logged.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -17,6 +19,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
+use crate::metrics::{self, Outcome};
 use crate::retry::{retry, RetryClass, RetryConfig};
 
 /// Largest page DigitalOcean serves.
@@ -638,8 +641,25 @@ impl DoClient {
         self.inner.mutations.load(Ordering::SeqCst)
     }
 
-    /// One attempt.
+    /// One attempt, counted in [`metrics::DO_REQUESTS`].
     async fn send_once(
+        &self,
+        method: &Method,
+        path: &str,
+        body: Option<&[u8]>,
+    ) -> Result<Reply, DoError> {
+        let result = self.request(method, path, body).await;
+        let outcome = match &result {
+            Ok(_) => Outcome::Ok,
+            Err(e) if e.is_not_found() => Outcome::NotFound,
+            Err(e) if e.is_transient() => Outcome::Transient,
+            Err(_) => Outcome::Permanent,
+        };
+        metrics::digitalocean(method.as_str(), outcome);
+        result
+    }
+
+    async fn request(
         &self,
         method: &Method,
         path: &str,

@@ -5,7 +5,8 @@
 //! unchanged manifest writes nothing. Kinds resolve through a static table ([`known_resource`]),
 //! so no discovery round trip is needed. Transient failures (429, 409, 5xx, connection errors)
 //! are retried per [`RetryConfig`]; kube's own retry layer is turned off so that this is the only
-//! retry policy and its time bound holds.
+//! retry policy and its time bound holds. Every request sent is counted by verb and outcome
+//! ([`crate::metrics`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 use serde_json::Value;
 
+use crate::metrics::{self, Outcome};
 use crate::retry::{retry, RetryClass, RetryConfig};
 
 // ------------------------------------------------------------------ errors
@@ -386,27 +388,32 @@ impl KubeClient {
         let name = field("/metadata/name")
             .ok_or_else(|| KubeError::InvalidObject(format!("{kind} without metadata.name")))?;
         let (api, _) = self.api(api_version, kind, field("/metadata/namespace"), false)?;
-        let before = retry(&self.retry, "kubernetes get", || async {
-            api.get_opt(name).await.map_err(KubeError::from)
-        })
-        .await?;
+        let obj = &with_applied_hash(obj);
+        let before = retry(&self.retry, "kubernetes get", || get_opt(&api, name)).await?;
+        let before = before
+            .map(|b| serde_json::to_value(&b))
+            .transpose()
+            .map_err(|e| KubeError::InvalidObject(format!("response: {e}")))?;
+        // Nothing to write when the object is what we applied last time and nobody has changed
+        // any of it since: a steady-state resync then costs reads only.
+        if let Some(b) = before.as_ref().filter(|b| up_to_date(b, obj)) {
+            tracing::debug!(kind, name, "up to date");
+            return Ok(Applied {
+                changed: false,
+                object: b.clone(),
+            });
+        }
         let params = PatchParams::apply(&self.field_manager).force();
         let after = retry(&self.retry, "kubernetes apply", || async {
             self.counters.mutating.fetch_add(1, Ordering::SeqCst);
-            api.patch(name, &params, &Patch::Apply(obj))
-                .await
-                .map_err(KubeError::from)
+            counted("apply", api.patch(name, &params, &Patch::Apply(obj)).await)
         })
         .await?;
         let after = serde_json::to_value(&after)
             .map_err(|e| KubeError::InvalidObject(format!("response: {e}")))?;
         let changed = match before {
             None => true,
-            Some(b) => {
-                let b = serde_json::to_value(&b)
-                    .map_err(|e| KubeError::InvalidObject(format!("response: {e}")))?;
-                changed(&b, &after, &self.field_manager)
-            }
+            Some(b) => changed(&b, &after, &self.field_manager),
         };
         if changed {
             self.counters.changes.fetch_add(1, Ordering::SeqCst);
@@ -428,10 +435,7 @@ impl KubeClient {
         name: &str,
     ) -> Result<Option<Value>, KubeError> {
         let (api, ar) = self.api(api_version, kind, namespace, false)?;
-        let got = retry(&self.retry, "kubernetes get", || async {
-            api.get_opt(name).await.map_err(KubeError::from)
-        })
-        .await?;
+        let got = retry(&self.retry, "kubernetes get", || get_opt(&api, name)).await?;
         got.map(|o| to_value(o, &ar)).transpose()
     }
 
@@ -450,7 +454,7 @@ impl KubeClient {
             params = params.labels(label_selector);
         }
         let list = retry(&self.retry, "kubernetes list", || async {
-            api.list(&params).await.map_err(KubeError::from)
+            counted("list", api.list(&params).await)
         })
         .await?;
         list.items.into_iter().map(|o| to_value(o, &ar)).collect()
@@ -470,13 +474,11 @@ impl KubeClient {
         let params = DeleteParams::background();
         let outcome = retry(&self.retry, "kubernetes delete", || async {
             self.counters.mutating.fetch_add(1, Ordering::SeqCst);
-            match api.delete(name, &params).await {
+            match counted("delete", api.delete(name, &params).await) {
                 Ok(Either::Left(_still_there)) => Ok(Deleted::Deleting),
                 Ok(Either::Right(_status)) => Ok(Deleted::Deleted),
-                Err(e) => match KubeError::from(e) {
-                    e if e.is_not_found() => Ok(Deleted::AlreadyGone),
-                    e => Err(e),
-                },
+                Err(e) if e.is_not_found() => Ok(Deleted::AlreadyGone),
+                Err(e) => Err(e),
             }
         })
         .await?;
@@ -485,6 +487,40 @@ impl KubeClient {
         }
         tracing::debug!(kind, name, ?outcome, "deleted");
         Ok(outcome)
+    }
+}
+
+/// Converts a request's error and counts the request in [`metrics::KUBE_REQUESTS`].
+fn counted<T>(verb: &'static str, result: Result<T, kube::Error>) -> Result<T, KubeError> {
+    let result = result.map_err(KubeError::from);
+    let outcome = match &result {
+        Ok(_) => Outcome::Ok,
+        Err(e) => error_outcome(e),
+    };
+    metrics::kubernetes(verb, outcome);
+    result
+}
+
+/// A counted GET that reads a 404 as `None` (kube's `get_opt`); on the wire it is a 404, so it
+/// counts as `not_found`.
+async fn get_opt(api: &Api<DynamicObject>, name: &str) -> Result<Option<DynamicObject>, KubeError> {
+    let result = api.get_opt(name).await.map_err(KubeError::from);
+    let outcome = match &result {
+        Ok(Some(_)) => Outcome::Ok,
+        Ok(None) => Outcome::NotFound,
+        Err(e) => error_outcome(e),
+    };
+    metrics::kubernetes("get", outcome);
+    result
+}
+
+fn error_outcome(e: &KubeError) -> Outcome {
+    if e.is_not_found() {
+        Outcome::NotFound
+    } else if e.is_transient() {
+        Outcome::Transient
+    } else {
+        Outcome::Permanent
     }
 }
 
@@ -509,6 +545,54 @@ fn to_value(obj: DynamicObject, ar: &ApiResource) -> Result<Value, KubeError> {
 
 /// Whether an apply changed the object: its `resourceVersion` moved, and not only because a
 /// controller wrote its status (or another manager's bookkeeping) between our get and our apply.
+/// Annotation holding a digest of the configuration last applied, so that a field dropped from
+/// the desired object (which a server-side apply would remove) still counts as a difference.
+const APPLIED_HASH: &str = "inference.digitalocean.com/applied-hash";
+
+/// `obj` with [`APPLIED_HASH`] set to the digest of `obj` itself.
+fn with_applied_hash(obj: &Value) -> Value {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(serde_json::to_vec(obj).expect("JSON values serialise"));
+    let hash: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    let mut obj = obj.clone();
+    if let Some(meta) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
+        let annotations = meta
+            .entry("annotations")
+            .or_insert_with(|| Value::Object(Default::default()));
+        if let Some(a) = annotations.as_object_mut() {
+            a.insert(APPLIED_HASH.into(), Value::String(hash));
+        }
+    }
+    obj
+}
+
+/// Whether applying `desired` (with its [`APPLIED_HASH`]) to `live` would change nothing: the
+/// same configuration was applied last, and every field of it still has its value in `live`
+/// (which also holds server defaults, status and other managers' fields).
+fn up_to_date(live: &Value, desired: &Value) -> bool {
+    let hash = |v: &Value| {
+        v.pointer("/metadata/annotations")
+            .and_then(|a| a.get(APPLIED_HASH))
+            .cloned()
+    };
+    hash(live).is_some() && hash(live) == hash(desired) && contains(live, desired)
+}
+
+/// `live` says everything `desired` says: objects field by field, lists element by element.
+fn contains(live: &Value, desired: &Value) -> bool {
+    match (live, desired) {
+        (Value::Object(l), Value::Object(d)) => d
+            .iter()
+            .all(|(k, dv)| l.get(k).is_some_and(|lv| contains(lv, dv))),
+        (Value::Array(l), Value::Array(d)) => {
+            l.len() == d.len() && l.iter().zip(d).all(|(lv, dv)| contains(lv, dv))
+        }
+        // The API server returns quantities and int-or-string values as strings.
+        (Value::String(l), Value::Number(d)) => *l == d.to_string(),
+        (l, d) => l == d,
+    }
+}
+
 fn changed(before: &Value, after: &Value, manager: &str) -> bool {
     let rv = |v: &Value| v.pointer("/metadata/resourceVersion").cloned();
     if rv(before) == rv(after) {
@@ -539,6 +623,51 @@ fn fingerprint(obj: &Value, manager: &str) -> Value {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn an_object_is_up_to_date_only_with_the_same_applied_config_and_no_drift() {
+        let desired = with_applied_hash(&json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "c", "labels": {"a": "1"}},
+            "data": {"k": "v"},
+            "spec": {"replicas": 2, "ports": [{"port": 80}]}
+        }));
+        let mut live = desired.clone();
+        // Server-side additions: metadata, defaults inside list elements, status.
+        live["metadata"]["resourceVersion"] = json!("7");
+        live["spec"]["ports"][0]["protocol"] = json!("TCP");
+        live["spec"]["replicas"] = json!("2");
+        live["status"] = json!({"ready": true});
+        assert!(up_to_date(&live, &desired));
+
+        let mut drifted = live.clone();
+        drifted["data"]["k"] = json!("edited by hand");
+        assert!(!up_to_date(&drifted, &desired), "drift is rewritten");
+
+        let mut extra = live.clone();
+        extra["spec"]["ports"] = json!([{"port": 80}, {"port": 81}]);
+        assert!(!up_to_date(&extra, &desired), "list lengths must match");
+
+        // A field dropped from the desired config changes the digest, though the rest is a
+        // subset of what is live.
+        let mut smaller = desired.clone();
+        smaller["metadata"]["annotations"]
+            .as_object_mut()
+            .unwrap()
+            .remove(APPLIED_HASH);
+        smaller["data"].as_object_mut().unwrap().remove("k");
+        let smaller = with_applied_hash(&smaller);
+        assert!(contains(&live, &{
+            let mut s = smaller.clone();
+            s["metadata"]["annotations"][APPLIED_HASH] = live["metadata"]["annotations"][APPLIED_HASH].clone();
+            s
+        }));
+        assert!(!up_to_date(&live, &smaller), "a removed field is applied");
+
+        let mut unannotated = live.clone();
+        unannotated["metadata"]["annotations"] = json!({});
+        assert!(!up_to_date(&unannotated, &desired), "objects we never applied are applied");
+    }
 
     #[test]
     fn resolves_kinds_and_scopes() {

@@ -3,11 +3,13 @@
 //! of those clusters (server-side apply, get, list and delete of the kinds we render). This crate
 //! owns transport concerns only: authentication, timeouts, typed request and response shapes,
 //! classifying errors as transient or permanent, retrying transient ones with jittered backoff,
-//! and counting the writes it sends. It knows nothing of dedicated inferences, databases or
+//! and counting the writes it sends and every call it makes (in the process-wide Prometheus
+//! registry of `common::metrics`, see [`metrics`]). It knows nothing of dedicated inferences, databases or
 //! planning, and it must never log a credential.
 
 pub mod digitalocean;
 pub mod kubernetes;
+pub mod metrics;
 pub mod retry;
 
 pub use digitalocean::{DoClient, DoClientOptions, DoError};

@@ -131,14 +131,14 @@ async fn apply_twice_get_list_delete() {
     })
     .await;
 
-    // Second pass over the same manifests writes nothing.
+    // Second pass over the same manifests changes nothing and sends no write at all.
     let (changes, sent) = (kube.changes(), kube.mutating_requests());
     for o in &objects {
         let a = kube.apply(o).await.unwrap();
         assert!(!a.changed, "second apply of {} changed it", o["kind"]);
     }
     assert_eq!(kube.changes(), changes);
-    assert_eq!(kube.mutating_requests(), sent + objects.len() as u64);
+    assert_eq!(kube.mutating_requests(), sent);
 
     // A real change is reported and lands.
     let a = kube

@@ -19,6 +19,8 @@ type Labels = Vec<(&'static str, String)>;
 
 #[derive(Default)]
 struct Histogram {
+    /// Upper bounds of the buckets, fixed by the first observation of the series.
+    bounds: &'static [f64],
     counts: Vec<u64>,
     sum: f64,
     count: u64,
@@ -49,19 +51,34 @@ pub fn gauge_set(name: &'static str, help: &'static str, labels: Labels, value: 
     r.gauges.insert((name, labels), value);
 }
 
+/// Records a latency in the default buckets (1 ms to 10 s, for request handling).
 pub fn observe(name: &'static str, help: &'static str, labels: Labels, seconds: f64) {
+    observe_in(name, help, labels, seconds, BUCKETS);
+}
+
+/// Records a value in the given buckets (ascending upper bounds; `+Inf` is implicit), for
+/// durations that do not fit the default ones, e.g. a reconcile pass that waits on a cloud API
+/// for a minute. Every observation of one metric name should pass the same buckets.
+pub fn observe_in(
+    name: &'static str,
+    help: &'static str,
+    labels: Labels,
+    value: f64,
+    buckets: &'static [f64],
+) {
     let mut r = registry().lock().unwrap();
     r.help.insert(name, ("histogram", help));
     let h = r.histograms.entry((name, labels)).or_default();
     if h.counts.is_empty() {
-        h.counts = vec![0; BUCKETS.len()];
+        h.bounds = buckets;
+        h.counts = vec![0; buckets.len()];
     }
-    for (i, bound) in BUCKETS.iter().enumerate() {
-        if seconds <= *bound {
+    for (i, bound) in h.bounds.iter().enumerate() {
+        if value <= *bound {
             h.counts[i] += 1;
         }
     }
-    h.sum += seconds;
+    h.sum += value;
     h.count += 1;
 }
 
@@ -101,7 +118,7 @@ pub fn render() -> String {
             if n != name {
                 continue;
             }
-            for (bound, count) in BUCKETS.iter().zip(&h.counts) {
+            for (bound, count) in h.bounds.iter().zip(&h.counts) {
                 let _ = writeln!(
                     out,
                     "{name}_bucket{} {count}",
@@ -182,5 +199,19 @@ mod tests {
         assert!(text.contains("test_latency_seconds_count{route=\"/x\"} 2"));
         assert!(text.contains("test_total{outcome=\"ok\"} 2"));
         assert!(text.contains("test_depth 7"));
+    }
+
+    #[test]
+    fn histograms_take_their_own_buckets() {
+        const LONG: &[f64] = &[1.0, 60.0];
+        observe_in("test_long_seconds", "test", vec![], 30.0, LONG);
+        observe_in("test_long_seconds", "test", vec![], 90.0, LONG);
+        let text = render();
+        assert!(text.contains("test_long_seconds_bucket{le=\"1\"} 0"));
+        assert!(text.contains("test_long_seconds_bucket{le=\"60\"} 1"));
+        assert!(text.contains("test_long_seconds_bucket{le=\"+Inf\"} 2"));
+        assert!(text.contains("test_long_seconds_sum 120"));
+        // The default buckets are not rendered for it.
+        assert!(!text.contains("test_long_seconds_bucket{le=\"0.001\"}"));
     }
 }

@@ -1,7 +1,10 @@
 //! Every response carries `x-request-id`: the caller's own when it sent a sane one, else a fresh
 //! UUID. Handlers read it from the request extensions to put it in error bodies and logs.
+//!
+//! The same layer opens the request's span: a child of the caller's trace when the request
+//! carries `traceparent`, named after the service and the matched route.
 
-use axum::extract::Request;
+use axum::extract::{MatchedPath, Request, State};
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::Response;
@@ -25,7 +28,8 @@ pub fn current() -> String {
         .unwrap_or_else(|_| uuid::Uuid::new_v4().to_string())
 }
 
-pub async fn layer(mut req: Request, next: Next) -> Response {
+/// Use as `axum::middleware::from_fn_with_state("central", layer)`.
+pub async fn layer(State(service): State<&'static str>, mut req: Request, next: Next) -> Response {
     let id = req
         .headers()
         .get(HEADER)
@@ -34,10 +38,27 @@ pub async fn layer(mut req: Request, next: Next) -> Response {
         .map(str::to_owned)
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     req.extensions_mut().insert(RequestId(id.clone()));
-    let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.uri().path());
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| req.uri().path().to_owned());
+    let span = tracing::info_span!(
+        "request",
+        otel.name = %format_args!("{service} {} {route}", req.method()),
+        otel.kind = "server",
+        service,
+        request_id = %id,
+        method = %req.method(),
+        path = %req.uri().path(),
+        status = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+    );
+    crate::telemetry::continue_from(&span, req.headers());
     let mut response = CURRENT
-        .scope(id.clone(), next.run(req).instrument(span))
+        .scope(id.clone(), next.run(req).instrument(span.clone()))
         .await;
+    span.record("status", response.status().as_u16());
     if let Ok(value) = HeaderValue::from_str(&id) {
         response.headers_mut().insert(HEADER, value);
     }

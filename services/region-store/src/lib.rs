@@ -144,7 +144,7 @@ impl Store {
         )
         .execute(&mut *tx)
         .await?;
-        change(
+        requested_change(
             &mut tx,
             req.id,
             "new",
@@ -249,7 +249,7 @@ impl Store {
             .bind(status)
             .execute(&mut *tx)
             .await?;
-            change(
+            requested_change(
                 &mut tx,
                 id,
                 status,
@@ -264,7 +264,7 @@ impl Store {
                 .bind(id)
                 .execute(&mut *tx)
                 .await?;
-            change(
+            requested_change(
                 &mut tx,
                 id,
                 &row.status,
@@ -288,7 +288,7 @@ impl Store {
             .bind(id)
             .execute(&mut *tx)
             .await?;
-            change(
+            requested_change(
                 &mut tx,
                 id,
                 "deleting",
@@ -449,7 +449,7 @@ impl Store {
         .fetch_optional(&mut *tx)
         .await?;
         if created.is_some() {
-            change(
+            requested_change(
                 &mut tx,
                 id,
                 &row.status,
@@ -492,7 +492,7 @@ impl Store {
         if revoked.rows_affected() == 0 {
             return Err(StoreError::NotFound);
         }
-        change(
+        requested_change(
             &mut tx,
             id,
             &row.status,
@@ -589,7 +589,7 @@ impl Store {
         .bind(&endpoints.private_fqdn)
         .execute(&mut *tx)
         .await?;
-        change(
+        final_change(
             &mut tx,
             id,
             "active",
@@ -616,7 +616,7 @@ impl Store {
             .bind(reason)
             .execute(&mut *tx)
             .await?;
-            change(&mut tx, id, "error", reason, message).await?;
+            final_change(&mut tx, id, "error", reason, message).await?;
         }
         tx.commit().await?;
         self.record(id, None, true).await
@@ -643,7 +643,7 @@ impl Store {
         .bind(id)
         .execute(&mut *tx)
         .await?;
-        change(
+        final_change(
             &mut tx,
             id,
             "deleting",
@@ -953,6 +953,45 @@ fn deployment_id(
             "spec.model_deployments[{position}].model_id {id} is not a deployment of this dedicated inference"
         ))),
     }
+}
+
+/// A change a customer asked for: as [`change`], and the work it creates for the workers carries
+/// the request's trace context, so that their passes join the request's trace.
+async fn requested_change(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    phase: &str,
+    reason: &str,
+    message: &str,
+) -> Result<()> {
+    change(tx, id, phase, reason, message).await?;
+    work_trace(tx, id, common::telemetry::traceparent().as_deref()).await
+}
+
+/// A change that completes what was asked (active, error, gone): later passes, such as periodic
+/// resyncs, start traces of their own.
+async fn final_change(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    phase: &str,
+    reason: &str,
+    message: &str,
+) -> Result<()> {
+    change(tx, id, phase, reason, message).await?;
+    work_trace(tx, id, None).await
+}
+
+async fn work_trace(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    traceparent: Option<&str>,
+) -> Result<()> {
+    sqlx::query("UPDATE work_items SET traceparent = $2 WHERE di_id = $1")
+        .bind(id)
+        .bind(traceparent)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
 }
 
 /// Appends the event and the outbox entry for a change, in the caller's transaction. The advisory

@@ -8,12 +8,27 @@ use uuid::Uuid;
 use crate::{Result, Store};
 
 /// A lease on one DI: only the holder of `lease_token` may renew or release it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
     pub di_id: Uuid,
     pub lease_token: Uuid,
     /// The DI's newest outbox position when it was claimed: changes up to here are being handled.
     pub seq: i64,
+    /// The DI was still leased by someone, but that lease had expired: it was taken over from a
+    /// worker that died or stopped renewing (a released lease is not one).
+    pub lease_expired: bool,
+    /// The W3C trace context of the request whose change this work carries out, if any.
+    pub traceparent: Option<String>,
+}
+
+/// How many DIs the work queue holds, by state (for a gauge). Returned by
+/// [`Store::work_depth`]; not re-exported from the crate root yet, so callers use its fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WorkDepth {
+    /// Due and free to claim now (what [`Store::work_claim`] would take, without a limit).
+    pub ready: i64,
+    /// Held by a live lease (a pass is running).
+    pub leased: i64,
 }
 
 /// What to claim.
@@ -61,9 +76,10 @@ impl Store {
         lease: Duration,
         limit: i64,
     ) -> Result<Vec<Claim>> {
-        let rows: Vec<(Uuid, Uuid, i64)> = sqlx::query_as(
+        let rows: Vec<(Uuid, Uuid, i64, bool, Option<String>)> = sqlx::query_as(
             "WITH due AS (
-                 SELECT w.di_id, coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id), 0) AS seq
+                 SELECT w.di_id, coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id), 0) AS seq,
+                        w.expires_at IS NOT NULL AS lease_expired
                  FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
                  WHERE d.gone_at IS NULL
                    AND (w.expires_at IS NULL OR w.expires_at <= now())
@@ -78,7 +94,7 @@ impl Store {
              SET holder = $1, lease_token = gen_random_uuid(),
                  expires_at = now() + $2 * interval '1 millisecond'
              FROM due WHERE w.di_id = due.di_id
-             RETURNING w.di_id, w.lease_token, due.seq",
+             RETURNING w.di_id, w.lease_token, due.seq, due.lease_expired, w.traceparent",
         )
         .bind(worker_id)
         .bind(millis(lease) as f64)
@@ -87,12 +103,34 @@ impl Store {
         .await?;
         Ok(rows
             .into_iter()
-            .map(|(di_id, lease_token, seq)| Claim {
+            .map(|(di_id, lease_token, seq, lease_expired, traceparent)| Claim {
                 di_id,
                 lease_token,
                 seq,
+                lease_expired,
+                traceparent,
             })
             .collect())
+    }
+
+    /// The queue's depth: DIs due and free to claim, and DIs under a live lease. `ready` uses
+    /// the same conditions as [`Store::work_claim`]. One pass over `work_items` (a row per live
+    /// DI) with an index lookup in `outbox` per row, so cheap enough to sample every few seconds.
+    pub async fn work_depth(&self) -> Result<WorkDepth> {
+        let (ready, leased): (i64, i64) = sqlx::query_as(
+            "SELECT
+                 count(*) FILTER (
+                     WHERE (w.expires_at IS NULL OR w.expires_at <= now())
+                       AND d.status IN ('new', 'provisioning', 'updating', 'deleting', 'active')
+                       AND (w.next_check_after <= now()
+                            OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id), 0) > w.seen_seq)),
+                 count(*) FILTER (WHERE w.expires_at > now())
+             FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
+             WHERE d.gone_at IS NULL",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(WorkDepth { ready, leased })
     }
 
     /// Extends a lease; false when it is no longer ours (expired and taken, or released).

@@ -109,7 +109,10 @@ pub fn router(state: AppState) -> axum::Router {
         .route("/healthz", axum::routing::get(|| async { "ok" }))
         .route("/metrics", axum::routing::get(common::metrics::handler))
         .layer(axum::middleware::from_fn(common::metrics::layer))
-        .layer(axum::middleware::from_fn(common::request_id::layer))
+        .layer(axum::middleware::from_fn_with_state(
+            "regional",
+            common::request_id::layer,
+        ))
         .layer(tower_http::limit::RequestBodyLimitLayer::new(256 * 1024))
         .with_state(state)
 }

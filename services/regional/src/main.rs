@@ -10,7 +10,7 @@ struct Migrate {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    common::telemetry::init("regional");
+    let _telemetry = common::telemetry::init("regional");
     if std::env::args().nth(1).as_deref() == Some("migrate") {
         let args = Migrate::parse_from(std::env::args().skip(1));
         let pool = sqlx::PgPool::connect(&args.database_url).await?;

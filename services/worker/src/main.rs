@@ -1,6 +1,7 @@
 //! `worker`: the reconcile worker of one region. Flags fall back to environment variables;
 //! pass secrets through the environment (or `*_FILE` variables naming a file), not argv.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
@@ -61,6 +62,9 @@ struct Args {
     system_pool_count: u32,
     #[arg(long, env = "KUBERNETES_VERSION", default_value = "latest")]
     kubernetes_version: String,
+    /// Address of the HTTP server for `/metrics` (Prometheus) and `/healthz`.
+    #[arg(long, env = "METRICS_LISTEN", default_value = "0.0.0.0:9090")]
+    metrics_listen: SocketAddr,
 }
 
 /// A secret from its flag/variable, else from the file `<VAR>_FILE` names.
@@ -78,7 +82,7 @@ fn secret(value: Option<String>, var: &str) -> anyhow::Result<String> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    common::telemetry::init("worker");
+    let _telemetry = common::telemetry::init("worker");
     let args = Args::parse();
     let do_token = secret(args.do_token, "DO_TOKEN")?;
     let seal_key = secret(args.seal_key, "SEAL_KEY")?;
@@ -104,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
     config.settings.system_pool_size = args.system_pool_size;
     config.settings.system_pool_count = args.system_pool_count.max(1);
     config.settings.kubernetes_version = args.kubernetes_version;
+    config.metrics_listen = args.metrics_listen;
     tracing::info!(?config, "starting");
     let worker = Worker::start(config).await?;
     common::telemetry::shutdown_signal().await;

@@ -11,6 +11,8 @@ use sqlx::postgres::PgListener;
 use tokio::sync::{watch, Notify};
 use uuid::Uuid;
 
+use crate::metrics;
+
 /// The channel the outbox trigger notifies on every committed change.
 pub const CHANNEL: &str = "di_changes";
 
@@ -39,13 +41,21 @@ impl Queue {
         self.lease
     }
 
+    /// Claims up to `limit` due DIs; counts those taken over from an expired lease.
     pub async fn claim(&self, limit: usize) -> region_store::Result<Vec<Claim>> {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        self.store
+        let claims = self
+            .store
             .work_claim(&self.worker_id, self.lease, limit as i64)
-            .await
+            .await?;
+        let expired = claims.iter().filter(|c| c.lease_expired).count();
+        if expired > 0 {
+            tracing::info!(count = expired, "took over DIs whose lease had expired");
+            metrics::lease_expiries(expired);
+        }
+        Ok(claims)
     }
 
     pub async fn renew(&self, claim: &Claim) -> region_store::Result<bool> {

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use api_types::regional::{Record, StoredSpec};
 use base64::Engine;
@@ -21,6 +21,7 @@ use serde_json::Value;
 use sha2::Sha256;
 use uuid::Uuid;
 
+use crate::metrics::{self, Outcome, Phase};
 use crate::plan::{self, names, AccessTokenHash, Images, ManifestInput, PoolAction, TlsPair};
 
 /// Ledger kinds (see the `teardown_ledger` table).
@@ -287,13 +288,39 @@ impl Reconciler {
         self.kube_writes_total.load(Ordering::SeqCst)
     }
 
-    /// One pass over DI `id`.
+    /// One pass over DI `id`, recorded in the pass metrics by phase and outcome.
     pub async fn reconcile(&self, id: Uuid) -> Result<Pass> {
-        let rec = match self.store.dedicated_inference_any(id).await {
-            Ok(r) => r,
-            Err(StoreError::NotFound) => return Ok(Pass::new("gone", self.settings.resync)),
-            Err(e) => return Err(e.into()),
+        let started = Instant::now();
+        // Fields of the pass's span (see `runtime::run_one`): the status it found and left.
+        let span = tracing::Span::current();
+        let (phase, result) = match self.store.dedicated_inference_any(id).await {
+            Ok(rec) => {
+                span.record("phase", rec.status.as_str());
+                let phase = if rec.gone {
+                    Phase::Idle
+                } else {
+                    Phase::of(&rec.status, rec.pending_spec.is_some())
+                };
+                (phase, self.reconcile_record(&rec).await)
+            }
+            Err(StoreError::NotFound) => (Phase::Idle, Ok(Pass::new("gone", self.settings.resync))),
+            Err(e) => (Phase::Unknown, Err(e.into())),
         };
+        let outcome = match &result {
+            Ok(pass) if pass.waiting.is_none() => Outcome::Converged,
+            Ok(_) => Outcome::Progress,
+            Err(ReconcileError::Transient(_)) => Outcome::Retry,
+            Err(ReconcileError::Permanent { .. }) => Outcome::Error,
+        };
+        metrics::pass(phase, outcome, started.elapsed());
+        if let Ok(pass) = &result {
+            span.record("status", pass.status.as_str());
+        }
+        span.record("outcome", outcome.as_str());
+        result
+    }
+
+    async fn reconcile_record(&self, rec: &Record) -> Result<Pass> {
         if rec.gone {
             return Ok(Pass::new("gone", self.settings.resync));
         }
@@ -302,14 +329,14 @@ impl Reconciler {
         let mut pass = match rec.status.as_str() {
             // Deletion wins over everything: a refusal while tearing down is retried, never
             // parked in `error` (the store would not apply it to a deleting DI anyway).
-            "deleting" => self.teardown(&rec).await.map_err(|e| match e {
+            "deleting" => self.teardown(rec).await.map_err(|e| match e {
                 ReconcileError::Permanent { reason, message } => {
                     ReconcileError::Transient(format!("{reason}: {message}"))
                 }
                 e => e,
             })?,
             "error" => Pass::new("error", self.settings.resync),
-            _ => self.converge(&rec).await?,
+            _ => self.converge(rec).await?,
         };
         pass.kube_writes = self.kube_writes() - kube_before;
         pass.do_writes = self.cloud.mutating_calls() - do_before;

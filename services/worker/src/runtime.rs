@@ -1,20 +1,25 @@
 //! The worker runtime: claims DIs from the regional store (woken by `LISTEN di_changes` and by a
 //! periodic tick), runs up to N reconcile passes at once, each under a renewed lease, and turns
 //! each pass's outcome into the lease's next check: soon while waiting for the cloud, a jittered
-//! backoff after a transient failure, `error` after a permanent one or a stall.
+//! backoff after a transient failure, `error` after a permanent one or a stall. Beside the claim
+//! loop it serves `/metrics` and `/healthz` and samples the work queue's depth.
 
 use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cloud_clients::{DoClient, DoClientOptions};
 use common::seal::Sealer;
 use region_store::{Claim, Store};
+use tracing::Instrument;
 use sqlx::postgres::PgPoolOptions;
-use tokio::sync::{watch, Notify, Semaphore};
+use tokio::sync::{oneshot, watch, Notify, Semaphore};
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
+use crate::metrics;
 use crate::queue::{self, Queue};
 use crate::reconcile::{Pass, ReconcileError, Reconciler, Settings};
 
@@ -39,6 +44,9 @@ pub struct Config {
     /// No progress for this long in a phase: an event at half of it, `error` at all of it.
     pub stall_timeout: Duration,
     pub db_max_connections: u32,
+    /// Where `/metrics` and `/healthz` are served; port 0 picks a free port (see
+    /// [`WorkerHandle::metrics_addr`]).
+    pub metrics_listen: SocketAddr,
 }
 
 impl std::fmt::Debug for Config {
@@ -51,12 +59,15 @@ impl std::fmt::Debug for Config {
             .field("lease", &self.lease)
             .field("tick", &self.tick)
             .field("stall_timeout", &self.stall_timeout)
+            .field("metrics_listen", &self.metrics_listen)
             .finish_non_exhaustive()
     }
 }
 
 impl Config {
-    /// Defaults for everything but the connections and secrets.
+    /// Defaults for everything but the connections and secrets. The metrics server listens on a
+    /// free loopback port, so that several workers can run in one process (tests); the binary
+    /// sets `--metrics-listen` (default `0.0.0.0:9090`).
     pub fn new(
         region: &str,
         database_url: &str,
@@ -79,6 +90,7 @@ impl Config {
             backoff_max: Duration::from_secs(60),
             stall_timeout: Duration::from_secs(30 * 60),
             db_max_connections: 10,
+            metrics_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
         }
     }
 }
@@ -110,11 +122,17 @@ pub struct WorkerHandle {
     stop: watch::Sender<bool>,
     main: tokio::task::JoinHandle<()>,
     listener: tokio::task::JoinHandle<()>,
+    sampler: tokio::task::JoinHandle<()>,
+    /// The metrics server stops last, so that it can be scraped while passes finish.
+    metrics_stop: oneshot::Sender<()>,
+    metrics_server: tokio::task::JoinHandle<()>,
+    metrics_addr: SocketAddr,
     shared: Arc<Shared>,
 }
 
 impl Worker {
-    /// Connects to the store, builds the DigitalOcean client and starts claiming work.
+    /// Connects to the store, builds the DigitalOcean client, opens the metrics listener and
+    /// starts claiming work.
     pub async fn start(config: Config) -> anyhow::Result<WorkerHandle> {
         let pool = PgPoolOptions::new()
             .max_connections(config.db_max_connections.max(2))
@@ -129,6 +147,10 @@ impl Worker {
             DoClientOptions::default(),
         )?;
         let reconciler = Reconciler::new(store.clone(), cloud, config.settings.clone());
+        let metrics_listener = tokio::net::TcpListener::bind(config.metrics_listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("metrics listener on {}: {e}", config.metrics_listen))?;
+        let metrics_addr = metrics_listener.local_addr()?;
         let shared = Arc::new(Shared {
             queue: Queue::new(store.clone(), &config.worker_id, config.lease),
             reconciler,
@@ -138,14 +160,24 @@ impl Worker {
             attempts: Mutex::new(HashMap::new()),
             stats: Mutex::new(Stats::default()),
         });
+        metrics::register();
         let (stop, stop_rx) = watch::channel(false);
+        let running = Arc::new(AtomicBool::new(true));
         let listener = tokio::spawn(queue::listen(pool, shared.wake.clone(), stop_rx.clone()));
-        let main = tokio::spawn(run(shared.clone(), stop_rx));
-        tracing::info!(worker = %shared.config.worker_id, "worker started");
+        let sampler = tokio::spawn(sample_queue_depth(shared.clone(), stop_rx.clone()));
+        let main = tokio::spawn(run(shared.clone(), stop_rx, running.clone()));
+        let (metrics_stop, metrics_stop_rx) = oneshot::channel();
+        let metrics_server =
+            tokio::spawn(metrics::serve(metrics_listener, running, metrics_stop_rx));
+        tracing::info!(worker = %shared.config.worker_id, %metrics_addr, "worker started");
         Ok(WorkerHandle {
             stop,
             main,
             listener,
+            sampler,
+            metrics_stop,
+            metrics_server,
+            metrics_addr,
             shared,
         })
     }
@@ -164,11 +196,21 @@ impl WorkerHandle {
         &self.shared.reconciler
     }
 
-    /// Stops claiming, lets running passes finish (they release their leases), then returns.
+    /// The address `/metrics` and `/healthz` are served on (the bound port when the configured
+    /// one was 0).
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics_addr
+    }
+
+    /// Stops claiming, lets running passes finish (they release their leases), then stops the
+    /// metrics server and returns.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
         let _ = self.main.await;
         let _ = self.listener.await;
+        let _ = self.sampler.await;
+        let _ = self.metrics_stop.send(());
+        let _ = self.metrics_server.await;
         tracing::info!(worker = %self.shared.config.worker_id, "worker stopped");
     }
 
@@ -176,10 +218,22 @@ impl WorkerHandle {
     pub fn kill(self) {
         self.main.abort();
         self.listener.abort();
+        self.sampler.abort();
+        self.metrics_server.abort();
     }
 }
 
-async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+/// Clears the health flag when the claim loop ends, however it ends (return, panic, abort).
+struct Running(Arc<AtomicBool>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
+async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>, running: Arc<AtomicBool>) {
+    let _running = Running(running);
     let slots = Arc::new(Semaphore::new(shared.config.concurrency.max(1)));
     let mut tasks: JoinSet<()> = JoinSet::new();
     loop {
@@ -219,10 +273,27 @@ async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     while tasks.join_next().await.is_some() {}
 }
 
+/// One reconcile pass under `claim`, in a span that joins the trace of the request that caused
+/// the work (carried through the queue), or starts its own for periodic resyncs.
 async fn run_one(shared: &Shared, claim: Claim) {
+    let span = tracing::info_span!(
+        "reconcile",
+        otel.kind = "internal",
+        service = "worker",
+        di_id = %claim.di_id,
+        phase = tracing::field::Empty,
+        status = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+    );
+    common::telemetry::continue_from_traceparent(&span, claim.traceparent.as_deref());
+    run_pass(shared, claim).instrument(span).await
+}
+
+async fn run_pass(shared: &Shared, claim: Claim) {
     let id = claim.di_id;
     let lost = Arc::new(Notify::new());
-    let keep = shared.queue.keep_alive(claim, lost.clone());
+    let keep = shared.queue.keep_alive(claim.clone(), lost.clone());
     let outcome = tokio::select! {
         r = shared.reconciler.reconcile(id) => Some(r),
         _ = lost.notified() => None,
@@ -232,6 +303,7 @@ async fn run_one(shared: &Shared, claim: Claim) {
     let next = match outcome {
         None => {
             shared.stats.lock().expect("stats").leases_lost += 1;
+            metrics::lease_lost(1);
             return;
         }
         Some(Ok(pass)) => {
@@ -279,6 +351,23 @@ async fn run_one(shared: &Shared, claim: Claim) {
     };
     if let Err(e) = shared.queue.release(&claim, next).await {
         tracing::warn!(di = %id, error = %e, "releasing the lease failed; it will expire");
+    }
+}
+
+/// Samples the work queue's depth into its gauge every tick (at most once a second: scrapes are
+/// far apart, and a short test tick should not add database load) until `stop` turns true. A
+/// failed sample keeps the last value (the claim loop reports database trouble already).
+async fn sample_queue_depth(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let every = shared.config.tick.max(Duration::from_secs(1));
+    loop {
+        match shared.store.work_depth().await {
+            Ok(depth) => metrics::queue_depth(depth.ready, depth.leased),
+            Err(e) => tracing::debug!(error = %e, "sampling the work queue depth failed"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.changed() => return,
+        }
     }
 }
 

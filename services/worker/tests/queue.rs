@@ -82,11 +82,13 @@ async fn an_expired_lease_is_claimed_by_another_worker(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(first.len(), 1);
+    assert!(!first[0].lease_expired);
     assert!(s.work_claim("b", LEASE, 10).await.unwrap().is_empty());
     tokio::time::sleep(Duration::from_millis(300)).await;
     let second = s.work_claim("b", LEASE, 10).await.unwrap();
     assert_eq!(second.len(), 1);
     assert_eq!(second[0].di_id, id);
+    assert!(second[0].lease_expired, "taken over from the dead worker");
     // The dead worker's token no longer renews or releases.
     assert!(!s.work_renew(id, first[0].lease_token, LEASE).await.unwrap());
     assert!(!s
@@ -115,6 +117,59 @@ async fn released_work_waits_for_its_time_or_a_change(pool: PgPool) {
     let again = s.work_claim("a", LEASE, 10).await.unwrap();
     assert_eq!(again.len(), 1);
     assert!(again[0].seq > c.seq);
+    assert!(
+        !again[0].lease_expired,
+        "a released lease is not an expired one"
+    );
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn depth_counts_what_is_claimable_and_what_is_leased(pool: PgPool) {
+    let s = store(pool);
+    let team = Uuid::new_v4();
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        ids.push(create(&s, team).await);
+    }
+    let depth = s.work_depth().await.unwrap();
+    assert_eq!((depth.ready, depth.leased), (4, 0));
+
+    let claimed = s.work_claim("a", LEASE, 2).await.unwrap();
+    let depth = s.work_depth().await.unwrap();
+    assert_eq!((depth.ready, depth.leased), (2, 2));
+
+    // Released with a later check: neither ready nor leased.
+    let c = claimed[0].clone();
+    s.work_release(c.di_id, c.lease_token, c.seq, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let depth = s.work_depth().await.unwrap();
+    assert_eq!((depth.ready, depth.leased), (2, 1));
+
+    // An error DI waits for a new spec: not ready.
+    let free = ids
+        .iter()
+        .copied()
+        .find(|id| !claimed.iter().any(|c| c.di_id == *id))
+        .unwrap();
+    s.error_set(free, "CapacityExhausted", "no GPUs")
+        .await
+        .unwrap();
+    let depth = s.work_depth().await.unwrap();
+    assert_eq!((depth.ready, depth.leased), (1, 1));
+
+    // An expired lease is claimable again: ready, no longer leased.
+    let short = s
+        .work_claim("dead", Duration::from_millis(100), 10)
+        .await
+        .unwrap();
+    assert_eq!(short.len(), 1);
+    assert_eq!(s.work_depth().await.unwrap().leased, 2);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let depth = s.work_depth().await.unwrap();
+    assert_eq!((depth.ready, depth.leased), (1, 1));
+    // What depth calls ready is what a claim takes.
+    assert_eq!(s.work_claim("b", LEASE, 10).await.unwrap().len(), 1);
 }
 
 #[sqlx::test(migrator = "region_store::MIGRATOR")]

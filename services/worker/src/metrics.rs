@@ -1,0 +1,204 @@
+//! The worker's Prometheus metrics and its small HTTP server (`GET /metrics`, `GET /healthz`).
+//! Everything is recorded in the process-wide registry of `common::metrics`, which also holds
+//! the DigitalOcean and Kubernetes API call counters of `cloud_clients`. Labels are small fixed
+//! sets: never a DI id, a resource name or a token.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::routing::get;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+/// `worker_reconcile_duration_seconds{phase, outcome}`: histogram of pass durations.
+pub const PASS_DURATION: &str = "worker_reconcile_duration_seconds";
+/// `worker_reconcile_passes_total{phase, outcome}`.
+pub const PASSES: &str = "worker_reconcile_passes_total";
+/// `worker_queue_depth{state}`: `ready` or `leased` DIs in the region's work queue.
+pub const QUEUE_DEPTH: &str = "worker_queue_depth";
+/// `worker_lease_expiries_total`: claims that took over an expired lease.
+pub const LEASE_EXPIRIES: &str = "worker_lease_expiries_total";
+/// `worker_leases_lost_total`: passes abandoned because their lease could not be renewed.
+pub const LEASES_LOST: &str = "worker_leases_lost_total";
+
+/// A pass runs from milliseconds (nothing to do) to about a minute (a cloud API retried until
+/// the retry policy's time bound), beyond the default request-latency buckets.
+const PASS_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// The phase a pass worked on, from the DI's status (and pending spec) when it began.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// `new` or `provisioning`: first rollout.
+    Provisioning,
+    /// `updating`, or `active` with a pending spec: a rollout of a new spec.
+    Updating,
+    /// `deleting`: teardown.
+    Deleting,
+    /// `active` with nothing pending: the periodic resync of a converged DI.
+    Resync,
+    /// Nothing to do: the DI is in `error` (waiting for a new spec), gone, or unknown.
+    Idle,
+    /// The DI could not be read (a store error before the phase was known).
+    Unknown,
+}
+
+impl Phase {
+    pub fn of(status: &str, pending_spec: bool) -> Phase {
+        match status {
+            "new" | "provisioning" => Phase::Provisioning,
+            "updating" => Phase::Updating,
+            "active" if pending_spec => Phase::Updating,
+            "active" => Phase::Resync,
+            "deleting" => Phase::Deleting,
+            _ => Phase::Idle,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Provisioning => "provisioning",
+            Phase::Updating => "updating",
+            Phase::Deleting => "deleting",
+            Phase::Resync => "resync",
+            Phase::Idle => "idle",
+            Phase::Unknown => "unknown",
+        }
+    }
+}
+
+/// How a pass ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Nothing left to wait for.
+    Converged,
+    /// Moved on and waits for the cloud (or applied changes): looks again soon.
+    Progress,
+    /// A transient failure: retried with backoff.
+    Retry,
+    /// A permanent failure: the DI goes to `error`.
+    Error,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Converged => "converged",
+            Outcome::Progress => "progress",
+            Outcome::Retry => "retry",
+            Outcome::Error => "error",
+        }
+    }
+}
+
+/// Records one reconcile pass.
+pub fn pass(phase: Phase, outcome: Outcome, elapsed: Duration) {
+    let labels = || {
+        vec![
+            ("phase", phase.as_str().to_string()),
+            ("outcome", outcome.as_str().to_string()),
+        ]
+    };
+    common::metrics::observe_in(
+        PASS_DURATION,
+        "Duration of reconcile passes by phase and outcome",
+        labels(),
+        elapsed.as_secs_f64(),
+        PASS_BUCKETS,
+    );
+    common::metrics::counter_add(
+        PASSES,
+        "Reconcile passes by phase and outcome",
+        labels(),
+        1.0,
+    );
+}
+
+/// Sets the work queue's depth (region-wide: every worker of the region reports the same value).
+pub fn queue_depth(ready: i64, leased: i64) {
+    const HELP: &str = "DIs in the region's work queue: due and free to claim (ready) or under a live lease (leased)";
+    common::metrics::gauge_set(
+        QUEUE_DEPTH,
+        HELP,
+        vec![("state", "ready".into())],
+        ready as f64,
+    );
+    common::metrics::gauge_set(
+        QUEUE_DEPTH,
+        HELP,
+        vec![("state", "leased".into())],
+        leased as f64,
+    );
+}
+
+/// Counts claims that took over an expired lease.
+pub fn lease_expiries(n: usize) {
+    common::metrics::counter_add(
+        LEASE_EXPIRIES,
+        "Claims that took over a DI whose lease had expired (its worker died or stalled)",
+        vec![],
+        n as f64,
+    );
+}
+
+/// Counts a pass abandoned because its lease was lost.
+pub fn lease_lost(n: usize) {
+    common::metrics::counter_add(
+        LEASES_LOST,
+        "Reconcile passes abandoned because their lease could not be renewed",
+        vec![],
+        n as f64,
+    );
+}
+
+/// Exports the lease counters at zero, so that "no expiries" reads as 0 rather than as a
+/// missing series (which alerts cannot tell from a worker that is not scraped).
+pub fn register() {
+    lease_expiries(0);
+    lease_lost(0);
+}
+
+/// Serves `/metrics` and `/healthz` on `listener` until `stop` fires (or its sender is dropped).
+/// `/healthz` answers 200 while `running` is true (the claim loop runs) and 503 after.
+pub async fn serve(listener: TcpListener, running: Arc<AtomicBool>, stop: oneshot::Receiver<()>) {
+    let app = axum::Router::new()
+        .route("/metrics", get(common::metrics::handler))
+        .route(
+            "/healthz",
+            get(move || async move {
+                if running.load(Ordering::SeqCst) {
+                    (StatusCode::OK, "ok")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "stopped")
+                }
+            }),
+        );
+    let shutdown = async {
+        let _ = stop.await;
+    };
+    if let Err(error) = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+    {
+        tracing::error!(%error, "metrics server stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_follow_status_and_pending_spec() {
+        assert_eq!(Phase::of("new", true), Phase::Provisioning);
+        assert_eq!(Phase::of("provisioning", true), Phase::Provisioning);
+        assert_eq!(Phase::of("active", true), Phase::Updating);
+        assert_eq!(Phase::of("updating", true), Phase::Updating);
+        assert_eq!(Phase::of("active", false), Phase::Resync);
+        assert_eq!(Phase::of("deleting", false), Phase::Deleting);
+        assert_eq!(Phase::of("error", true), Phase::Idle);
+    }
+}

@@ -1,0 +1,289 @@
+//! Scaffolding shared by the worker's end-to-end test binaries: a fresh regional database, the
+//! region simulator, the store used directly (as the regional service would) and in-process
+//! workers. Needs DATABASE_URL (a Postgres the tests may create databases in).
+
+// Each test binary uses only some of these helpers.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use api_types::regional::{CreateRequest, NewToken, Record};
+use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
+use common::seal::Sealer;
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+use region_sim::{Delays, RegionSim, SimConfig};
+use region_store::{sqlx, NewCa, Store};
+use uuid::Uuid;
+use worker::runtime::{Config, Worker, WorkerHandle};
+
+pub const MODEL: &str = "qwen/qwen2.5-7b-instruct";
+pub const GPU: &str = "gpu-h100x1-80gb";
+pub const SIM_TOKEN: &str = "sim-token";
+pub const PROBE_SECRET: &[u8] = b"probe-secret-for-tests";
+
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "worker=info,warn".to_string()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+pub async fn fresh_database() -> String {
+    use sqlx::Connection;
+    let admin = std::env::var("DATABASE_URL").expect("DATABASE_URL must point at a Postgres");
+    let name = format!("worker_e2e_{}", Uuid::new_v4().simple());
+    let mut conn = sqlx::PgConnection::connect(&admin)
+        .await
+        .expect("connect to DATABASE_URL");
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut conn)
+        .await
+        .expect("create database");
+    let mut url = reqwest::Url::parse(&admin).expect("DATABASE_URL is a URL");
+    url.set_path(&name);
+    url.to_string()
+}
+
+pub fn generate_ca(id: Uuid) -> NewCa {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params
+        .distinguished_name
+        .push(DnType::CommonName, format!("Dedicated Inference {id} CA"));
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let key = KeyPair::generate().unwrap();
+    let cert = params.self_signed(&key).unwrap();
+    NewCa {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    }
+}
+
+pub struct Env {
+    pub sim: RegionSim,
+    pub store: Store,
+    pub database_url: String,
+    pub seal_key: String,
+    pub vpc: Uuid,
+    pub team: Uuid,
+}
+
+pub fn small_delays() -> Delays {
+    Delays {
+        cluster_provision_ms: 300,
+        node_provision_ms: 200,
+        deletion_ms: 100,
+        lb_provision_ms: 100,
+        model_load_ms: 200,
+        gateway_address_ms: 50,
+    }
+}
+
+pub async fn env_with(capacity: Option<BTreeMap<String, u32>>) -> Env {
+    init_logs();
+    let database_url = fresh_database().await;
+    let seal_key = Sealer::generate_key();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(5)
+        .connect(&database_url)
+        .await
+        .unwrap();
+    let store = Store::new(pool, Sealer::from_base64(&seal_key).unwrap());
+    store.migrate().await.unwrap();
+    let mut cfg = SimConfig::new("atl1", SIM_TOKEN);
+    cfg.delays = small_delays();
+    if let Some(c) = capacity {
+        cfg.gpu_capacity = c;
+    }
+    let sim = RegionSim::start(cfg).await.unwrap();
+    let cloud = cloud_clients::DoClient::new(&sim.base_url(), SIM_TOKEN).unwrap();
+    let vpc = cloud
+        .vpc_list()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|v| v.default)
+        .expect("the default VPC")
+        .id
+        .parse()
+        .unwrap();
+    Env {
+        sim,
+        store,
+        database_url,
+        seal_key,
+        vpc,
+        team: Uuid::new_v4(),
+    }
+}
+
+impl Env {
+    pub fn config(&self) -> Config {
+        let mut c = Config::new(
+            "atl1",
+            &self.database_url,
+            &self.seal_key,
+            &self.sim.base_url(),
+            SIM_TOKEN,
+            PROBE_SECRET,
+        );
+        c.concurrency = 4;
+        c.lease = Duration::from_secs(5);
+        c.tick = Duration::from_millis(200);
+        c.backoff_base = Duration::from_millis(100);
+        c.backoff_max = Duration::from_secs(1);
+        c.db_max_connections = 4;
+        c.settings.poll = Duration::from_millis(150);
+        c.settings.resync = Duration::from_secs(60);
+        c.settings.system_pool_size = "s-2vcpu-4gb".into();
+        c.settings.system_pool_count = 1;
+        c
+    }
+
+    pub async fn worker(&self) -> WorkerHandle {
+        Worker::start(self.config()).await.unwrap()
+    }
+
+    pub fn spec(&self, scale: i32, model_id: Option<Uuid>) -> Spec {
+        Spec {
+            version: 1,
+            name: "e2e".into(),
+            region: "atl1".into(),
+            vpc_uuid: self.vpc,
+            enable_public_endpoint: true,
+            model_deployments: vec![ModelDeployment {
+                model_id,
+                model_slug: MODEL.into(),
+                model_provider: "hugging_face".into(),
+                workload_config: serde_json::json!({}),
+                accelerators: vec![AcceleratorGroup {
+                    accelerator_slug: GPU.into(),
+                    role: "prefill_decode".into(),
+                    scale,
+                }],
+            }],
+        }
+    }
+
+    /// Creates a DI; returns it and its managed token's value.
+    pub async fn create(&self, scale: i32) -> (Record, String) {
+        let id = Uuid::new_v4();
+        let token = common::tokens::mint("di_");
+        let req = CreateRequest {
+            id,
+            team_id: self.team,
+            spec: self.spec(scale, None),
+            hugging_face_token: None,
+            managed_token: NewToken {
+                id: Uuid::new_v4(),
+                name: "managed".into(),
+                sha256_hex: common::tokens::sha256_hex(&token),
+            },
+        };
+        let rec = self
+            .store
+            .dedicated_inference_create(&req, &generate_ca(id))
+            .await
+            .unwrap();
+        (rec, token)
+    }
+
+    pub async fn wait_for(
+        &self,
+        id: Uuid,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&Record) -> bool,
+    ) -> Record {
+        let start = Instant::now();
+        loop {
+            let r = self.store.dedicated_inference_any(id).await.unwrap();
+            if done(&r) {
+                return r;
+            }
+            if start.elapsed() > timeout {
+                let events = self
+                    .store
+                    .events_list(id, self.team, 1, 50)
+                    .await
+                    .map(|p| {
+                        p.items
+                            .into_iter()
+                            .map(|e| format!("{} {}: {}", e.phase, e.reason, e.message))
+                            .collect::<Vec<_>>()
+                    })
+                    .unwrap_or_default();
+                panic!(
+                    "timed out waiting for {what}: status {} reason {:?} pending {:?}\nevents: {events:#?}\nleftovers: {:#?}",
+                    r.status,
+                    r.status_reason,
+                    r.pending_spec.as_ref().map(|s| s.version),
+                    self.sim.inventory().leftovers()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn wait_active(&self, id: Uuid, version: i32) -> Record {
+        self.wait_for(
+            id,
+            &format!("active v{version}"),
+            Duration::from_secs(60),
+            |r| {
+                r.status == "active"
+                    && r.pending_spec.is_none()
+                    && r.spec.as_ref().map(|s| s.version) == Some(version)
+            },
+        )
+        .await
+    }
+
+    pub async fn wait_gone(&self, id: Uuid) {
+        self.wait_for(id, "gone", Duration::from_secs(60), |r| r.gone)
+            .await;
+        let start = Instant::now();
+        loop {
+            let left = self.sim.inventory().leftovers();
+            if left.is_empty() {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "leftovers after gone: {left:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+pub fn ca_client(ca_pem: &str) -> reqwest::Client {
+    reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(ca_pem.as_bytes()).unwrap())
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
+pub async fn chat(client: &reqwest::Client, endpoint: &str, token: &str) -> reqwest::StatusCode {
+    client
+        .post(format!("{endpoint}/v1/chat/completions"))
+        .bearer_auth(token)
+        .json(&serde_json::json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say hello"}],
+            "max_tokens": 8,
+        }))
+        .send()
+        .await
+        .unwrap()
+        .status()
+}
