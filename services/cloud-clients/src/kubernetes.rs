@@ -659,14 +659,18 @@ mod tests {
         let smaller = with_applied_hash(&smaller);
         assert!(contains(&live, &{
             let mut s = smaller.clone();
-            s["metadata"]["annotations"][APPLIED_HASH] = live["metadata"]["annotations"][APPLIED_HASH].clone();
+            s["metadata"]["annotations"][APPLIED_HASH] =
+                live["metadata"]["annotations"][APPLIED_HASH].clone();
             s
         }));
         assert!(!up_to_date(&live, &smaller), "a removed field is applied");
 
         let mut unannotated = live.clone();
         unannotated["metadata"]["annotations"] = json!({});
-        assert!(!up_to_date(&unannotated, &desired), "objects we never applied are applied");
+        assert!(
+            !up_to_date(&unannotated, &desired),
+            "objects we never applied are applied"
+        );
     }
 
     #[test]

@@ -130,7 +130,11 @@ async fn every_request_is_counted_by_verb_and_outcome() {
         "first apply and the get"
     );
     assert_eq!(kube_calls("get", "ok"), 1.0, "second apply");
-    assert_eq!(kube_calls("apply", "ok"), 1.0, "the second apply had nothing to write");
+    assert_eq!(
+        kube_calls("apply", "ok"),
+        1.0,
+        "the second apply had nothing to write"
+    );
     assert_eq!(kube_calls("list", "ok"), 1.0);
     assert_eq!(kube_calls("list", "transient"), 1.0);
     assert_eq!(kube_calls("delete", "not_found"), 1.0);

@@ -22,13 +22,18 @@ fn trace_context_crosses_http_headers_and_the_work_queue() {
     let mut headers = http::HeaderMap::new();
     request.in_scope(|| telemetry::inject(&mut headers));
     let traceparent = headers["traceparent"].to_str().unwrap().to_string();
-    assert!(traceparent.starts_with(&format!("00-{root}-")), "{traceparent}");
+    assert!(
+        traceparent.starts_with(&format!("00-{root}-")),
+        "{traceparent}"
+    );
     let regional = tracing::info_span!("request", trace_id = tracing::field::Empty);
     telemetry::continue_from(&regional, &headers);
     assert_eq!(trace_id_of(&regional), root);
 
     // Region -> worker: the stored value continues it too.
-    let stored = regional.in_scope(telemetry::traceparent).expect("a traceparent");
+    let stored = regional
+        .in_scope(telemetry::traceparent)
+        .expect("a traceparent");
     let pass = tracing::info_span!("reconcile", trace_id = tracing::field::Empty);
     telemetry::continue_from_traceparent(&pass, Some(&stored));
     assert_eq!(trace_id_of(&pass), root);

@@ -103,13 +103,15 @@ impl Store {
         .await?;
         Ok(rows
             .into_iter()
-            .map(|(di_id, lease_token, seq, lease_expired, traceparent)| Claim {
-                di_id,
-                lease_token,
-                seq,
-                lease_expired,
-                traceparent,
-            })
+            .map(
+                |(di_id, lease_token, seq, lease_expired, traceparent)| Claim {
+                    di_id,
+                    lease_token,
+                    seq,
+                    lease_expired,
+                    traceparent,
+                },
+            )
             .collect())
     }
 

@@ -13,10 +13,10 @@ use std::time::Duration;
 use cloud_clients::{DoClient, DoClientOptions};
 use common::seal::Sealer;
 use region_store::{Claim, Store};
-use tracing::Instrument;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::{oneshot, watch, Notify, Semaphore};
 use tokio::task::JoinSet;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::metrics;
