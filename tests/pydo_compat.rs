@@ -11,13 +11,12 @@
 //! finds an active DI with accelerators for the remaining operations.
 
 use std::collections::BTreeSet;
-use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::time::Duration;
 
 use reqwest::Method;
 use serde_json::Value;
+use system_tests::python::{self, describe, tests_dir};
 use system_tests::System;
 use uuid::Uuid;
 
@@ -39,98 +38,9 @@ const OPERATIONS: [&str; 13] = [
 
 const SCRIPT_TIMEOUT: Duration = Duration::from_secs(180);
 
-fn tests_dir() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn target_dir() -> PathBuf {
-    let workspace = tests_dir().parent().expect("tests/ has a parent");
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) if !dir.is_empty() => {
-            let dir = PathBuf::from(dir);
-            if dir.is_absolute() {
-                dir
-            } else {
-                workspace.join(dir)
-            }
-        }
-        _ => workspace.join("target"),
-    }
-}
-
-fn describe(output: &Output) -> String {
-    format!(
-        "exit status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
-fn run_checked(what: &str, command: &mut Command) {
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: could not run {command:?}: {e}"));
-    assert!(
-        output.status.success(),
-        "{what} failed ({command:?})\n{}",
-        describe(&output)
-    );
-}
-
-/// The venv's Python, with the pinned requirements installed.
-///
-/// Idempotent and safe when test processes race: an exclusive lock on a file beside the venv
-/// serialises them, and a marker holding the installed requirements (written last) says whether
-/// the venv is complete and current. A venv without the marker, half-built by a process that
-/// died, or built from other requirements, is removed and built again.
+/// The venv's Python, with the pinned `tests/pydo/requirements.txt` installed.
 fn pydo_python() -> PathBuf {
-    let requirements = tests_dir().join("pydo/requirements.txt");
-    let wanted = fs::read_to_string(&requirements)
-        .unwrap_or_else(|e| panic!("read {}: {e}", requirements.display()));
-    let target = target_dir();
-    fs::create_dir_all(&target).unwrap_or_else(|e| panic!("create {}: {e}", target.display()));
-    let venv = target.join("pydo-venv");
-    let lock_path = target.join("pydo-venv.lock");
-    let lock = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .unwrap_or_else(|e| panic!("open {}: {e}", lock_path.display()));
-    lock.lock()
-        .unwrap_or_else(|e| panic!("lock {}: {e}", lock_path.display()));
-
-    let python = venv.join("bin").join("python");
-    let marker = venv.join(".installed-requirements");
-    if python.exists() && fs::read_to_string(&marker).ok().as_deref() == Some(wanted.as_str()) {
-        return python;
-    }
-    if venv.exists() {
-        fs::remove_dir_all(&venv).unwrap_or_else(|e| panic!("remove {}: {e}", venv.display()));
-    }
-    let system_python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    run_checked(
-        "creating the pydo venv (needs Python 3 with the venv module)",
-        Command::new(&system_python).args(["-m", "venv"]).arg(&venv),
-    );
-    run_checked(
-        "installing tests/pydo/requirements.txt (needs PyPI)",
-        Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--disable-pip-version-check",
-                "--no-input",
-                "--quiet",
-                "-r",
-            ])
-            .arg(&requirements),
-    );
-    fs::write(&marker, &wanted).unwrap_or_else(|e| panic!("write {}: {e}", marker.display()));
-    python
-    // The lock is released when `lock` is dropped here.
+    python::venv("pydo-venv", "pydo/requirements.txt")
 }
 
 /// Runs one phase of compat.py and returns its `RESULT` object and full stdout.

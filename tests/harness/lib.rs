@@ -1,8 +1,11 @@
 //! The test harness: throwaway databases on the Postgres named by `DATABASE_URL`, the whole
 //! control plane (central + regional services) on real loopback sockets, and a TCP proxy in front
-//! of each region that can make it slow or unreachable.
+//! of each region that can make it slow or unreachable. With [`Options::cloud`], each region also
+//! gets an in-process region simulator and reconcile workers, so a DI created through the public
+//! API really comes up and serves.
 
 pub mod proxy;
+pub mod python;
 
 use std::time::Duration;
 
@@ -41,9 +44,170 @@ pub struct RegionHandle {
     pub seal_key: String,
     pub server: Option<regional::Server>,
     pub proxy: proxy::Proxy,
+    /// The region's simulated cloud and its workers, with [`Options::cloud`].
+    pub cloud: Option<Cloud>,
+}
+
+/// The DigitalOcean API token the simulators accept and the workers send.
+pub const SIM_TOKEN: &str = "sim-do-token";
+/// Key of the workers' probe tokens; the same for every worker of a region, as in production.
+const PROBE_SECRET: &[u8] = b"system-test-probe-secret";
+
+/// How each region's simulated cloud and workers are set up.
+#[derive(Clone, Debug)]
+pub struct CloudOptions {
+    /// Workers started per region.
+    pub workers: usize,
+    /// The simulators' delays: small, so that a DI comes up in a second or two.
+    pub delays: region_sim::Delays,
+    /// The workers' lease: how long a killed worker's DI waits before another takes it over.
+    pub lease: Duration,
+}
+
+impl CloudOptions {
+    /// Delays small enough for quick tests, large enough that each phase (cluster, nodes, model
+    /// load, teardown) is a distinct step a test can observe.
+    pub fn quick_delays() -> region_sim::Delays {
+        region_sim::Delays {
+            cluster_provision_ms: 300,
+            node_provision_ms: 200,
+            deletion_ms: 300,
+            lb_provision_ms: 100,
+            model_load_ms: 200,
+            gateway_address_ms: 50,
+        }
+    }
+}
+
+impl Default for CloudOptions {
+    fn default() -> Self {
+        CloudOptions {
+            workers: 1,
+            delays: Self::quick_delays(),
+            lease: Duration::from_secs(3),
+        }
+    }
+}
+
+/// A region's simulated cloud (DigitalOcean API, DOKS clusters, data plane) and its workers.
+pub struct Cloud {
+    pub sim: region_sim::RegionSim,
+    /// Running workers; `None` where one was killed.
+    pub workers: Vec<Option<worker::runtime::WorkerHandle>>,
+    options: CloudOptions,
+    /// The region's default VPC, where tests put their DIs.
+    pub vpc: Uuid,
+}
+
+impl Cloud {
+    async fn start(
+        region: &str,
+        database_url: &str,
+        seal_key: &str,
+        options: &CloudOptions,
+    ) -> Cloud {
+        let mut cfg = region_sim::SimConfig::new(region, SIM_TOKEN);
+        cfg.delays = options.delays.clone();
+        let sim = region_sim::RegionSim::start(cfg)
+            .await
+            .expect("region simulator starts");
+        let vpc = sim
+            .inventory()
+            .cloud
+            .vpcs
+            .iter()
+            .find(|v| v["default"] == true)
+            .and_then(|v| v["id"].as_str())
+            .and_then(|id| Uuid::parse_str(id).ok())
+            .expect("the simulated region has a default VPC");
+        let mut cloud = Cloud {
+            sim,
+            workers: Vec::new(),
+            options: options.clone(),
+            vpc,
+        };
+        for _ in 0..options.workers {
+            cloud.start_worker(region, database_url, seal_key).await;
+        }
+        cloud
+    }
+
+    async fn start_worker(&mut self, region: &str, database_url: &str, seal_key: &str) -> usize {
+        let mut c = worker::runtime::Config::new(
+            region,
+            database_url,
+            seal_key,
+            &self.sim.base_url(),
+            SIM_TOKEN,
+            PROBE_SECRET,
+        );
+        c.concurrency = 4;
+        c.lease = self.options.lease;
+        c.tick = Duration::from_millis(200);
+        c.backoff_base = Duration::from_millis(100);
+        c.backoff_max = Duration::from_secs(1);
+        c.db_max_connections = 3;
+        c.settings.poll = Duration::from_millis(150);
+        c.settings.system_pool_size = "s-2vcpu-4gb".into();
+        c.settings.system_pool_count = 1;
+        let handle = worker::runtime::Worker::start(c)
+            .await
+            .expect("worker starts");
+        self.workers.push(Some(handle));
+        self.workers.len() - 1
+    }
+
+    /// Kills worker `index` as a crashed process would: nothing is released, its leases expire.
+    pub fn kill_worker(&mut self, index: usize) {
+        self.workers[index]
+            .take()
+            .expect("the worker is running")
+            .kill();
+    }
+
+    /// Counters summed over the running workers.
+    pub fn worker_stats(&self) -> worker::runtime::Stats {
+        let mut sum = worker::runtime::Stats::default();
+        for s in self.workers.iter().flatten().map(|w| w.stats()) {
+            sum.passes += s.passes;
+            sum.transient_failures += s.transient_failures;
+            sum.permanent_failures += s.permanent_failures;
+            sum.leases_lost += s.leases_lost;
+        }
+        sum
+    }
 }
 
 impl RegionHandle {
+    /// The region's simulated cloud; panics unless the system was started with [`Options::cloud`].
+    pub fn cloud(&self) -> &Cloud {
+        self.cloud
+            .as_ref()
+            .expect("the system was started with Options::cloud")
+    }
+
+    pub fn sim(&self) -> &region_sim::RegionSim {
+        &self.cloud().sim
+    }
+
+    /// Starts one more worker for this region; returns its index.
+    pub async fn start_worker(&mut self) -> usize {
+        let (db, key) = (self.database_url.clone(), self.seal_key.clone());
+        let name = self.name.clone();
+        self.cloud
+            .as_mut()
+            .expect("the system was started with Options::cloud")
+            .start_worker(&name, &db, &key)
+            .await
+    }
+
+    pub fn kill_worker(&mut self, index: usize) {
+        self.cloud
+            .as_mut()
+            .expect("the system was started with Options::cloud")
+            .kill_worker(index);
+    }
+
     pub fn store(&self) -> &region_store::Store {
         &self.server.as_ref().expect("region is running").store
     }
@@ -88,6 +252,8 @@ pub struct Options {
     pub region_timeout: Duration,
     pub background: bool,
     pub rate_limit_per_hour: u32,
+    /// Give every region a simulated cloud and reconcile workers (off: nothing reconciles).
+    pub cloud: Option<CloudOptions>,
 }
 
 impl Default for Options {
@@ -96,6 +262,7 @@ impl Default for Options {
             region_timeout: Duration::from_secs(5),
             background: true,
             rate_limit_per_hour: 100_000,
+            cloud: None,
         }
     }
 }
@@ -115,6 +282,7 @@ impl System {
     }
 
     pub async fn start_with(options: Options) -> System {
+        init_logs();
         let mut regions = Vec::new();
         for name in REGIONS {
             let database_url = fresh_database(&format!("region_{name}")).await;
@@ -125,6 +293,10 @@ impl System {
                     .await
                     .expect("regional service starts");
             let proxy = proxy::Proxy::start(server.addr).await;
+            let cloud = match &options.cloud {
+                Some(o) => Some(Cloud::start(name, &database_url, &seal_key, o).await),
+                None => None,
+            };
             regions.push(RegionHandle {
                 name: name.to_string(),
                 database_url,
@@ -132,6 +304,7 @@ impl System {
                 seal_key,
                 server: Some(server),
                 proxy,
+                cloud,
             });
         }
         let central_config = central::Config {
@@ -172,6 +345,15 @@ impl System {
             .iter_mut()
             .find(|r| r.name == name)
             .expect("known region")
+    }
+
+    /// Region `name`'s simulated cloud (with [`Options::cloud`]).
+    pub fn cloud(&self, name: &str) -> &Cloud {
+        self.regions
+            .iter()
+            .find(|r| r.name == name)
+            .expect("known region")
+            .cloud()
     }
 
     /// Mints an API token for `team` with `scopes` (all when empty).
@@ -307,14 +489,35 @@ impl Reply {
     }
 }
 
+/// Logs of the services under test (RUST_LOG, default warnings), shown with a failing test's
+/// output.
+fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
 /// A valid create body (pydo's dialect) for an ungated model.
 pub fn create_body(name: &str, region: &str) -> Value {
+    create_body_in(
+        name,
+        region,
+        Uuid::parse_str("7e5c619c-359c-44ca-87e2-47e98170c012").unwrap(),
+    )
+}
+
+/// [`create_body`] in VPC `vpc` (with a simulated cloud, the region's [`Cloud::vpc`]).
+pub fn create_body_in(name: &str, region: &str, vpc: Uuid) -> Value {
     json!({
         "spec": {
             "version": 1,
             "name": name,
             "region": region,
-            "vpc": {"uuid": "7e5c619c-359c-44ca-87e2-47e98170c012"},
+            "vpc": {"uuid": vpc},
             "enable_public_endpoint": true,
             "model_deployments": [{
                 "model_slug": "qwen/qwen2.5-7b-instruct",

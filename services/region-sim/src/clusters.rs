@@ -120,11 +120,13 @@ mod proxy {
     use tokio::sync::watch;
 
     use crate::faults::{Api, Faults, Verdict};
+    use crate::Stats;
 
     struct Proxy {
         upstream: String,
         token: String,
         faults: Arc<Faults>,
+        stats: Arc<Stats>,
         http: reqwest::Client,
     }
 
@@ -150,6 +152,16 @@ mod proxy {
         if !authorized {
             return status(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized");
         }
+        // Counted once authenticated, faulted or not (the client did send it).
+        p.stats.record_kube(
+            req.method(),
+            req.uri().path(),
+            req.uri().query().unwrap_or(""),
+            req.headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or(""),
+        );
         match p.faults.apply(Api::Kube).await {
             Verdict::Pass => {}
             Verdict::Error => {
@@ -221,6 +233,7 @@ mod proxy {
         upstream: String,
         token: String,
         faults: Arc<Faults>,
+        stats: Arc<Stats>,
         mut stop: watch::Receiver<bool>,
     ) -> anyhow::Result<String> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -229,6 +242,7 @@ mod proxy {
             upstream,
             token,
             faults,
+            stats,
             http: reqwest::Client::new(),
         }));
         tokio::spawn(async move {
@@ -262,15 +276,18 @@ struct ClusterSide {
 pub(crate) struct Clusters {
     map: Mutex<HashMap<String, Arc<ClusterSide>>>,
     delays: RwLock<Delays>,
+    /// How often a settled cluster is re-derived without a change (see `watch_cluster`).
+    idle: Duration,
     /// Serialises starts so two calls for one cluster do not start two API servers.
     start_lock: tokio::sync::Mutex<()>,
 }
 
 impl Clusters {
-    pub(crate) fn new(delays: Delays) -> Self {
+    pub(crate) fn new(delays: Delays, idle: Duration) -> Self {
         Self {
             map: Mutex::new(HashMap::new()),
             delays: RwLock::new(delays),
+            idle,
             start_lock: tokio::sync::Mutex::new(()),
         }
     }
@@ -302,6 +319,7 @@ impl Clusters {
             handle.url(),
             token.clone(),
             shared.faults.clone(),
+            shared.stats.clone(),
             stop_rx.clone(),
         )
         .await?;
@@ -393,6 +411,28 @@ impl Clusters {
             .collect()
     }
 
+    /// Requests served so far by every data-plane endpoint that exists now.
+    pub(crate) fn data_plane_requests(&self) -> u64 {
+        let sides: Vec<Arc<ClusterSide>> = self
+            .map
+            .lock()
+            .expect("clusters lock")
+            .values()
+            .cloned()
+            .collect();
+        sides
+            .iter()
+            .map(|side| {
+                side.endpoints
+                    .lock()
+                    .expect("endpoints lock")
+                    .values()
+                    .map(|slot| slot.endpoint.requests())
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+
     pub(crate) fn endpoints(&self) -> Vec<EndpointInfo> {
         let sides: Vec<(String, Arc<ClusterSide>)> = self
             .map
@@ -447,8 +487,9 @@ async fn stop_side(side: &ClusterSide) {
     side.kube.shutdown().await;
 }
 
-/// Re-derives the cloud controller's view whenever the cluster's objects change, and at a slow
-/// pace anyway so that timed transitions (a load balancer becoming active) are noticed.
+/// Re-derives the cloud controller's view whenever the cluster's objects change, and every 100 ms
+/// while a load balancer is not active yet (a timed transition the objects do not show); a
+/// settled cluster only every `Clusters::idle`.
 async fn watch_cluster(
     shared: std::sync::Weak<Shared>,
     id: String,
@@ -461,9 +502,14 @@ async fn watch_cluster(
         if *stop.borrow() {
             return;
         }
-        if let Err(e) = reconcile(&s, &id, &side).await {
-            tracing::warn!(error = %e, cluster_id = %id, "cloud controller pass failed");
-        }
+        let pause = match reconcile(&s, &id, &side).await {
+            Ok(true) => s.clusters.idle,
+            Ok(false) => Duration::from_millis(100),
+            Err(e) => {
+                tracing::warn!(error = %e, cluster_id = %id, "cloud controller pass failed");
+                Duration::from_millis(100)
+            }
+        };
         drop(s);
         tokio::select! {
             _ = stop.changed() => return,
@@ -472,7 +518,7 @@ async fn watch_cluster(
                     return;
                 }
             }
-            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
     }
 }
@@ -533,8 +579,9 @@ fn service_lb(o: &Value) -> ServiceLb {
     }
 }
 
-/// One cloud-controller pass over a cluster.
-async fn reconcile(shared: &Arc<Shared>, id: &str, side: &ClusterSide) -> anyhow::Result<()> {
+/// One cloud-controller pass over a cluster. True when it is settled: every load balancer is
+/// active and its Service already shows the address.
+async fn reconcile(shared: &Arc<Shared>, id: &str, side: &ClusterSide) -> anyhow::Result<bool> {
     let objs = side.kube.list_all();
     let services: Vec<&Value> = objs.iter().filter(|o| is_lb_service(o)).collect();
     let lbs: Vec<ServiceLb> = services.iter().map(|o| service_lb(o)).collect();
@@ -596,8 +643,9 @@ async fn reconcile(shared: &Arc<Shared>, id: &str, side: &ClusterSide) -> anyhow
             }
         }
     }
+    let settled = publish.is_empty() && statuses.iter().all(|st| st.active);
     for ((ns, name), ingress) in publish {
         side.kube.set_service_ingress(&ns, &name, ingress).await?;
     }
-    Ok(())
+    Ok(settled)
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -181,14 +181,8 @@ async fn guard(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Respon
         )
         .into_response();
     }
-    let mutating = matches!(
-        *req.method(),
-        Method::POST | Method::PUT | Method::PATCH | Method::DELETE
-    );
     let line = format!("{} {}", req.method(), req.uri().path());
-    if mutating {
-        s.stats.record_mutation(line.clone());
-    }
+    s.stats.record_do(req.method(), req.uri().path());
     let resp = match s.faults.apply(Api::Do).await {
         Verdict::Pass => next.run(req).await,
         Verdict::Error => ApiError::new(
@@ -359,6 +353,16 @@ async fn pools_delete(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+async fn nodes_delete(
+    State(s): State<Arc<Shared>>,
+    Path((id, pool, node)): Path<(String, String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult {
+    let replace = q.get("replace").is_some_and(|v| v == "1" || v == "true");
+    s.world.node_delete(&id, &pool, &node, replace)?;
+    Ok(StatusCode::ACCEPTED.into_response())
+}
+
 // ------------------------------------------------------------------ load balancers
 
 async fn lbs_list(
@@ -440,7 +444,7 @@ async fn admin_model_put(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult
 }
 
 async fn admin_stats(State(s): State<Arc<Shared>>) -> Response {
-    Json(s.stats.snapshot()).into_response()
+    Json(s.stats()).into_response()
 }
 
 async fn admin_stats_reset(State(s): State<Arc<Shared>>) -> StatusCode {
@@ -477,6 +481,10 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route(
             "/v2/kubernetes/clusters/{id}/node_pools/{pool}",
             get(pools_get).put(pools_update).delete(pools_delete),
+        )
+        .route(
+            "/v2/kubernetes/clusters/{id}/node_pools/{pool}/nodes/{node}",
+            axum::routing::delete(nodes_delete),
         )
         .route("/v2/load_balancers", get(lbs_list))
         .route("/v2/load_balancers/{id}", get(lbs_get))

@@ -47,6 +47,11 @@ pub struct SimConfig {
     pub gpu_capacity: BTreeMap<String, u32>,
     pub faults: FaultConfig,
     pub model: ModelTiming,
+    /// How often the simulated cloud controller re-derives a cluster whose objects did not
+    /// change and whose load balancers are all active (while one is not, it looks every 100 ms).
+    /// Defaults to 100 ms; benchmarks with many clusters raise it, as each look costs in
+    /// proportion to the cluster's objects.
+    pub cloud_controller_idle_ms: u64,
 }
 
 impl SimConfig {
@@ -59,16 +64,21 @@ impl SimConfig {
             gpu_capacity: world::default_capacity(),
             faults: FaultConfig::default(),
             model: ModelTiming::default(),
+            cloud_controller_idle_ms: 100,
         }
     }
 }
 
-/// Counts of DigitalOcean API calls, for "a second pass writes nothing" assertions.
+/// Counts of DigitalOcean and Kubernetes API calls, for "a second pass writes nothing" assertions
+/// and benchmarks.
 #[derive(Debug, Default)]
 pub(crate) struct Stats {
     mutations: AtomicU64,
+    kube_mutations: AtomicU64,
     mutation_log: Mutex<Vec<String>>,
     recent: Mutex<VecDeque<String>>,
+    /// Calls by API (`do`, `kube`) and [`do_kind`] / [`kube_kind`].
+    requests: Mutex<BTreeMap<&'static str, BTreeMap<String, u64>>>,
 }
 
 /// A snapshot of [`Stats`].
@@ -80,6 +90,92 @@ pub struct StatsSnapshot {
     pub mutation_log: Vec<String>,
     /// The last calls of any method with their status, oldest first.
     pub recent_calls: Vec<String>,
+    /// Authenticated POST/PUT/PATCH/DELETE calls to the clusters' Kubernetes APIs (through the
+    /// kubeconfig's server), including ones answered with a fault.
+    #[serde(default)]
+    pub kube_mutations: u64,
+    /// Every authenticated call, reads included, by API (`do`, `kube`) and kind: for `do`
+    /// `METHOD /path` with ids replaced by `{id}`; for `kube` `METHOD resource[/subresource]`,
+    /// where a collection GET is `LIST`, a watch `WATCH`, and a PATCH names its patch type
+    /// (`PATCH deployments (apply)`).
+    #[serde(default)]
+    pub requests: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Requests the data-plane endpoints that exist now have served (not cleared by a reset).
+    #[serde(default)]
+    pub data_plane_requests: u64,
+}
+
+fn is_mutating(method: &http::Method) -> bool {
+    matches!(
+        *method,
+        http::Method::POST | http::Method::PUT | http::Method::PATCH | http::Method::DELETE
+    )
+}
+
+/// `METHOD /path` of a DigitalOcean API call with its ids (UUIDs, numbers) replaced by `{id}`.
+pub fn do_kind(method: &http::Method, path: &str) -> String {
+    let path: Vec<&str> = path
+        .split('/')
+        .map(|seg| {
+            let id = !seg.is_empty()
+                && (uuid::Uuid::parse_str(seg).is_ok() || seg.bytes().all(|b| b.is_ascii_digit()));
+            if id {
+                "{id}"
+            } else {
+                seg
+            }
+        })
+        .collect();
+    format!("{method} {}", path.join("/"))
+}
+
+/// The kind of a Kubernetes API call: `METHOD resource[/subresource]` (`GET` on a collection is
+/// `LIST`, with `watch=` in the query `WATCH`; a PATCH names its type: `apply`, `merge`,
+/// `strategic-merge` or `json`). Paths that are not resource paths (`/version`, `/apis`) are
+/// `METHOD /path`.
+pub fn kube_kind(method: &http::Method, path: &str, query: &str, content_type: &str) -> String {
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    // /api/v1/… or /apis/<group>/<version>/…
+    let rest = match segs.as_slice() {
+        ["api", _version, rest @ ..] => rest,
+        ["apis", _group, _version, rest @ ..] => rest,
+        _ => return format!("{method} {path}"),
+    };
+    let rest = match rest {
+        ["namespaces", _ns, more @ ..] if !more.is_empty() => more,
+        other => other,
+    };
+    let (resource, named, sub) = match rest {
+        [] => return format!("{method} {path}"),
+        [resource] => (*resource, false, None),
+        [resource, _name] => (*resource, true, None),
+        [resource, _name, sub, ..] => (*resource, true, Some(*sub)),
+    };
+    let watch = query
+        .split('&')
+        .any(|kv| kv.starts_with("watch=") && !kv.ends_with("=false") && !kv.ends_with("=0"));
+    let verb = match *method {
+        http::Method::GET if watch => "WATCH".to_string(),
+        http::Method::GET if !named => "LIST".to_string(),
+        http::Method::PATCH => {
+            let kind = match content_type.split(';').next().unwrap_or("").trim() {
+                "application/apply-patch+yaml" | "application/apply-patch+json" => "apply",
+                "application/merge-patch+json" => "merge",
+                "application/strategic-merge-patch+json" => "strategic-merge",
+                "application/json-patch+json" => "json",
+                _ => "other",
+            };
+            return match sub {
+                Some(sub) => format!("PATCH {resource}/{sub} ({kind})"),
+                None => format!("PATCH {resource} ({kind})"),
+            };
+        }
+        ref m => m.to_string(),
+    };
+    match sub {
+        Some(sub) => format!("{verb} {resource}/{sub}"),
+        None => format!("{verb} {resource}"),
+    }
 }
 
 impl Stats {
@@ -96,6 +192,39 @@ impl Stats {
         r.push_back(line);
     }
 
+    fn count(&self, api: &'static str, kind: String) {
+        *self
+            .requests
+            .lock()
+            .expect("stats lock")
+            .entry(api)
+            .or_default()
+            .entry(kind)
+            .or_insert(0) += 1;
+    }
+
+    /// An authenticated DigitalOcean API call (before faults are applied).
+    pub(crate) fn record_do(&self, method: &http::Method, path: &str) {
+        if is_mutating(method) {
+            self.record_mutation(format!("{method} {path}"));
+        }
+        self.count("do", do_kind(method, path));
+    }
+
+    /// An authenticated Kubernetes API call (before faults are applied).
+    pub(crate) fn record_kube(
+        &self,
+        method: &http::Method,
+        path: &str,
+        query: &str,
+        content_type: &str,
+    ) {
+        if is_mutating(method) {
+            self.kube_mutations.fetch_add(1, Ordering::SeqCst);
+        }
+        self.count("kube", kube_kind(method, path, query, content_type));
+    }
+
     fn snapshot(&self) -> StatsSnapshot {
         StatsSnapshot {
             do_mutations: self.mutations.load(Ordering::SeqCst),
@@ -107,13 +236,24 @@ impl Stats {
                 .iter()
                 .cloned()
                 .collect(),
+            kube_mutations: self.kube_mutations.load(Ordering::SeqCst),
+            requests: self
+                .requests
+                .lock()
+                .expect("stats lock")
+                .iter()
+                .map(|(api, kinds)| (api.to_string(), kinds.clone()))
+                .collect(),
+            data_plane_requests: 0,
         }
     }
 
     fn reset(&self) {
         self.mutations.store(0, Ordering::SeqCst);
+        self.kube_mutations.store(0, Ordering::SeqCst);
         self.mutation_log.lock().expect("stats lock").clear();
         self.recent.lock().expect("stats lock").clear();
+        self.requests.lock().expect("stats lock").clear();
     }
 }
 
@@ -123,7 +263,7 @@ pub(crate) struct Shared {
     pub(crate) faults: Arc<faults::Faults>,
     pub(crate) token: String,
     pub(crate) base_url: String,
-    pub(crate) stats: Stats,
+    pub(crate) stats: Arc<Stats>,
     pub(crate) clusters: clusters::Clusters,
     pub(crate) model: Arc<RwLock<ModelTiming>>,
     /// Serialises world ticks so effects are applied in order.
@@ -143,6 +283,14 @@ impl Shared {
     pub(crate) fn set_delays(&self, d: Delays) {
         self.world.set_delays(d.clone());
         self.clusters.set_delays(&d);
+    }
+
+    /// The call counts, with the data plane's request count filled in.
+    pub(crate) fn stats(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            data_plane_requests: self.clusters.data_plane_requests(),
+            ..self.stats.snapshot()
+        }
     }
 
     pub(crate) fn model_timing(&self) -> ModelTiming {
@@ -181,8 +329,11 @@ impl RegionSim {
             faults: Arc::new(faults::Faults::new(cfg.faults.clone())),
             token: cfg.token.clone(),
             base_url: format!("http://{addr}"),
-            stats: Stats::default(),
-            clusters: clusters::Clusters::new(cfg.delays.clone()),
+            stats: Arc::new(Stats::default()),
+            clusters: clusters::Clusters::new(
+                cfg.delays.clone(),
+                Duration::from_millis(cfg.cloud_controller_idle_ms),
+            ),
             model: Arc::new(RwLock::new(cfg.model.clone())),
             drive_lock: tokio::sync::Mutex::new(()),
         });
@@ -264,9 +415,9 @@ impl RegionSim {
         self.shared.set_model_timing(m);
     }
 
-    /// DigitalOcean API call accounting.
+    /// DigitalOcean and Kubernetes API call accounting.
     pub fn stats(&self) -> StatsSnapshot {
-        self.shared.stats.snapshot()
+        self.shared.stats()
     }
 
     pub fn reset_stats(&self) {
@@ -275,7 +426,12 @@ impl RegionSim {
 
     /// Number of mutating DigitalOcean API calls so far.
     pub fn do_mutations(&self) -> u64 {
-        self.shared.stats.snapshot().do_mutations
+        self.shared.stats.mutations.load(Ordering::SeqCst)
+    }
+
+    /// Number of mutating Kubernetes API calls (to any cluster) so far.
+    pub fn kube_mutations(&self) -> u64 {
+        self.shared.stats.kube_mutations.load(Ordering::SeqCst)
     }
 
     /// Kills a node (by its Kubernetes name): NotReady at once, replaced after the delays.

@@ -56,6 +56,15 @@ struct Args {
     data_plane_429_rate: f64,
     #[arg(long, env = "REGION_SIM_DATA_PLANE_LATENCY_MS", default_value_t = 0)]
     data_plane_latency_ms: u64,
+    /// How often a cluster whose objects did not change and whose load balancers are all active
+    /// is re-checked by the simulated cloud controller (each look costs in proportion to the
+    /// cluster's objects; raise it for thousands of objects).
+    #[arg(
+        long,
+        env = "REGION_SIM_CLOUD_CONTROLLER_IDLE_MS",
+        default_value_t = 100
+    )]
+    cloud_controller_idle_ms: u64,
     /// Fake model: time to first token.
     #[arg(long, env = "REGION_SIM_TTFT_MS")]
     ttft_ms: Option<u64>,
@@ -89,6 +98,7 @@ async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let mut cfg = SimConfig::new(&a.region, &a.token);
     cfg.listen = a.listen;
+    cfg.cloud_controller_idle_ms = a.cloud_controller_idle_ms;
     if !a.gpu_capacity.is_empty() {
         cfg.gpu_capacity = parse_capacity(&a.gpu_capacity)?;
     }

@@ -1127,6 +1127,51 @@ impl World {
 
     // ---------------------------------------------------------------- nodes
 
+    /// `DELETE …/node_pools/{pool}/nodes/{node}`: the node is deleted after the deletion delay.
+    /// Without `replace` the pool's count drops by one; with it the count stays and a new node
+    /// takes its place (the tick keeps `count` nodes alive). Deleting a node that is already
+    /// being deleted is accepted.
+    pub fn node_delete(
+        &self,
+        cluster_id: &str,
+        pool_id: &str,
+        node_id: &str,
+        replace: bool,
+    ) -> Result<(), WorldError> {
+        let until = Instant::now() + ms(self.delays().deletion_ms);
+        let mut st = self.lock();
+        let c = Self::cluster_mut(&mut st, cluster_id)?;
+        if c.state == ClusterState::Deleting {
+            return Err(WorldError::Conflict("the cluster is being deleted".into()));
+        }
+        let p = c
+            .pools
+            .iter_mut()
+            .find(|p| p.id == pool_id)
+            .ok_or(WorldError::NotFound)?;
+        if p.deleting_until.is_some() {
+            return Err(WorldError::Conflict(
+                "the node pool is being deleted".into(),
+            ));
+        }
+        let n = p
+            .nodes
+            .iter_mut()
+            .find(|n| n.id == node_id)
+            .ok_or(WorldError::NotFound)?;
+        if n.state == NodeState::Deleting {
+            return Ok(());
+        }
+        n.state = NodeState::Deleting;
+        n.until = until;
+        n.updated_at = now_str();
+        if !replace {
+            p.count = p.count.saturating_sub(1);
+        }
+        c.updated_at = now_str();
+        Ok(())
+    }
+
     /// Kills a node: it turns NotReady at once and is replaced like DOKS auto-repair would.
     pub fn kill_node(&self, name: &str) -> Result<(), WorldError> {
         let until = Instant::now() + ms(self.delays().deletion_ms);

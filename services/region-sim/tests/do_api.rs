@@ -422,6 +422,68 @@ async fn cluster_provisions_then_node_pools_scale_and_delete() {
     sim.shutdown().await;
 }
 
+/// `DELETE …/nodes/{node_id}`: without `replace` the node goes and the count drops (how workers
+/// shrink a pool by idle nodes); with `replace=1` a new node takes its place.
+#[tokio::test]
+async fn a_node_is_deleted_by_id_with_or_without_replacement() {
+    let sim = start().await;
+    let api = Do::new(&sim);
+    let (s, v) = api
+        .post(
+            "/v2/kubernetes/clusters",
+            cluster_body(
+                "nodes",
+                json!([{"name": "cpu", "size": "s-2vcpu-4gb", "count": 2}]),
+            ),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let id = v["kubernetes_cluster"]["id"].as_str().unwrap().to_string();
+    let pool_id = v["kubernetes_cluster"]["node_pools"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let pool = format!("/v2/kubernetes/clusters/{id}/node_pools/{pool_id}");
+    let running = |n: usize| {
+        move |v: &Value| {
+            let nodes = v["node_pool"]["nodes"].as_array().unwrap();
+            nodes.len() == n && nodes.iter().all(|n| n["status"]["state"] == "running")
+        }
+    };
+    let v = api.wait(&pool, "2 running nodes", running(2)).await;
+    let ids: Vec<String> = v["node_pool"]["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["id"].as_str().unwrap().to_string())
+        .collect();
+
+    let (s, v) = api
+        .delete(&format!("{pool}/nodes/{}?skip_drain=0&replace=0", ids[0]))
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{v}");
+    let (_, v) = api.get(&pool).await;
+    assert_eq!(v["node_pool"]["count"], 1);
+    let v = api.wait(&pool, "the other node alone", running(1)).await;
+    assert_eq!(v["node_pool"]["nodes"][0]["id"], ids[1].as_str());
+
+    let (s, _) = api
+        .delete(&format!("{pool}/nodes/{}?replace=1", ids[1]))
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    let v = api
+        .wait(&pool, "a replacement", |v| {
+            running(1)(v) && v["node_pool"]["nodes"][0]["id"] != ids[1].as_str()
+        })
+        .await;
+    assert_eq!(v["node_pool"]["count"], 1);
+
+    let (s, v) = api.delete(&format!("{pool}/nodes/{}", ids[0])).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "a node that is gone: {v}");
+    assert_error(&v, "not_found");
+    sim.shutdown().await;
+}
+
 #[tokio::test]
 async fn gpu_capacity_runs_out_with_422() {
     let sim = start().await;

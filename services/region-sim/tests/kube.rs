@@ -555,3 +555,225 @@ async fn load_balancer_services_are_mirrored_and_serve_the_model() {
         .is_err());
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn kubernetes_and_do_calls_are_counted_by_kind() {
+    let sim = start().await;
+    let id = running_cluster(
+        &sim,
+        json!([{"name": "cpu", "size": "s-2vcpu-4gb", "count": 1}]),
+    )
+    .await;
+    let kube = Kube::for_cluster(&sim, &id).await;
+    sim.reset_stats();
+    assert_eq!(sim.kube_mutations(), 0);
+
+    // Reads.
+    assert_eq!(kube.get("/version").await.0, 200);
+    assert_eq!(kube.get("/api/v1/namespaces").await.0, 200);
+    // Writes: a create, a server-side apply, a delete.
+    kube.create(
+        "/api/v1/namespaces",
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "counted"}}),
+    )
+    .await;
+    assert_eq!(kube.get("/api/v1/namespaces/counted").await.0, 200);
+    let applied = kube
+        .http
+        .patch(format!(
+            "{}/api/v1/namespaces/counted/configmaps/c?fieldManager=bench&force=true",
+            kube.server
+        ))
+        .bearer_auth(&kube.token)
+        .header("content-type", "application/apply-patch+yaml")
+        .body(
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": {"name": "c", "namespace": "counted"}, "data": {"k": "v"}})
+            .to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert!(applied.status().is_success(), "{}", applied.status());
+    let (s, _) = kube
+        .call(
+            Method::DELETE,
+            "/api/v1/namespaces/counted/configmaps/c",
+            None,
+        )
+        .await;
+    assert!(s.is_success(), "{s}");
+    // Not authenticated: not a call.
+    let r = Client::new()
+        .delete(format!("{}/api/v1/namespaces/counted", kube.server))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    // Faulted: still a call the client made.
+    sim.set_faults(FaultConfig {
+        kube: ApiFaults {
+            error_rate: 1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let (s, _) = kube
+        .call(
+            Method::PUT,
+            "/apis/apps/v1/namespaces/counted/deployments/d/status",
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, 500);
+    sim.set_faults(FaultConfig::default());
+    // One DO read and one DO write (a VPC create).
+    let (s, _) = do_call(
+        &sim,
+        Method::GET,
+        &format!("/v2/kubernetes/clusters/{id}"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200);
+    let (s, _) = do_call(
+        &sim,
+        Method::POST,
+        "/v2/vpcs",
+        Some(json!({"name": "counted", "region": "atl1"})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED);
+
+    assert_eq!(sim.kube_mutations(), 4);
+    assert_eq!(sim.do_mutations(), 1);
+    let stats: Value = Client::new()
+        .get(format!("{}/_sim/stats", sim.base_url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(stats["kube_mutations"], 4);
+    assert_eq!(stats["do_mutations"], 1);
+    assert_eq!(
+        stats["requests"]["kube"],
+        json!({
+            "GET /version": 1,
+            "LIST namespaces": 1,
+            "POST namespaces": 1,
+            "GET namespaces": 1,
+            "PATCH configmaps (apply)": 1,
+            "DELETE configmaps": 1,
+            "PUT deployments/status": 1,
+        })
+    );
+    assert_eq!(
+        stats["requests"]["do"],
+        json!({"GET /v2/kubernetes/clusters/{id}": 1, "POST /v2/vpcs": 1})
+    );
+    assert_eq!(stats["data_plane_requests"], 0);
+    sim.reset_stats();
+    assert_eq!(sim.kube_mutations(), 0);
+    assert!(sim.stats().requests.is_empty());
+    sim.shutdown().await;
+}
+
+#[test]
+fn call_kinds_name_the_resource_not_the_object() {
+    use region_sim::{do_kind, kube_kind};
+    let m = |s: &str| Method::from_bytes(s.as_bytes()).unwrap();
+    assert_eq!(
+        kube_kind(
+            &m("GET"),
+            "/apis/apps/v1/namespaces/di-1/deployments",
+            "watch=true&resourceVersion=5",
+            ""
+        ),
+        "WATCH deployments"
+    );
+    assert_eq!(
+        kube_kind(
+            &m("GET"),
+            "/apis/apps/v1/namespaces/di-1/deployments",
+            "labelSelector=a%3Db",
+            ""
+        ),
+        "LIST deployments"
+    );
+    assert_eq!(
+        kube_kind(
+            &m("PATCH"),
+            "/api/v1/namespaces/di-1/services/s/status",
+            "",
+            "application/merge-patch+json"
+        ),
+        "PATCH services/status (merge)"
+    );
+    assert_eq!(
+        kube_kind(&m("DELETE"), "/api/v1/namespaces/di-1", "", ""),
+        "DELETE namespaces"
+    );
+    assert_eq!(
+        kube_kind(&m("GET"), "/api/v1/nodes/n-1", "", ""),
+        "GET nodes"
+    );
+    assert_eq!(
+        do_kind(
+            &m("PUT"),
+            "/v2/kubernetes/clusters/7e5c619c-359c-44ca-87e2-47e98170c012/node_pools/12345"
+        ),
+        "PUT /v2/kubernetes/clusters/{id}/node_pools/{id}"
+    );
+}
+
+/// With a long idle interval a settled cluster is not re-derived on a timer, yet a new
+/// LoadBalancer Service (a change) still gets its address as its load balancer turns active.
+#[tokio::test]
+async fn a_settled_cluster_idles_but_still_sees_changes() {
+    let mut cfg = SimConfig::new("atl1", TOKEN);
+    cfg.delays = Delays {
+        cluster_provision_ms: 100,
+        node_provision_ms: 100,
+        deletion_ms: 200,
+        lb_provision_ms: 150,
+        model_load_ms: 100,
+        gateway_address_ms: 50,
+    };
+    cfg.cloud_controller_idle_ms = 600_000;
+    let sim = RegionSim::start(cfg).await.expect("start");
+    let id = running_cluster(
+        &sim,
+        json!([{"name": "cpu", "size": "s-2vcpu-4gb", "count": 1}]),
+    )
+    .await;
+    let kube = Kube::for_cluster(&sim, &id).await;
+    let service = |name: &str| {
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
+               "spec": {"type": "LoadBalancer", "selector": {"gateway.networking.k8s.io/gateway-name": "gw"},
+                        "ports": [{"name": "https", "port": 443, "protocol": "TCP"}]}})
+    };
+    let ingress = |name: &'static str| {
+        let kube = &kube;
+        async move {
+            eventually("service ingress", async || {
+                let (_, svc) = kube
+                    .get(&format!("/api/v1/namespaces/default/services/{name}"))
+                    .await;
+                svc.pointer("/status/loadBalancer/ingress/0/ports/0/port")
+                    .and_then(Value::as_u64)
+            })
+            .await
+        }
+    };
+    kube.create("/api/v1/namespaces/default/services", service("first"))
+        .await;
+    ingress("first").await;
+    // Settled now; the next Service is noticed through the change, then polled until active.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    kube.create("/api/v1/namespaces/default/services", service("second"))
+        .await;
+    ingress("second").await;
+    sim.shutdown().await;
+}

@@ -100,6 +100,7 @@ async fn a_second_pass_over_an_active_di_writes_nothing() {
     let cloud = cloud_clients::DoClient::new(&env.sim.base_url(), SIM_TOKEN).unwrap();
     let r = Reconciler::new(env.store.clone(), cloud, env.config().settings);
     let do_before = env.sim.do_mutations();
+    let kube_before = env.sim.kube_mutations();
     for _ in 0..2 {
         let pass = r.reconcile(rec.id).await.unwrap();
         assert_eq!(pass.waiting, None, "{pass:?}");
@@ -110,6 +111,13 @@ async fn a_second_pass_over_an_active_di_writes_nothing() {
         do_before,
         "{:?}",
         env.sim.stats().mutation_log
+    );
+    // Not even a no-op server-side apply reaches the clusters: the passes only read.
+    assert_eq!(
+        env.sim.kube_mutations(),
+        kube_before,
+        "{:?}",
+        env.sim.stats().requests
     );
     assert_eq!(r.kube_writes(), 0);
     assert_eq!(r.do_mutations(), 0);
