@@ -269,16 +269,18 @@ async fn api_tokens(pool: PgPool) {
 async fn read_cache_is_coherent_across_replicas(pool: PgPool) {
     let a = CentralStore::new(pool.clone());
     let b = CentralStore::new(pool.clone());
+    let team = Uuid::new_v4();
+    let id = Uuid::new_v4();
+    let body = json!({"status": "new"});
+    // Committed before either replica listens, so its notification can never reach B late and
+    // evict the row B is about to cache (which would make the check below read the database).
+    a.read_model_apply(&update(id, team, "x", "new", &body, 1))
+        .await
+        .unwrap();
     let watchers = [
         tokio::spawn(a.watch_read_cache()),
         tokio::spawn(b.watch_read_cache()),
     ];
-    let team = Uuid::new_v4();
-    let id = Uuid::new_v4();
-    let body = json!({"status": "new"});
-    a.read_model_apply(&update(id, team, "x", "new", &body, 1))
-        .await
-        .unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !(a.read_cache_serving() && b.read_cache_serving()) {
         assert!(
@@ -313,7 +315,11 @@ async fn read_cache_is_coherent_across_replicas(pool: PgPool) {
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    assert_eq!(status(&b).await, "new");
+    assert_eq!(
+        status(&b).await,
+        "new",
+        "B read the database, not its cache"
+    );
 
     // A normal write: the writer reads it back at once, the other replica shortly after.
     let active = json!({"status": "active"});
