@@ -1389,16 +1389,15 @@ impl World {
                 !gone
             });
             for p in &mut c.pools {
-                let snapshot = p.clone();
+                // Nodes that just came up; their objects are built once the pool is done
+                // changing (this runs every tick, so nothing is copied unless a node turns up).
+                let mut joined = Vec::new();
                 p.nodes.retain_mut(|n| match n.state {
                     NodeState::Provisioning if running && now >= n.until => {
                         n.state = NodeState::Running;
                         n.updated_at = now_str();
                         n.in_kube = true;
-                        effects.push(Effect::UpsertNode {
-                            cluster_id: cid.clone(),
-                            node: node_object(&snapshot, n, &cid),
-                        });
+                        joined.push(n.id.clone());
                         true
                     }
                     NodeState::Deleting if now >= n.until => {
@@ -1412,6 +1411,12 @@ impl World {
                     }
                     _ => true,
                 });
+                for n in p.nodes.iter().filter(|n| joined.contains(&n.id)) {
+                    effects.push(Effect::UpsertNode {
+                        cluster_id: cid.clone(),
+                        node: node_object(p, n, &cid),
+                    });
+                }
                 // Keep `count` nodes alive: replaces killed nodes the way node auto-repair does.
                 if p.deleting_until.is_none() && c.state != ClusterState::Deleting {
                     let live = p

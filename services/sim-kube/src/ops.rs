@@ -643,10 +643,11 @@ pub fn mutate(
     f: impl FnOnce(&mut Value),
 ) -> Option<Value> {
     let mut inner = store.lock();
-    let old = inner.get(key)?.clone();
-    let mut new = old.clone();
+    // The stored object is shared: one copy to edit, none to compare against.
+    let old = inner.objects.get(key)?.clone();
+    let mut new = old.as_ref().clone();
     f(&mut new);
-    if new == old {
+    if new == *old {
         return None;
     }
     finish_update(

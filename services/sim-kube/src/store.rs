@@ -67,7 +67,9 @@ pub struct Change {
 }
 
 pub struct Inner {
-    pub objects: BTreeMap<Key, Value>,
+    /// Shared, immutable objects: a write replaces the `Arc`, so a controller's snapshot of the
+    /// whole store costs a reference count per object, not a deep copy.
+    pub objects: BTreeMap<Key, Arc<Value>>,
     pub rv: u64,
     history: VecDeque<Arc<Change>>,
     /// Highest resourceVersion no longer in `history`.
@@ -76,7 +78,7 @@ pub struct Inner {
 
 impl Inner {
     pub fn get(&self, key: &Key) -> Option<&Value> {
-        self.objects.get(key)
+        self.objects.get(key).map(Arc::as_ref)
     }
 
     /// Objects of one type, optionally in one namespace, in (namespace, name) order.
@@ -86,7 +88,7 @@ impl Inner {
         self.objects
             .range(lo..)
             .take_while(move |(k, _)| k.rt == rt && ns_owned.as_ref().is_none_or(|n| &k.ns == n))
-            .map(|(_, v)| v)
+            .map(|(_, v)| v.as_ref())
     }
 
     /// Changes after `rv`, or None when some of them are no longer kept.
@@ -193,7 +195,10 @@ impl Store {
         let rv = inner.rv;
         obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
         let key = Key::of(rt, &obj);
-        let old = inner.objects.insert(key, obj.clone());
+        let old = inner
+            .objects
+            .insert(key, Arc::new(obj.clone()))
+            .map(Arc::unwrap_or_clone);
         let kind = if old.is_some() {
             EventType::Modified
         } else {
@@ -214,7 +219,7 @@ impl Store {
 
     /// Removes an object for good and emits DELETED carrying a fresh resourceVersion.
     pub fn remove(&self, inner: &mut Inner, key: &Key) -> Option<Value> {
-        let mut obj = inner.objects.remove(key)?;
+        let mut obj = Arc::unwrap_or_clone(inner.objects.remove(key)?);
         inner.rv += 1;
         let rv = inner.rv;
         obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
@@ -233,7 +238,11 @@ impl Store {
 
     /// Every stored object (the inventory used by leak checks).
     pub fn all(&self) -> Vec<Value> {
-        self.lock().objects.values().cloned().collect()
+        self.lock()
+            .objects
+            .values()
+            .map(|v| v.as_ref().clone())
+            .collect()
     }
 }
 

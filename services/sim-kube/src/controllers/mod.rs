@@ -22,19 +22,24 @@ pub use scheduler::complete_node;
 
 /// Objects as of the start of a pass.
 pub(crate) struct Snapshot {
-    objects: BTreeMap<Key, Value>,
+    objects: BTreeMap<Key, Arc<Value>>,
 }
 
 impl Snapshot {
     pub fn of_kind(&self, kind: &str) -> impl Iterator<Item = (&Key, &Value)> + '_ {
         let rt = index_of(kind);
-        self.objects.iter().filter(move |(k, _)| k.rt == rt)
+        self.objects
+            .iter()
+            .filter(move |(k, _)| k.rt == rt)
+            .map(|(k, v)| (k, v.as_ref()))
     }
     pub fn get(&self, kind: &str, ns: &str, name: &str) -> Option<&Value> {
-        self.objects.get(&Key::new(index_of(kind), ns, name))
+        self.objects
+            .get(&Key::new(index_of(kind), ns, name))
+            .map(Arc::as_ref)
     }
     pub fn all(&self) -> impl Iterator<Item = (&Key, &Value)> + '_ {
-        self.objects.iter()
+        self.objects.iter().map(|(k, v)| (k, v.as_ref()))
     }
 }
 
