@@ -377,6 +377,17 @@ impl KubeClient {
     /// Server-side apply of `obj` under this client's field manager, with `force` (we own what
     /// we render). Fields this manager applied before and `obj` omits are removed.
     pub async fn apply(&self, obj: &Value) -> Result<Applied, KubeError> {
+        self.apply_observed(obj, None).await
+    }
+
+    /// As [`KubeClient::apply`], given `observed`: the object as the caller just listed it. When
+    /// that copy is already up to date, nothing is sent at all (a steady-state pass then costs
+    /// only its lists); otherwise the object is read afresh and applied as usual.
+    pub async fn apply_observed(
+        &self,
+        obj: &Value,
+        observed: Option<&Value>,
+    ) -> Result<Applied, KubeError> {
         let field = |p: &str| {
             obj.pointer(p)
                 .and_then(Value::as_str)
@@ -389,6 +400,13 @@ impl KubeClient {
             .ok_or_else(|| KubeError::InvalidObject(format!("{kind} without metadata.name")))?;
         let (api, _) = self.api(api_version, kind, field("/metadata/namespace"), false)?;
         let obj = &with_applied_hash(obj);
+        if let Some(b) = observed.filter(|b| up_to_date(b, obj)) {
+            tracing::debug!(kind, name, "up to date (as listed)");
+            return Ok(Applied {
+                changed: false,
+                object: b.clone(),
+            });
+        }
         let before = retry(&self.retry, "kubernetes get", || get_opt(&api, name)).await?;
         let before = before
             .map(|b| serde_json::to_value(&b))

@@ -659,7 +659,7 @@ impl Store {
     pub async fn event_append(&self, id: Uuid, reason: &str, message: &str) -> Result<()> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
-        change(&mut tx, id, &row.status, reason, message).await?;
+        change(&mut tx, id, &row.status, reason, message, false).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -775,7 +775,7 @@ impl Store {
             .bind(to)
             .execute(&mut *tx)
             .await?;
-            change(&mut tx, id, to, reason, message).await?;
+            change(&mut tx, id, to, reason, message, false).await?;
         }
         tx.commit().await?;
         self.record(id, None, true).await
@@ -964,7 +964,7 @@ async fn requested_change(
     reason: &str,
     message: &str,
 ) -> Result<()> {
-    change(tx, id, phase, reason, message).await?;
+    change(tx, id, phase, reason, message, true).await?;
     work_trace(tx, id, common::telemetry::traceparent().as_deref()).await
 }
 
@@ -977,7 +977,7 @@ async fn final_change(
     reason: &str,
     message: &str,
 ) -> Result<()> {
-    change(tx, id, phase, reason, message).await?;
+    change(tx, id, phase, reason, message, false).await?;
     work_trace(tx, id, None).await
 }
 
@@ -996,13 +996,16 @@ async fn work_trace(
 
 /// Appends the event and the outbox entry for a change, in the caller's transaction. The advisory
 /// lock serialises outbox writers until commit, so `seq` order is commit order and a consumer
-/// resuming after `seq` never skips a change that committed late.
+/// resuming after `seq` never skips a change that committed late. `requested` marks changes a
+/// customer asked for: only those make the DI due for a worker at once (a worker's own progress
+/// does not send it straight back to the queue).
 async fn change(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
     phase: &str,
     reason: &str,
     message: &str,
+    requested: bool,
 ) -> Result<()> {
     sqlx::query("INSERT INTO events (di_id, phase, reason, message) VALUES ($1, $2, $3, $4)")
         .bind(id)
@@ -1014,9 +1017,10 @@ async fn change(
     sqlx::query("SELECT pg_advisory_xact_lock(7415)")
         .execute(&mut **tx)
         .await?;
-    sqlx::query("INSERT INTO outbox (di_id, kind) VALUES ($1, $2)")
+    sqlx::query("INSERT INTO outbox (di_id, kind, requested) VALUES ($1, $2, $3)")
         .bind(id)
         .bind(reason)
+        .bind(requested)
         .execute(&mut **tx)
         .await?;
     Ok(())

@@ -68,7 +68,8 @@ impl Store {
     /// Claims up to `limit` DIs that need work and that no live lease holds, for `lease`. Work is
     /// needed for status new, provisioning, updating or deleting, for a pending spec, and for an
     /// active DI's periodic resync; `error` DIs wait for a spec change or a delete. A DI is due
-    /// when its `next_check_after` has passed or it changed since a worker last looked at it.
+    /// when its `next_check_after` has passed or a customer changed it since a worker last
+    /// looked at it (the workers' own changes do not count: the pass that made them knows).
     /// `SKIP LOCKED` keeps concurrent claimers apart; an expired lease is free to take.
     pub async fn work_claim(
         &self,
@@ -85,7 +86,7 @@ impl Store {
                    AND (w.expires_at IS NULL OR w.expires_at <= now())
                    AND d.status IN ('new', 'provisioning', 'updating', 'deleting', 'active')
                    AND (w.next_check_after <= now()
-                        OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id), 0) > w.seen_seq)
+                        OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)
                  ORDER BY w.next_check_after
                  LIMIT $3
                  FOR UPDATE OF w SKIP LOCKED
@@ -125,7 +126,7 @@ impl Store {
                      WHERE (w.expires_at IS NULL OR w.expires_at <= now())
                        AND d.status IN ('new', 'provisioning', 'updating', 'deleting', 'active')
                        AND (w.next_check_after <= now()
-                            OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id), 0) > w.seen_seq)),
+                            OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)),
                  count(*) FILTER (WHERE w.expires_at > now())
              FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
              WHERE d.gone_at IS NULL",

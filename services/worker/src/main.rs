@@ -44,9 +44,12 @@ struct Args {
     lease_secs: u64,
     #[arg(long, env = "WORKER_TICK_MS", default_value_t = 5000)]
     tick_ms: u64,
-    /// Polling interval while waiting for the cloud.
+    /// Longest polling interval while waiting for the cloud.
     #[arg(long, env = "WORKER_POLL_MS", default_value_t = 2000)]
     poll_ms: u64,
+    /// Shortest one: right after progress, growing with the time nothing changed.
+    #[arg(long, env = "WORKER_POLL_MIN_MS", default_value_t = 50)]
+    poll_min_ms: u64,
     /// Periodic resync of converged DIs.
     #[arg(long, env = "WORKER_RESYNC_SECS", default_value_t = 300)]
     resync_secs: u64,
@@ -103,6 +106,7 @@ async fn main() -> anyhow::Result<()> {
     config.tick = Duration::from_millis(args.tick_ms.max(10));
     config.stall_timeout = Duration::from_secs(args.stall_timeout_secs.max(1));
     config.settings.poll = Duration::from_millis(args.poll_ms.max(10));
+    config.poll_min = Duration::from_millis(args.poll_min_ms.max(1));
     config.settings.resync = Duration::from_secs(args.resync_secs.max(1));
     config.settings.gateway_class = args.gateway_class;
     config.settings.system_pool_size = args.system_pool_size;

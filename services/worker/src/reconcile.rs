@@ -249,6 +249,15 @@ fn b64_decode(v: &Value) -> Option<String> {
     String::from_utf8(bytes).ok()
 }
 
+/// The listed copy of `obj` (same kind and name; everything listed is in the DI's namespace).
+fn listed<'a>(listed: &'a [Value], obj: &Value) -> Option<&'a Value> {
+    listed.iter().find(|o| {
+        o["kind"] == obj["kind"]
+            && o["apiVersion"] == obj["apiVersion"]
+            && o.pointer("/metadata/name") == obj.pointer("/metadata/name")
+    })
+}
+
 fn label_selector(di_id: Uuid) -> String {
     format!(
         "{}={},{}={}",
@@ -507,11 +516,23 @@ impl Reconciler {
         self.store
             .ledger_record(id, LEDGER_NAMESPACE, &ns, &cluster.name, None)
             .await?;
-        for obj in &desired {
-            if kube.apply(obj).await?.changed {
-                writes += 1;
-                self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
-            }
+        // Namespaces first (everything else lives in them), then the rest at once. Objects the
+        // last list shows up to date cost no request.
+        let (namespaces, namespaced): (Vec<&Value>, Vec<&Value>) =
+            desired.iter().partition(|o| o["kind"] == "Namespace");
+        let mut changed = Vec::new();
+        for obj in namespaces {
+            changed.push(kube.apply(obj).await?.changed);
+        }
+        let applies = namespaced
+            .into_iter()
+            .map(|obj| kube.apply_observed(obj, listed(&rendered, obj)));
+        for applied in futures::future::try_join_all(applies).await? {
+            changed.push(applied.changed);
+        }
+        for _ in changed.into_iter().filter(|c| *c) {
+            writes += 1;
+            self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
         }
         for key in plan::prune(&id, &desired, &rendered) {
             let d = kube
@@ -627,21 +648,18 @@ impl Reconciler {
     /// The DI's rendered objects, its pods and its nodes.
     async fn observe(&self, kube: &KubeClient, id: Uuid, ns: &str) -> Result<Vec<Value>> {
         let sel = label_selector(id);
-        let mut out = Vec::new();
-        for (api_version, kind) in RENDERED_KINDS {
-            out.extend(kube.list(api_version, kind, Some(ns), &sel).await?);
-        }
-        out.extend(kube.list("v1", "Pod", Some(ns), "").await?);
-        out.extend(
-            kube.list(
-                "v1",
-                "Node",
-                None,
-                &format!("{}={}", names::DI_ID_LABEL, id),
-            )
-            .await?,
-        );
-        Ok(out)
+        let node_sel = format!("{}={}", names::DI_ID_LABEL, id);
+        // The lists are independent: issue them at once (the pass waits for one round trip, not
+        // a dozen).
+        let lists = RENDERED_KINDS
+            .iter()
+            .map(|(api_version, kind)| kube.list(api_version, kind, Some(ns), &sel))
+            .chain([
+                kube.list("v1", "Pod", Some(ns), ""),
+                kube.list("v1", "Node", None, &node_sel),
+            ]);
+        let found = futures::future::try_join_all(lists).await?;
+        Ok(found.into_iter().flatten().collect())
     }
 
     /// The endpoint certificate: the one in the cluster unless it must be reissued.

@@ -4,11 +4,12 @@
 //! backoff after a transient failure, `error` after a permanent one or a stall. Beside the claim
 //! loop it serves `/metrics` and `/healthz` and samples the work queue's depth.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cloud_clients::{DoClient, DoClientOptions};
 use common::seal::Sealer;
@@ -36,8 +37,12 @@ pub struct Config {
     /// Reconcile passes running at once.
     pub concurrency: usize,
     pub lease: Duration,
-    /// Look for due work at least this often (besides notifications).
+    /// Look for due work at least this often (besides notifications and this worker's own
+    /// scheduled checks).
     pub tick: Duration,
+    /// The first look after a pass that waits for the cloud, while what it waits for keeps
+    /// changing; the wait then grows with the time nothing changed, up to `settings.poll`.
+    pub poll_min: Duration,
     /// First and largest delay of the backoff after transient failures.
     pub backoff_base: Duration,
     pub backoff_max: Duration,
@@ -58,6 +63,7 @@ impl std::fmt::Debug for Config {
             .field("concurrency", &self.concurrency)
             .field("lease", &self.lease)
             .field("tick", &self.tick)
+            .field("poll_min", &self.poll_min)
             .field("stall_timeout", &self.stall_timeout)
             .field("metrics_listen", &self.metrics_listen)
             .finish_non_exhaustive()
@@ -86,6 +92,7 @@ impl Config {
             concurrency: 8,
             lease: Duration::from_secs(30),
             tick: Duration::from_secs(5),
+            poll_min: Duration::from_millis(50),
             backoff_base: Duration::from_secs(1),
             backoff_max: Duration::from_secs(60),
             stall_timeout: Duration::from_secs(30 * 60),
@@ -110,6 +117,9 @@ struct Shared {
     store: Store,
     config: Config,
     wake: Arc<Notify>,
+    /// When the DIs this worker released become due, soonest first, so that the claim loop
+    /// wakes for them instead of waiting for the next tick.
+    due: Mutex<BinaryHeap<Reverse<Instant>>>,
     attempts: Mutex<HashMap<Uuid, u32>>,
     stats: Mutex<Stats>,
 }
@@ -157,6 +167,7 @@ impl Worker {
             store,
             config,
             wake: Arc::new(Notify::new()),
+            due: Mutex::new(BinaryHeap::new()),
             attempts: Mutex::new(HashMap::new()),
             stats: Mutex::new(Stats::default()),
         });
@@ -263,14 +274,46 @@ async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>, running: Arc<
         if full_batch && slots.available_permits() > 0 {
             continue;
         }
+        let wait = shared.next_wait(Instant::now());
         tokio::select! {
             _ = shared.wake.notified() => {}
-            _ = tokio::time::sleep(shared.config.tick) => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = stop.changed() => {}
         }
     }
     // Graceful: let running passes finish and release their leases.
     while tasks.join_next().await.is_some() {}
+}
+
+impl Shared {
+    /// How long the claim loop may sleep: until the soonest check this worker scheduled, at
+    /// most a tick. Checks already due are forgotten (the claim that follows takes them).
+    fn next_wait(&self, now: Instant) -> Duration {
+        let mut due = self.due.lock().expect("due");
+        while due.peek().is_some_and(|Reverse(at)| *at <= now) {
+            due.pop();
+        }
+        due.peek().map_or(self.config.tick, |Reverse(at)| {
+            (*at - now).min(self.config.tick)
+        })
+    }
+
+    /// Remembers that a DI released now is due again after `after` (if within a tick).
+    fn schedule(&self, after: Duration) {
+        if after < self.config.tick {
+            self.due
+                .lock()
+                .expect("due")
+                .push(Reverse(Instant::now() + after));
+        }
+    }
+}
+
+/// The wait before the next look at a DI whose pass is waiting for the cloud: short while what
+/// it waits for keeps changing, then half the time it has been unchanged, never less than
+/// `min` nor more than `max` (the pass's own `next_check`).
+fn poll_delay(unchanged_for: Duration, min: Duration, max: Duration) -> Duration {
+    (unchanged_for / 2).clamp(min.min(max), max)
 }
 
 /// One reconcile pass under `claim`, in a span that joins the trace of the request that caused
@@ -311,8 +354,11 @@ async fn run_pass(shared: &Shared, claim: Claim) {
             shared.stats.lock().expect("stats").passes += 1;
             tracing::debug!(di = %id, status = %pass.status, waiting = ?pass.waiting,
                 do_writes = pass.do_writes, kube_writes = pass.kube_writes, "pass");
-            watch_progress(shared, id, &pass).await;
-            pass.next_check
+            let unchanged_for = watch_progress(shared, id, &pass).await;
+            match (&pass.waiting, unchanged_for) {
+                (Some(_), Some(unchanged)) => poll_delay(unchanged, cfg.poll_min, pass.next_check),
+                _ => pass.next_check,
+            }
         }
         Some(Err(ReconcileError::Transient(why))) => {
             let attempt = {
@@ -349,8 +395,11 @@ async fn run_pass(shared: &Shared, claim: Claim) {
             cfg.settings.resync
         }
     };
-    if let Err(e) = shared.queue.release(&claim, next).await {
-        tracing::warn!(di = %id, error = %e, "releasing the lease failed; it will expire");
+    match shared.queue.release(&claim, next).await {
+        Ok(_) => shared.schedule(next),
+        Err(e) => {
+            tracing::warn!(di = %id, error = %e, "releasing the lease failed; it will expire")
+        }
     }
 }
 
@@ -373,7 +422,9 @@ async fn sample_queue_depth(shared: Arc<Shared>, mut stop: watch::Receiver<bool>
 
 /// Stall detection: a DI in a moving phase whose fingerprint (phase + what it waits for) has
 /// not changed for half the stall timeout gets an event; for the whole timeout, `error`.
-async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) {
+/// Returns how long the fingerprint of a moving phase has been unchanged (None outside one, or
+/// when it could not be recorded).
+async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Duration> {
     let moving = matches!(
         pass.status.as_str(),
         "new" | "provisioning" | "updating" | "deleting"
@@ -386,11 +437,11 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(di = %id, error = %e, "recording progress failed");
-            return;
+            return None;
         }
     };
     if key == "idle" {
-        return;
+        return None;
     }
     let timeout = shared.config.stall_timeout;
     let waiting = pass.waiting.as_deref().unwrap_or("");
@@ -411,5 +462,26 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) {
         if shared.store.event_append(id, "Slow", &msg).await.is_ok() {
             let _ = shared.store.work_stall_reported(id).await;
         }
+    }
+    Some(stall.unchanged_for)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::poll_delay;
+    use std::time::Duration;
+
+    #[test]
+    fn poll_delay_starts_short_and_grows_to_the_pass_limit() {
+        let ms = Duration::from_millis;
+        let (min, max) = (ms(50), ms(2000));
+        // Something just changed: look again soon.
+        assert_eq!(poll_delay(ms(0), min, max), min);
+        // Unchanged for a while: half of that.
+        assert_eq!(poll_delay(ms(600), min, max), ms(300));
+        // Never beyond what the pass asked for.
+        assert_eq!(poll_delay(ms(60_000), min, max), max);
+        // A pass that asks for less than the minimum gets what it asked for.
+        assert_eq!(poll_delay(ms(0), min, ms(10)), ms(10));
     }
 }

@@ -107,12 +107,17 @@ async fn released_work_waits_for_its_time_or_a_change(pool: PgPool) {
     let team = Uuid::new_v4();
     let id = create(&s, team).await;
     let c = s.work_claim("a", LEASE, 10).await.unwrap().remove(0);
+    // The pass's own progress (status, events) is not a change it has to come back for.
+    s.provisioning_begin(id).await.unwrap();
+    s.event_append(id, "Progress", "cluster: creating")
+        .await
+        .unwrap();
     assert!(s
         .work_release(id, c.lease_token, c.seq, Duration::from_secs(3600))
         .await
         .unwrap());
     assert!(s.work_claim("a", LEASE, 10).await.unwrap().is_empty());
-    // A change (here a delete) makes it due at once.
+    // A change a customer asked for (here a delete) makes it due at once.
     s.dedicated_inference_delete(id, team).await.unwrap();
     let again = s.work_claim("a", LEASE, 10).await.unwrap();
     assert_eq!(again.len(), 1);
