@@ -63,6 +63,9 @@ mod kube {
         pub fn list_all(&self) -> Vec<Value> {
             self.cluster.list_all()
         }
+        pub fn snapshot(&self) -> Vec<std::sync::Arc<Value>> {
+            self.cluster.snapshot()
+        }
         pub fn subscribe(&self) -> broadcast::Receiver<u64> {
             self.cluster.subscribe()
         }
@@ -517,6 +520,14 @@ async fn watch_cluster(
                 if let Err(tokio::sync::broadcast::error::RecvError::Closed) = r {
                     return;
                 }
+                // Let a burst of writes (a worker applies a DI's objects at once) land, and
+                // look once for all of them.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                use tokio::sync::broadcast::error::TryRecvError;
+                while !matches!(
+                    changes.try_recv(),
+                    Err(TryRecvError::Empty | TryRecvError::Closed)
+                ) {}
             }
             _ = tokio::time::sleep(pause) => {}
         }
@@ -582,8 +593,12 @@ fn service_lb(o: &Value) -> ServiceLb {
 /// One cloud-controller pass over a cluster. True when it is settled: every load balancer is
 /// active and its Service already shows the address.
 async fn reconcile(shared: &Arc<Shared>, id: &str, side: &ClusterSide) -> anyhow::Result<bool> {
-    let objs = side.kube.list_all();
-    let services: Vec<&Value> = objs.iter().filter(|o| is_lb_service(o)).collect();
+    let objs = side.kube.snapshot();
+    let services: Vec<&Value> = objs
+        .iter()
+        .map(std::sync::Arc::as_ref)
+        .filter(|o| is_lb_service(o))
+        .collect();
     let lbs: Vec<ServiceLb> = services.iter().map(|o| service_lb(o)).collect();
     let statuses = shared.world.lb_sync(id, &lbs);
 

@@ -10,6 +10,7 @@
 //! Everything here is a pure function of JSON objects.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use base64::Engine;
 use serde_json::{Map, Value};
@@ -52,8 +53,14 @@ fn deleting(v: &Value) -> bool {
         .is_some_and(|t| !t.is_null())
 }
 
-fn find<'a>(objs: &'a [Value], kind: &str, group: &str, ns: &str, name: &str) -> Option<&'a Value> {
-    objs.iter().find(|o| {
+fn find<'a>(
+    objs: &'a [Arc<Value>],
+    kind: &str,
+    group: &str,
+    ns: &str,
+    name: &str,
+) -> Option<&'a Value> {
+    objs.iter().map(Arc::as_ref).find(|o| {
         o["kind"] == kind
             && group_of(o) == group
             && ns_of(o) == ns
@@ -110,7 +117,7 @@ fn pod_ready(p: &Value) -> bool {
 }
 
 /// The token hashes in the access-token Secret of `ns`, or `None` if there is no such Secret.
-pub fn token_hashes(objs: &[Value], ns: &str) -> Option<BTreeSet<String>> {
+pub fn token_hashes(objs: &[Arc<Value>], ns: &str) -> Option<BTreeSet<String>> {
     let secret = find(objs, "Secret", "", ns, TOKENS_SECRET)?;
     Some(
         secret_keys(secret)
@@ -170,7 +177,7 @@ fn container_args(pod_spec: &Value) -> Vec<Vec<String>> {
         .unwrap_or_default()
 }
 
-fn owner<'a>(objs: &'a [Value], obj: &Value, kind: &str, group: &str) -> Option<&'a Value> {
+fn owner<'a>(objs: &'a [Arc<Value>], obj: &Value, kind: &str, group: &str) -> Option<&'a Value> {
     let refs = obj.pointer("/metadata/ownerReferences")?.as_array()?;
     let r = refs.iter().find(|r| r["kind"] == kind)?;
     find(objs, kind, group, ns_of(obj), r["name"].as_str()?)
@@ -178,7 +185,7 @@ fn owner<'a>(objs: &'a [Value], obj: &Value, kind: &str, group: &str) -> Option<
 
 /// The served model of a pod, read from its owning Deployment (through its ReplicaSet), falling
 /// back to the pod's own containers.
-fn pod_model(objs: &[Value], pod: &Value) -> Option<String> {
+fn pod_model(objs: &[Arc<Value>], pod: &Value) -> Option<String> {
     let deployment = owner(objs, pod, "Deployment", "apps").or_else(|| {
         owner(objs, pod, "ReplicaSet", "apps").and_then(|rs| owner(objs, rs, "Deployment", "apps"))
     });
@@ -194,7 +201,7 @@ fn pod_model(objs: &[Value], pod: &Value) -> Option<String> {
 }
 
 /// Derives the endpoint configuration for LoadBalancer Service `svc` from the cluster's objects.
-pub fn wire(svc: &Value, objs: &[Value]) -> Wiring {
+pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     let ns = ns_of(svc).to_string();
     let mut w = Wiring {
         config: EndpointConfig {
@@ -270,7 +277,7 @@ pub fn wire(svc: &Value, objs: &[Value]) -> Wiring {
         }
     }
     // The first HTTPRoute attached to this gateway (and listener, if it names one).
-    let attached = objs.iter().filter(|o| {
+    let attached = objs.iter().map(Arc::as_ref).filter(|o| {
         o["kind"] == "HTTPRoute"
             && group_of(o) == "gateway.networking.k8s.io"
             && ns_of(o) == ns
@@ -374,6 +381,7 @@ pub fn wire(svc: &Value, objs: &[Value]) -> Wiring {
     };
     let pods: Vec<&Value> = objs
         .iter()
+        .map(Arc::as_ref)
         .filter(|o| {
             o["kind"] == "Pod"
                 && ns_of(o) == ns
@@ -410,8 +418,8 @@ mod tests {
         base64::engine::general_purpose::STANDARD.encode(s)
     }
 
-    fn objects() -> Vec<Value> {
-        vec![
+    fn objects() -> Vec<Arc<Value>> {
+        [
             json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tls", "namespace": "di-1"},
                    "type": "kubernetes.io/tls", "data": {"tls.crt": b64("CERT"), "tls.key": b64("KEY")}}),
             json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": TOKENS_SECRET, "namespace": "di-1"},
@@ -436,6 +444,9 @@ mod tests {
             json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vllm-1-b", "namespace": "di-1", "labels": {"app": "vllm"}},
                    "status": {"phase": "Pending"}}),
         ]
+        .into_iter()
+        .map(Arc::new)
+        .collect()
     }
 
     fn svc() -> Value {

@@ -258,6 +258,12 @@ impl Cluster {
         self.store().all()
     }
 
+    /// Every stored object, shared rather than copied: for readers that look at the whole
+    /// cluster on every change (the region's cloud controller).
+    pub fn snapshot(&self) -> Vec<Arc<Value>> {
+        self.store().lock().objects.values().cloned().collect()
+    }
+
     pub fn get(
         &self,
         api_version: &str,

@@ -632,6 +632,40 @@ fn add_finalizer(obj: &mut Value, f: &str) {
     }
 }
 
+/// As [`mutate`] in the status scope, for edits that read and write nothing but `status` (`f`
+/// gets the status itself, null when there is none). Only the status is copied and compared, so
+/// the controllers' every-pass status refresh costs little when nothing changed.
+pub fn mutate_status(
+    store: &Store,
+    key: &Key,
+    manager: &str,
+    f: impl FnOnce(&mut Value),
+) -> Option<Value> {
+    let mut inner = store.lock();
+    let old = inner.objects.get(key)?.clone();
+    let before = old.get("status").unwrap_or(&Value::Null);
+    let mut status = before.clone();
+    f(&mut status);
+    if status == *before {
+        return None;
+    }
+    let mut new = old.as_ref().clone();
+    new["status"] = status;
+    finish_update(
+        store,
+        &mut inner,
+        key.rt,
+        &old,
+        new,
+        Scope::Status,
+        "Update",
+        &Writer::new(manager),
+    )
+    .ok()
+    .filter(|o| o.changed)
+    .map(|o| o.object)
+}
+
 /// Applies `f` to the current state of an object under the store lock and stores
 /// the result if it differs (used by controllers, which must never clobber a
 /// concurrent client write with a stale copy).

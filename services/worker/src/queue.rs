@@ -1,6 +1,6 @@
 //! The worker's view of the work queue in the regional store: claiming DIs under a lease,
 //! keeping the lease alive while a pass runs, giving it back with the time of the next look,
-//! and waking up when a DI changes (`LISTEN di_changes`).
+//! and waking up when a customer changes a DI (`LISTEN di_work`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,8 +13,8 @@ use uuid::Uuid;
 
 use crate::metrics;
 
-/// The channel the outbox trigger notifies on every committed change.
-pub const CHANNEL: &str = "di_changes";
+/// The channel the outbox trigger notifies on every committed change a customer asked for.
+pub const CHANNEL: &str = "di_work";
 
 /// Claims, renews and releases leases for one worker.
 #[derive(Clone)]

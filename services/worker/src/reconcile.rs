@@ -221,6 +221,8 @@ pub struct Reconciler {
     cloud: DoClient,
     settings: Settings,
     kube: Mutex<HashMap<String, KubeClient>>,
+    /// Cluster ids by name, so that a pass reads its one cluster instead of listing them all.
+    cluster_ids: Mutex<HashMap<String, String>>,
     kube_writes_total: AtomicU64,
 }
 
@@ -275,6 +277,7 @@ impl Reconciler {
             cloud,
             settings,
             kube: Mutex::new(HashMap::new()),
+            cluster_ids: Mutex::new(HashMap::new()),
             kube_writes_total: AtomicU64::new(0),
         }
     }
@@ -615,15 +618,40 @@ impl Reconciler {
     }
 
     /// The cluster named `name`; a cluster being deleted counts only when `deleting_too`.
+    /// A cluster seen before is read by id (one small request); otherwise, or when that one is
+    /// gone or no longer fits, the region's clusters are listed.
     async fn find_cluster(&self, name: &str, deleting_too: bool) -> Result<Option<Cluster>> {
-        Ok(self.cloud.cluster_list().await?.into_iter().find(|c| {
+        let fits = |c: &Cluster| {
             c.name == name
                 && (deleting_too
                     || !matches!(
                         c.status.state,
                         ClusterState::Deleting | ClusterState::Deleted
                     ))
-        }))
+        };
+        let known = self
+            .cluster_ids
+            .lock()
+            .expect("cluster ids")
+            .get(name)
+            .cloned();
+        if let Some(id) = known {
+            match self.cloud.cluster_get(&id).await {
+                Ok(c) if fits(&c) => return Ok(Some(c)),
+                Ok(_) => {}
+                Err(e) if e.is_not_found() => {}
+                Err(e) => return Err(e.into()),
+            }
+            self.cluster_ids.lock().expect("cluster ids").remove(name);
+        }
+        let found = self.cloud.cluster_list().await?.into_iter().find(fits);
+        if let Some(c) = &found {
+            self.cluster_ids
+                .lock()
+                .expect("cluster ids")
+                .insert(name.to_string(), c.id.clone());
+        }
+        Ok(found)
     }
 
     async fn kube_for(&self, cluster: &Cluster) -> Result<KubeClient> {

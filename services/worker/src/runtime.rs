@@ -1,4 +1,4 @@
-//! The worker runtime: claims DIs from the regional store (woken by `LISTEN di_changes` and by a
+//! The worker runtime: claims DIs from the regional store (woken by `LISTEN di_work` and by a
 //! periodic tick), runs up to N reconcile passes at once, each under a renewed lease, and turns
 //! each pass's outcome into the lease's next check: soon while waiting for the cloud, a jittered
 //! backoff after a transient failure, `error` after a permanent one or a stall. Beside the claim
@@ -146,6 +146,10 @@ impl Worker {
     pub async fn start(config: Config) -> anyhow::Result<WorkerHandle> {
         let pool = PgPoolOptions::new()
             .max_connections(config.db_max_connections.max(2))
+            // As in central and regional: no ping before every checkout (it doubles the round
+            // trips of a pass's many short queries); a broken connection fails its query, the
+            // pass is retried, and the pool replaces the connection.
+            .test_before_acquire(false)
             .connect(&config.database_url)
             .await?;
         let sealer = Sealer::from_base64(&config.seal_key)

@@ -6,7 +6,6 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::{condition_true, is_deleting, set_condition, uid, Snapshot};
-use crate::managed::Scope;
 use crate::ops::{self, DeleteOptions, Writer};
 use crate::resources::index_of;
 use crate::store::{Key, Store};
@@ -191,8 +190,7 @@ fn reconcile(store: &Store, snap: &Snapshot, key: &Key, d: &Value) {
     let generation = d["metadata"]["generation"].as_i64().unwrap_or(1);
     let rs_name = format!("{name}-{hash}");
     let complete = updated == replicas && total == replicas && ready_count == replicas;
-    ops::mutate(store, key, Scope::Status, MANAGER, |o| {
-        let st = &mut o["status"];
+    ops::mutate_status(store, key, MANAGER, |st| {
         st["observedGeneration"] = json!(generation);
         st["replicas"] = json!(total);
         st["updatedReplicas"] = json!(updated);

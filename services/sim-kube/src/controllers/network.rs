@@ -90,9 +90,9 @@ fn load_balancers(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &
 fn gateway_classes(store: &Store, snap: &Snapshot) {
     for (key, gc) in snap.of_kind("GatewayClass") {
         let generation = gc["metadata"]["generation"].as_i64();
-        ops::mutate(store, key, Scope::Status, GATEWAY_MANAGER, |o| {
+        ops::mutate_status(store, key, GATEWAY_MANAGER, |st| {
             set_condition(
-                &mut o["status"]["conditions"],
+                &mut st["conditions"],
                 "Accepted",
                 "True",
                 "Accepted",
@@ -268,8 +268,7 @@ fn gateways(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &Cluste
             }
             listeners.push((lname.to_string(), attached, conds));
         }
-        ops::mutate(store, key, Scope::Status, GATEWAY_MANAGER, |o| {
-            let st = &mut o["status"];
+        ops::mutate_status(store, key, GATEWAY_MANAGER, |st| {
             if let Some(ip) = &new_address {
                 let empty = st
                     .pointer("/addresses")
@@ -399,8 +398,8 @@ fn routes(store: &Store, snap: &Snapshot) {
                 json!({"parentRef": pref, "controllerName": GATEWAY_CONTROLLER, "conditions": conds})
             })
             .collect();
-        ops::mutate(store, key, Scope::Status, GATEWAY_MANAGER, |o| {
-            o["status"]["parents"] = json!(parents)
+        ops::mutate_status(store, key, GATEWAY_MANAGER, |st| {
+            st["parents"] = json!(parents)
         });
     }
 }
@@ -479,13 +478,13 @@ fn pools(store: &Store, snap: &Snapshot) {
                 json!({"parentRef": pref, "controllerName": GATEWAY_CONTROLLER, "conditions": conds})
             })
             .collect();
-        ops::mutate(store, key, Scope::Status, GATEWAY_MANAGER, |o| {
+        ops::mutate_status(store, key, GATEWAY_MANAGER, |st| {
             if parents.is_empty() {
-                if let Some(st) = o.get_mut("status").and_then(Value::as_object_mut) {
+                if let Some(st) = st.as_object_mut() {
                     st.remove("parents");
                 }
             } else {
-                o["status"]["parents"] = json!(parents);
+                st["parents"] = json!(parents);
             }
         });
     }
