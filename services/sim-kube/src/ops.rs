@@ -651,19 +651,7 @@ pub fn mutate_status(
     }
     let mut new = old.as_ref().clone();
     new["status"] = status;
-    finish_update(
-        store,
-        &mut inner,
-        key.rt,
-        &old,
-        new,
-        Scope::Status,
-        "Update",
-        &Writer::new(manager),
-    )
-    .ok()
-    .filter(|o| o.changed)
-    .map(|o| o.object)
+    store_edit(store, &mut inner, key, &old, new, Scope::Status, manager)
 }
 
 /// Applies `f` to the current state of an object under the store lock and stores
@@ -684,11 +672,25 @@ pub fn mutate(
     if new == *old {
         return None;
     }
+    store_edit(store, &mut inner, key, &old, new, scope, manager)
+}
+
+/// Stores a controller's edit of `old` as an update by `manager`; the stored object when it
+/// changed.
+fn store_edit(
+    store: &Store,
+    inner: &mut Inner,
+    key: &Key,
+    old: &Value,
+    new: Value,
+    scope: Scope,
+    manager: &str,
+) -> Option<Value> {
     finish_update(
         store,
-        &mut inner,
+        inner,
         key.rt,
-        &old,
+        old,
         new,
         scope,
         "Update",
