@@ -198,7 +198,7 @@ impl Server {
         tasks.push(tokio::spawn(app.store.watch_read_cache()));
         let router = router(app.clone());
         tasks.push(tokio::spawn(async move {
-            if let Err(error) = axum::serve(listener, router).await {
+            if let Err(error) = axum::serve(common::listener::no_delay(listener), router).await {
                 tracing::error!(%error, "central server stopped");
             }
         }));

@@ -964,8 +964,9 @@ async fn requested_change(
     reason: &str,
     message: &str,
 ) -> Result<()> {
-    change(tx, id, phase, reason, message, true).await?;
-    work_trace(tx, id, common::telemetry::traceparent().as_deref()).await
+    // The trace first: `change` takes the outbox lock, held until commit, so it goes last.
+    work_trace(tx, id, common::telemetry::traceparent().as_deref()).await?;
+    change(tx, id, phase, reason, message, true).await
 }
 
 /// A change that completes what was asked (active, error, gone): later passes, such as periodic
@@ -977,8 +978,8 @@ async fn final_change(
     reason: &str,
     message: &str,
 ) -> Result<()> {
-    change(tx, id, phase, reason, message, false).await?;
-    work_trace(tx, id, None).await
+    work_trace(tx, id, None).await?;
+    change(tx, id, phase, reason, message, false).await
 }
 
 async fn work_trace(
@@ -996,7 +997,8 @@ async fn work_trace(
 
 /// Appends the event and the outbox entry for a change, in the caller's transaction. The advisory
 /// lock serialises outbox writers until commit, so `seq` order is commit order and a consumer
-/// resuming after `seq` never skips a change that committed late. `requested` marks changes a
+/// resuming after `seq` never skips a change that committed late. Every writer waits for it, so
+/// callers make this the last statement before their commit. `requested` marks changes a
 /// customer asked for: only those make the DI due for a worker at once (a worker's own progress
 /// does not send it straight back to the queue).
 async fn change(

@@ -90,7 +90,7 @@ impl Server {
         let addr = listener.local_addr()?;
         let app = router(state);
         let task = tokio::spawn(async move {
-            let serve = axum::serve(listener, app);
+            let serve = axum::serve(common::listener::no_delay(listener), app);
             if let Err(error) = serve.await {
                 tracing::error!(%error, "regional server stopped");
             }
