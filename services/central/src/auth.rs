@@ -6,7 +6,7 @@
 //! this process over fixed one-hour windows, and reported with DigitalOcean's `ratelimit-*` headers.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Request, State};
@@ -34,22 +34,21 @@ pub const SCOPES: &[&str] = &[
 pub struct Principal {
     pub token_id: Uuid,
     pub team_id: Uuid,
-    scopes: Vec<String>,
+    /// Shared with the token cache: no per-request copy of the scope list.
+    scopes: Arc<[String]>,
 }
 
 impl Principal {
     /// `dedicated_inference_token:*` is accepted as a spelling of `dedicated_inference_tokens:*`.
     pub fn require(&self, scope: &str) -> Result<(), ApiError> {
-        let singular = scope.replacen(
-            "dedicated_inference_tokens:",
-            "dedicated_inference_token:",
-            1,
-        );
         let (resource, _) = scope.split_once(':').unwrap_or((scope, ""));
-        let granted = self
-            .scopes
-            .iter()
-            .any(|s| s == scope || *s == singular || s == "*" || s == &format!("{resource}:*"));
+        let singular = scope.strip_prefix("dedicated_inference_tokens:");
+        let granted = self.scopes.iter().any(|s| {
+            s == scope
+                || s == "*"
+                || s.strip_suffix(":*") == Some(resource)
+                || (singular.is_some() && s.strip_prefix("dedicated_inference_token:") == singular)
+        });
         if granted {
             Ok(())
         } else {
@@ -63,8 +62,15 @@ impl Principal {
 pub struct Authenticator {
     ttl: Duration,
     default_limit: u32,
-    cache: Mutex<HashMap<[u8; 32], (Option<ApiToken>, Instant)>>,
+    cache: Mutex<HashMap<[u8; 32], (Option<Grant>, Instant)>>,
     windows: Mutex<HashMap<Uuid, Window>>,
+}
+
+/// A cached token: its scopes shared with every request that presents it.
+#[derive(Clone)]
+struct Grant {
+    token: ApiToken,
+    scopes: Arc<[String]>,
 }
 
 struct Window {
@@ -85,7 +91,7 @@ impl Authenticator {
         }
     }
 
-    async fn token(&self, app: &App, hash: [u8; 32]) -> Result<Option<ApiToken>, ApiError> {
+    async fn token(&self, app: &App, hash: [u8; 32]) -> Result<Option<Grant>, ApiError> {
         if let Some((token, at)) = self.cache.lock().unwrap().get(&hash) {
             if at.elapsed() < self.ttl {
                 return Ok(token.clone());
@@ -95,7 +101,12 @@ impl Authenticator {
             .store
             .api_token_by_hash(&hash)
             .await
-            .map_err(ApiError::internal)?;
+            .map_err(ApiError::internal)?
+            .map(|mut token| Grant {
+                // Moved out, so that cloning the grant copies no strings.
+                scopes: std::mem::take(&mut token.scopes).into(),
+                token,
+            });
         let mut cache = self.cache.lock().unwrap();
         if cache.len() >= CACHE_CAP {
             cache.clear();
@@ -145,11 +156,11 @@ pub async fn layer(State(app): State<App>, mut req: Request, next: Next) -> Resp
     let token = match presented {
         None => None,
         Some(value) => match auth.token(&app, common::tokens::sha256(value)).await {
-            Ok(token) => token.filter(|t| !t.revoked),
+            Ok(grant) => grant.filter(|g| !g.token.revoked),
             Err(e) => return e.into_response(),
         },
     };
-    let Some(token) = token else {
+    let Some(Grant { token, scopes }) = token else {
         let mut response = ApiError::Unauthorized.into_response();
         headers(
             &mut response,
@@ -164,7 +175,7 @@ pub async fn layer(State(app): State<App>, mut req: Request, next: Next) -> Resp
         req.extensions_mut().insert(Principal {
             token_id: token.id,
             team_id: token.team_id,
-            scopes: token.scopes,
+            scopes,
         });
         next.run(req).await
     } else {
@@ -204,7 +215,11 @@ mod tests {
         Principal {
             token_id: Uuid::nil(),
             team_id: Uuid::nil(),
-            scopes: scopes.iter().map(|s| s.to_string()).collect(),
+            scopes: scopes
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .into(),
         }
     }
 
@@ -218,6 +233,13 @@ mod tests {
         assert!(p.require("dedicated_inference:create").is_err());
         assert!(p.require("dedicated_inference_tokens:create").is_ok());
         assert!(p.require("dedicated_inference_tokens:delete").is_err());
+        // A resource wildcard covers that resource only; `*` covers everything.
+        let p = principal(&["dedicated_inference:*"]);
+        assert!(p.require("dedicated_inference:delete").is_ok());
+        assert!(p.require("dedicated_inference_tokens:read").is_err());
+        assert!(principal(&["*"])
+            .require("dedicated_inference_tokens:delete")
+            .is_ok());
     }
 
     #[test]
