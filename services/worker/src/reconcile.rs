@@ -582,9 +582,10 @@ impl Reconciler {
             private_fqdn: assessment.private_endpoint.clone(),
         };
         match self.store.rollout_complete(id, version, &endpoints).await {
-            Ok(_) => {
+            // The pass leaves the DI active (its span says so): no later pass is needed to see it.
+            Ok(done) => {
                 tracing::info!(di = %id, version, "rollout complete");
-                Ok(Pass::new(&status, s.resync))
+                Ok(Pass::new(&done.status, s.resync))
             }
             // Superseded by a newer spec (or deleted) meanwhile: the next pass converges on it.
             Err(StoreError::Conflict(why)) => Ok(pass.wait(why, Duration::ZERO)),
