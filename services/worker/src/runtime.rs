@@ -1,6 +1,7 @@
-//! The worker runtime: claims DIs from the regional store (woken by `LISTEN di_work` and by a
-//! periodic tick), runs up to N reconcile passes at once, each under a renewed lease, and turns
-//! each pass's outcome into the lease's next check: soon while waiting for the cloud, a jittered
+//! The worker runtime: claims DIs from the regional store (woken by `LISTEN di_work`, by the
+//! checks it scheduled itself and by a periodic tick), runs up to N reconcile passes at once, each
+//! under a renewed lease, and turns each pass's outcome into the lease's next check: soon while
+//! waiting for the cloud (sooner while the cloud is visibly moving), a jittered
 //! backoff after a transient failure, `error` after a permanent one or a stall. Beside the claim
 //! loop it serves `/metrics` and `/healthz` and samples the work queue's depth.
 
