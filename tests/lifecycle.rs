@@ -357,6 +357,27 @@ impl Follow<'_> {
     async fn status(&self) -> String {
         status(self.sys, self.api, self.id).await
     }
+
+    /// Makes every DigitalOcean call fail with `fault` until `at_least` calls were answered
+    /// `code`, checks that the DI is still `status` meanwhile, then lifts the fault.
+    async fn through_do_fault(
+        &self,
+        sim: &RegionSim,
+        fault: ApiFaults,
+        code: u16,
+        at_least: usize,
+        what: &str,
+        status: &str,
+    ) {
+        sim.reset_stats();
+        sim.set_faults(faults(fault, none(), none()));
+        self.until(what, Duration::from_secs(20), || {
+            (do_calls_answered(sim, code) >= at_least).then_some(())
+        })
+        .await;
+        assert_eq!(self.status().await, status);
+        sim.set_faults(FaultConfig::default());
+    }
 }
 
 /// Asserts that `expected` occurs in `events` in this order (other events may come between).
@@ -1004,16 +1025,15 @@ async fn each_step_survives_a_fault_in_the_api_it_uses() {
         state, "provisioning",
         "the step must still be under way when the fault starts"
     );
-    sim.reset_stats();
-    sim.set_faults(faults(rate_limited(), none(), none()));
-    f.until(
+    f.through_do_fault(
+        sim,
+        rate_limited(),
+        429,
+        2,
         "DO 429s while the cluster provisions",
-        Duration::from_secs(20),
-        || (do_calls_answered(sim, 429) >= 2).then_some(()),
+        "provisioning",
     )
     .await;
-    assert_eq!(f.status().await, "provisioning");
-    sim.set_faults(FaultConfig::default());
 
     // 3. Waiting for the GPU nodes meets DigitalOcean 500s.
     f.until("GPU nodes provisioning", Duration::from_secs(30), || {
@@ -1028,16 +1048,15 @@ async fn each_step_survives_a_fault_in_the_api_it_uses() {
             .then_some(())
     })
     .await;
-    sim.reset_stats();
-    sim.set_faults(faults(errors(), none(), none()));
-    f.until(
+    f.through_do_fault(
+        sim,
+        errors(),
+        500,
+        2,
         "DO 500s while the nodes provision",
-        Duration::from_secs(20),
-        || (do_calls_answered(sim, 500) >= 2).then_some(()),
+        "provisioning",
     )
     .await;
-    assert_eq!(f.status().await, "provisioning");
-    sim.set_faults(FaultConfig::default());
 
     // 4. Waiting for the model servers meets Kubernetes 500s. The Kubernetes client retries
     // internally, so the worker's own count of failed passes is the evidence it ran into them.
@@ -1128,16 +1147,15 @@ async fn each_step_survives_a_fault_in_the_api_it_uses() {
         })
         .await;
     assert_eq!(state, "deleting");
-    sim.reset_stats();
-    sim.set_faults(faults(errors(), none(), none()));
-    f.until(
+    f.through_do_fault(
+        sim,
+        errors(),
+        500,
+        2,
         "DO 500s while the cluster is deleted",
-        Duration::from_secs(20),
-        || (do_calls_answered(sim, 500) >= 2).then_some(()),
+        "deleting",
     )
     .await;
-    assert_eq!(f.status().await, "deleting");
-    sim.set_faults(FaultConfig::default());
     wait_gone(&sys, &api, region, id).await;
 }
 

@@ -4,7 +4,7 @@
 //! model is built from. It does not validate against the catalog (central does), does not talk to
 //! the cloud (the workers do), and never returns secrets.
 
-mod ca;
+pub mod ca;
 mod handlers;
 
 use std::net::SocketAddr;

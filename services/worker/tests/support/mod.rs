@@ -11,9 +11,8 @@ use std::time::{Duration, Instant};
 use api_types::regional::{CreateRequest, NewToken, Record};
 use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
 use common::seal::Sealer;
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
 use region_sim::{Delays, RegionSim, SimConfig};
-use region_store::{sqlx, NewCa, Store};
+use region_store::{sqlx, Store};
 use uuid::Uuid;
 use worker::runtime::{Config, Worker, WorkerHandle};
 
@@ -45,25 +44,6 @@ pub async fn fresh_database() -> String {
     let mut url = reqwest::Url::parse(&admin).expect("DATABASE_URL is a URL");
     url.set_path(&name);
     url.to_string()
-}
-
-pub fn generate_ca(id: Uuid) -> NewCa {
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params
-        .distinguished_name
-        .push(DnType::CommonName, format!("Dedicated Inference {id} CA"));
-    params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let key = KeyPair::generate().unwrap();
-    let cert = params.self_signed(&key).unwrap();
-    NewCa {
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-    }
 }
 
 pub struct Env {
@@ -189,7 +169,7 @@ impl Env {
         };
         let rec = self
             .store
-            .dedicated_inference_create(&req, &generate_ca(id))
+            .dedicated_inference_create(&req, &regional::ca::generate(id).expect("CA"))
             .await
             .unwrap();
         (rec, token)
