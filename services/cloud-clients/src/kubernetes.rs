@@ -304,6 +304,11 @@ impl KubeClient {
         config.read_timeout = Some(options.read_timeout);
         config.write_timeout = Some(options.write_timeout);
         config.reset_reader_on_write = true;
+        // A plain-http server never negotiates TLS, so it needs no trust store; without one,
+        // kube-rs would load and parse the system's whole CA bundle for every client.
+        if config.cluster_url.scheme_str() == Some("http") && config.root_cert.is_none() {
+            config.root_cert = Some(Vec::new());
+        }
         let client = Client::try_from(config)
             .map_err(|e| KubeError::Config(format!("building the client: {e}")))?;
         Ok(Self::from_client(client, field_manager, options.retry))

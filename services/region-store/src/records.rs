@@ -1,9 +1,9 @@
 //! Assembling a `Record` (a DI with its current and pending spec versions) from its rows.
 
 use api_types::regional::{Accelerator, Record, StoredSpec};
-use api_types::spec::{AcceleratorGroup, ModelDeployment};
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgPool;
+use sqlx::types::Json;
 use uuid::Uuid;
 
 use crate::{Result, StoreError};
@@ -25,6 +25,8 @@ struct DiRow {
     updated_at: DateTime<Utc>,
     gone: bool,
     seq: i64,
+    /// The current and the pending spec version, as JSON in `StoredSpec`'s shape.
+    specs: Json<Vec<StoredSpec>>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -57,11 +59,33 @@ pub(crate) async fn load(
     team_id: Option<Uuid>,
     include_gone: bool,
 ) -> Result<Record> {
+    // One statement for the row and both spec versions (every caller, from a GET to a worker's
+    // pass, needs them together): each separate query would cost a round trip and the pool's
+    // release ping.
     let row: DiRow = sqlx::query_as(
         "SELECT id, team_id, region, vpc_uuid, enable_public_endpoint, status, status_reason, current_version,
                 pending_version, public_endpoint_fqdn, private_endpoint_fqdn, created_at, updated_at,
                 gone_at IS NOT NULL AS gone,
-                coalesce((SELECT max(seq) FROM outbox WHERE di_id = d.id), 0) AS seq
+                coalesce((SELECT max(seq) FROM outbox WHERE di_id = d.id), 0) AS seq,
+                (SELECT coalesce(json_agg(json_build_object(
+                     'id', s.id, 'version', s.version, 'name', s.name, 'region', d.region,
+                     'vpc_uuid', s.vpc_uuid, 'enable_public_endpoint', s.enable_public_endpoint,
+                     'created_at', s.created_at,
+                     'model_deployments', (
+                         SELECT coalesce(json_agg(json_build_object(
+                             'model_id', m.model_id, 'model_slug', m.model_slug,
+                             'model_provider', m.model_provider, 'workload_config', m.workload_config,
+                             'accelerators', (
+                                 SELECT coalesce(json_agg(json_build_object(
+                                     'accelerator_slug', g.accelerator_slug, 'role', g.role, 'scale', g.scale)
+                                     ORDER BY g.position), '[]')
+                                 FROM accelerator_groups g
+                                 WHERE g.di_id = m.di_id AND g.version = m.version
+                                   AND g.deployment_position = m.position))
+                             ORDER BY m.position), '[]')
+                         FROM model_deployments m WHERE m.di_id = s.di_id AND m.version = s.version))), '[]')
+                 FROM spec_versions s
+                 WHERE s.di_id = d.id AND s.version IN (d.current_version, d.pending_version)) AS specs
          FROM dedicated_inferences d
          WHERE id = $1 AND ($2::uuid IS NULL OR team_id = $2) AND ($3 OR gone_at IS NULL)",
     )
@@ -71,12 +95,7 @@ pub(crate) async fn load(
     .fetch_optional(pool)
     .await?
     .ok_or(StoreError::NotFound)?;
-    let versions: Vec<i32> = row
-        .current_version
-        .into_iter()
-        .chain(row.pending_version)
-        .collect();
-    let mut specs = load_specs(pool, id, &row.region, &versions).await?;
+    let mut specs = row.specs.0;
     let pending_spec = row
         .pending_version
         .and_then(|v| specs.iter().position(|s| s.version == v))
@@ -101,76 +120,4 @@ pub(crate) async fn load(
         gone: row.gone,
         seq: row.seq,
     })
-}
-
-async fn load_specs(
-    pool: &PgPool,
-    id: Uuid,
-    region: &str,
-    versions: &[i32],
-) -> Result<Vec<StoredSpec>> {
-    if versions.is_empty() {
-        return Ok(Vec::new());
-    }
-    let heads: Vec<(i32, Uuid, String, bool, Uuid, DateTime<Utc>)> = sqlx::query_as(
-        "SELECT version, id, name, enable_public_endpoint, vpc_uuid, created_at FROM spec_versions
-         WHERE di_id = $1 AND version = ANY($2)",
-    )
-    .bind(id)
-    .bind(versions)
-    .fetch_all(pool)
-    .await?;
-    let deployments: Vec<(i32, i32, Uuid, String, String, serde_json::Value)> = sqlx::query_as(
-        "SELECT version, position, model_id, model_slug, model_provider, workload_config FROM model_deployments
-         WHERE di_id = $1 AND version = ANY($2) ORDER BY version, position",
-    )
-    .bind(id)
-    .bind(versions)
-    .fetch_all(pool)
-    .await?;
-    let groups: Vec<(i32, i32, String, String, i32)> = sqlx::query_as(
-        "SELECT version, deployment_position, accelerator_slug, role, scale FROM accelerator_groups
-         WHERE di_id = $1 AND version = ANY($2) ORDER BY version, deployment_position, position",
-    )
-    .bind(id)
-    .bind(versions)
-    .fetch_all(pool)
-    .await?;
-    Ok(heads
-        .into_iter()
-        .map(
-            |(version, spec_id, name, enable_public_endpoint, vpc_uuid, created_at)| StoredSpec {
-                id: spec_id,
-                version,
-                name,
-                region: region.to_string(),
-                vpc_uuid,
-                enable_public_endpoint,
-                model_deployments: deployments
-                    .iter()
-                    .filter(|d| d.0 == version)
-                    .map(
-                        |(_, position, model_id, model_slug, model_provider, workload_config)| {
-                            ModelDeployment {
-                                model_id: Some(*model_id),
-                                model_slug: model_slug.clone(),
-                                model_provider: model_provider.clone(),
-                                workload_config: workload_config.clone(),
-                                accelerators: groups
-                                    .iter()
-                                    .filter(|g| g.0 == version && g.1 == *position)
-                                    .map(|(_, _, slug, role, scale)| AcceleratorGroup {
-                                        accelerator_slug: slug.clone(),
-                                        role: role.clone(),
-                                        scale: *scale,
-                                    })
-                                    .collect(),
-                            }
-                        },
-                    )
-                    .collect(),
-                created_at,
-            },
-        )
-        .collect())
 }
