@@ -9,14 +9,14 @@
 mod records;
 mod work;
 
-pub use work::{Claim, ClaimOptions, LedgerEntry, Stall};
+pub use work::{Claim, ClaimOptions, LedgerEntry, PassInputs, Stall};
 
 use api_types::regional::{
     Accelerator, Changes, CreateRequest, Event, NewToken, Page, Record, Token,
 };
 use api_types::spec::{ModelDeployment, Spec};
 use common::seal::Sealer;
-use sqlx::postgres::PgPool;
+use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
@@ -43,7 +43,7 @@ pub enum StoreError {
 pub type Result<T> = std::result::Result<T, StoreError>;
 
 /// An accelerator as a worker observed it on a real node.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ObservedAccelerator {
     pub name: String,
     pub slug: String,
@@ -699,12 +699,33 @@ impl Store {
 
     /// The Hugging Face token, unsealed, for the worker that writes it into the cluster.
     pub async fn hugging_face_token(&self, id: Uuid) -> Result<Option<String>> {
+        let mut conn = self.pool.acquire().await?;
+        self.hugging_face_token_on(&mut conn, id).await
+    }
+
+    /// The CA certificate and its unsealed private key (PEM), for issuing endpoint certificates.
+    pub async fn certificate_authority(&self, id: Uuid) -> Result<NewCa> {
+        let mut conn = self.pool.acquire().await?;
+        self.certificate_authority_on(&mut conn, id).await
+    }
+
+    /// Hashes (hex) of the DI's live access tokens, keyed by token id: what the gateway checks.
+    pub async fn token_hashes(&self, id: Uuid) -> Result<Vec<(Uuid, String)>> {
+        let mut conn = self.pool.acquire().await?;
+        token_hashes_on(&mut conn, id).await
+    }
+
+    pub(crate) async fn hugging_face_token_on(
+        &self,
+        conn: &mut PgConnection,
+        id: Uuid,
+    ) -> Result<Option<String>> {
         let sealed: Option<Vec<u8>> = sqlx::query_scalar(
             "SELECT sealed FROM provider_secrets WHERE di_id = $1 AND kind = $2",
         )
         .bind(id)
         .bind(HF_TOKEN)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *conn)
         .await?;
         sealed
             .map(|s| {
@@ -717,13 +738,16 @@ impl Store {
             .transpose()
     }
 
-    /// The CA certificate and its unsealed private key (PEM), for issuing endpoint certificates.
-    pub async fn certificate_authority(&self, id: Uuid) -> Result<NewCa> {
+    pub(crate) async fn certificate_authority_on(
+        &self,
+        conn: &mut PgConnection,
+        id: Uuid,
+    ) -> Result<NewCa> {
         let (cert_pem, key_sealed): (String, Vec<u8>) = sqlx::query_as(
             "SELECT cert_pem, key_sealed FROM certificate_authorities WHERE di_id = $1",
         )
         .bind(id)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *conn)
         .await?
         .ok_or(StoreError::NotFound)?;
         let key = self
@@ -734,20 +758,6 @@ impl Store {
             cert_pem,
             key_pem: String::from_utf8(key).map_err(|_| StoreError::Seal)?,
         })
-    }
-
-    /// Hashes (hex) of the DI's live access tokens, keyed by token id: what the gateway checks.
-    pub async fn token_hashes(&self, id: Uuid) -> Result<Vec<(Uuid, String)>> {
-        let rows: Vec<(Uuid, Vec<u8>)> = sqlx::query_as(
-            "SELECT id, token_hash FROM access_tokens WHERE di_id = $1 AND revoked_at IS NULL ORDER BY id",
-        )
-        .bind(id)
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(id, hash)| (id, hex::encode(hash)))
-            .collect())
     }
 
     /// Any DI, including gone ones, for internal consumers (central's recovery, workers).
@@ -817,6 +827,22 @@ impl Store {
     async fn record(&self, id: Uuid, team_id: Option<Uuid>, include_gone: bool) -> Result<Record> {
         records::load(&self.pool, id, team_id, include_gone).await
     }
+}
+
+pub(crate) async fn token_hashes_on(
+    conn: &mut PgConnection,
+    id: Uuid,
+) -> Result<Vec<(Uuid, String)>> {
+    let rows: Vec<(Uuid, Vec<u8>)> = sqlx::query_as(
+        "SELECT id, token_hash FROM access_tokens WHERE di_id = $1 AND revoked_at IS NULL ORDER BY id",
+    )
+    .bind(id)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, hash)| (id, hex::encode(hash)))
+        .collect())
 }
 
 fn secret_aad(id: Uuid, kind: &str) -> String {

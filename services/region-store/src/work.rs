@@ -3,9 +3,10 @@
 
 use std::time::Duration;
 
+use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
-use crate::{Result, Store};
+use crate::{NewCa, ObservedAccelerator, Result, Store};
 
 /// A lease on one DI: only the holder of `lease_token` may renew or release it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,6 +48,18 @@ pub struct LedgerEntry {
     /// For namespaces and node pools, the cluster they live in.
     pub scope: String,
     pub external_id: Option<String>,
+}
+
+/// What a worker's pass over a converging DI reads besides the DI itself, read at once.
+pub struct PassInputs {
+    /// The teardown ledger, oldest first.
+    pub ledger: Vec<LedgerEntry>,
+    /// The accelerators as last recorded, by name.
+    pub accelerators: Vec<ObservedAccelerator>,
+    pub ca: NewCa,
+    /// Live access-token hashes (hex) by token id.
+    pub token_hashes: Vec<(Uuid, String)>,
+    pub hugging_face_token: Option<String>,
 }
 
 /// How long a DI's progress fingerprint has been unchanged.
@@ -242,22 +255,39 @@ impl Store {
 
     /// The DI's recorded resources, oldest first (delete walks them in reverse).
     pub async fn ledger_entries(&self, di_id: Uuid) -> Result<Vec<LedgerEntry>> {
-        let rows: Vec<(i64, String, String, String, Option<String>)> = sqlx::query_as(
-            "SELECT seq, kind, name, scope, external_id FROM teardown_ledger WHERE di_id = $1 ORDER BY seq",
+        let mut conn = self.pool.acquire().await?;
+        ledger_entries_on(&mut conn, di_id).await
+    }
+
+    /// Everything a converging pass reads besides the DI, over one connection: each separate
+    /// checkout would cost a round trip of its own for the pool's release ping.
+    pub async fn pass_inputs(&self, di_id: Uuid) -> Result<PassInputs> {
+        let mut conn = self.pool.acquire().await?;
+        let ledger = ledger_entries_on(&mut conn, di_id).await?;
+        let accelerators: Vec<(String, String, String, String)> = sqlx::query_as(
+            "SELECT name, slug, role, status FROM accelerators WHERE di_id = $1 ORDER BY name",
         )
         .bind(di_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *conn)
         .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(seq, kind, name, scope, external_id)| LedgerEntry {
-                seq,
-                kind,
-                name,
-                scope,
-                external_id,
-            })
-            .collect())
+        let ca = self.certificate_authority_on(&mut conn, di_id).await?;
+        let token_hashes = crate::token_hashes_on(&mut conn, di_id).await?;
+        let hugging_face_token = self.hugging_face_token_on(&mut conn, di_id).await?;
+        Ok(PassInputs {
+            ledger,
+            accelerators: accelerators
+                .into_iter()
+                .map(|(name, slug, role, status)| ObservedAccelerator {
+                    name,
+                    slug,
+                    role,
+                    status,
+                })
+                .collect(),
+            ca,
+            token_hashes,
+            hugging_face_token,
+        })
     }
 
     /// Forgets a resource that is gone.
@@ -283,4 +313,23 @@ impl Store {
         .fetch_all(&self.pool)
         .await?)
     }
+}
+
+async fn ledger_entries_on(conn: &mut PgConnection, di_id: Uuid) -> Result<Vec<LedgerEntry>> {
+    let rows: Vec<(i64, String, String, String, Option<String>)> = sqlx::query_as(
+        "SELECT seq, kind, name, scope, external_id FROM teardown_ledger WHERE di_id = $1 ORDER BY seq",
+    )
+    .bind(di_id)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(seq, kind, name, scope, external_id)| LedgerEntry {
+            seq,
+            kind,
+            name,
+            scope,
+            external_id,
+        })
+        .collect())
 }

@@ -16,7 +16,7 @@ use cloud_clients::digitalocean::{
 };
 use cloud_clients::{Deleted, DoClient, DoError, KubeClient, KubeError};
 use hmac::{Hmac, Mac};
-use region_store::{Endpoints, ObservedAccelerator, Store, StoreError};
+use region_store::{Endpoints, LedgerEntry, NewCa, ObservedAccelerator, Store, StoreError};
 use serde_json::Value;
 use sha2::Sha256;
 use uuid::Uuid;
@@ -251,6 +251,92 @@ fn b64_decode(v: &Value) -> Option<String> {
     String::from_utf8(bytes).ok()
 }
 
+/// The endpoint certificate: the one in the cluster unless it must be reissued.
+fn tls(ca: &NewCa, observed: &[Value]) -> Result<TlsPair> {
+    let mut names_: Vec<String> = observed
+        .iter()
+        .filter(|o| o["kind"] == "Service" && o["spec"]["type"] == "LoadBalancer")
+        .filter_map(|o| o.pointer("/status/loadBalancer/ingress/0"))
+        .filter_map(|i| {
+            i.get("ip")
+                .and_then(Value::as_str)
+                .or_else(|| i.get("hostname").and_then(Value::as_str))
+        })
+        .filter(|h| !h.is_empty())
+        .map(str::to_string)
+        .collect();
+    names_.sort();
+    names_.dedup();
+    let now = SystemTime::now();
+    let existing = observed
+        .iter()
+        .find(|o| {
+            o["kind"] == "Secret"
+                && o.pointer("/metadata/name").and_then(Value::as_str) == Some(names::TLS_SECRET)
+        })
+        .and_then(|o| {
+            Some(TlsPair {
+                cert_pem: b64_decode(o.pointer("/data/tls.crt")?)?,
+                key_pem: b64_decode(o.pointer("/data/tls.key")?)?,
+            })
+        });
+    match existing {
+        Some(pair) if !plan::needs_reissue(&pair.cert_pem, &ca.cert_pem, &names_, now) => Ok(pair),
+        _ => Ok(plan::issue(&ca.cert_pem, &ca.key_pem, &names_, now)?),
+    }
+}
+
+/// A DI's teardown ledger as read at the start of a pass (the pass's lease makes it the only
+/// writer): an entry already recorded is not written again, so a pass over a converged DI
+/// writes nothing to the ledger.
+struct Ledger<'a> {
+    store: &'a Store,
+    id: Uuid,
+    known: Vec<LedgerEntry>,
+}
+
+impl Ledger<'_> {
+    /// As [`Store::ledger_record`]: recorded before (or as) the resource is created.
+    async fn record(
+        &mut self,
+        kind: &str,
+        name: &str,
+        scope: &str,
+        external_id: Option<&str>,
+    ) -> Result<()> {
+        let known = self
+            .known
+            .iter()
+            .position(|e| e.kind == kind && e.name == name);
+        if let Some(i) = known {
+            if external_id.is_none() || self.known[i].external_id.as_deref() == external_id {
+                return Ok(());
+            }
+        }
+        self.store
+            .ledger_record(self.id, kind, name, scope, external_id)
+            .await?;
+        let external_id = external_id.map(str::to_string);
+        match known {
+            Some(i) => self.known[i].external_id = external_id,
+            None => self.known.push(LedgerEntry {
+                seq: 0,
+                kind: kind.to_string(),
+                name: name.to_string(),
+                scope: scope.to_string(),
+                external_id,
+            }),
+        }
+        Ok(())
+    }
+
+    async fn remove(&mut self, kind: &str, name: &str) -> Result<()> {
+        self.store.ledger_remove(self.id, kind, name).await?;
+        self.known.retain(|e| !(e.kind == kind && e.name == name));
+        Ok(())
+    }
+}
+
 /// The listed copy of `obj` (same kind and name; everything listed is in the DI's namespace).
 fn listed<'a>(listed: &'a [Value], obj: &Value) -> Option<&'a Value> {
     listed.iter().find(|o| {
@@ -373,24 +459,34 @@ impl Reconciler {
         }
         let pass = Pass::new(&status, s.poll);
         let models = plan::models(&spec.model_deployments)?;
+        let inputs = self.store.pass_inputs(id).await?;
+        let mut ledger = Ledger {
+            store: &self.store,
+            id,
+            known: inputs.ledger,
+        };
 
         // The VPC's cluster: create it (recorded first), then wait for it to run.
         let cluster_name = names::cluster(&rec.vpc_uuid);
-        self.store
-            .ledger_record(id, LEDGER_CLUSTER, &cluster_name, "", None)
+        ledger
+            .record(LEDGER_CLUSTER, &cluster_name, "", None)
             .await?;
         let cluster = match self.find_cluster(&cluster_name, false).await? {
             Some(c) => c,
             None => {
                 let c = self.create_cluster(&cluster_name, rec).await?;
-                self.store
-                    .ledger_record(id, LEDGER_CLUSTER, &cluster_name, "", Some(&c.id))
+                self.cluster_ids
+                    .lock()
+                    .expect("cluster ids")
+                    .insert(cluster_name.clone(), c.id.clone());
+                ledger
+                    .record(LEDGER_CLUSTER, &cluster_name, "", Some(&c.id))
                     .await?;
                 return Ok(pass.wait(format!("cluster {cluster_name}: creating"), s.poll));
             }
         };
-        self.store
-            .ledger_record(id, LEDGER_CLUSTER, &cluster_name, "", Some(&cluster.id))
+        ledger
+            .record(LEDGER_CLUSTER, &cluster_name, "", Some(&cluster.id))
             .await?;
         if cluster.status.state != ClusterState::Running {
             return Ok(pass.wait(
@@ -410,11 +506,9 @@ impl Reconciler {
             .collect();
 
         // Desired objects.
-        let tls = self.tls(id, &observed).await?;
-        let mut tokens: Vec<AccessTokenHash> = self
-            .store
-            .token_hashes(id)
-            .await?
+        let tls = tls(&inputs.ca, &observed)?;
+        let mut tokens: Vec<AccessTokenHash> = inputs
+            .token_hashes
             .into_iter()
             .map(|(tid, hash)| AccessTokenHash::new(tid, &hash))
             .collect::<std::result::Result<_, _>>()?;
@@ -424,7 +518,7 @@ impl Reconciler {
             di_id: id,
             models: models.clone(),
             enable_public_endpoint: rec.enable_public_endpoint,
-            hugging_face_token: self.store.hugging_face_token(id).await?,
+            hugging_face_token: inputs.hugging_face_token,
             tls,
             access_tokens: tokens,
             gateway_class: s.gateway_class.clone(),
@@ -460,21 +554,15 @@ impl Reconciler {
             writes += 1;
             match action {
                 PoolAction::Create(d) => {
-                    self.store
-                        .ledger_record(id, LEDGER_NODE_POOL, &d.name, &cluster.name, None)
+                    ledger
+                        .record(LEDGER_NODE_POOL, &d.name, &cluster.name, None)
                         .await?;
                     let mut req = NodePoolCreateRequest::new(&d.name, &d.size, d.count);
                     req.labels = d.labels.clone();
                     req.tags = d.tags.clone();
                     let created = self.cloud.node_pool_create(&cluster.id, &req).await?;
-                    self.store
-                        .ledger_record(
-                            id,
-                            LEDGER_NODE_POOL,
-                            &d.name,
-                            &cluster.name,
-                            Some(&created.id),
-                        )
+                    ledger
+                        .record(LEDGER_NODE_POOL, &d.name, &cluster.name, Some(&created.id))
                         .await?;
                     tracing::info!(di = %id, pool = %d.name, "node pool created");
                 }
@@ -507,17 +595,15 @@ impl Reconciler {
                         Err(e) if e.is_not_found() => {}
                         r => r?,
                     }
-                    self.store
-                        .ledger_remove(id, LEDGER_NODE_POOL, &name)
-                        .await?;
+                    ledger.remove(LEDGER_NODE_POOL, &name).await?;
                     tracing::info!(di = %id, pool = %name, "node pool deleted");
                 }
             }
         }
 
         // Kubernetes objects: the namespace is recorded before it is created.
-        self.store
-            .ledger_record(id, LEDGER_NAMESPACE, &ns, &cluster.name, None)
+        ledger
+            .record(LEDGER_NAMESPACE, &ns, &cluster.name, None)
             .await?;
         // Namespaces first (everything else lives in them), then the rest at once. Objects the
         // last list shows up to date cost no request.
@@ -554,7 +640,7 @@ impl Reconciler {
 
         // Progress.
         let assessment = plan::assess(&id, &desired, &observed);
-        self.record_accelerators(id, spec, &assessment.accelerators)
+        self.record_accelerators(id, spec, &assessment.accelerators, &inputs.accelerators)
             .await?;
         if writes > 0 {
             return Ok(pass.wait(format!("applied {writes} changes"), s.poll));
@@ -573,8 +659,7 @@ impl Reconciler {
         else {
             return Ok(pass.wait("waiting for an endpoint address", s.poll));
         };
-        let ca = self.store.certificate_authority(id).await?;
-        if let Err(why) = self.probe(&url, &ca.cert_pem, &probe_value).await {
+        if let Err(why) = self.probe(&url, &inputs.ca.cert_pem, &probe_value).await {
             return Ok(pass.wait(format!("endpoint {url}: {why}"), s.poll));
         }
         let endpoints = Endpoints {
@@ -645,14 +730,20 @@ impl Reconciler {
             }
             self.cluster_ids.lock().expect("cluster ids").remove(name);
         }
-        let found = self.cloud.cluster_list().await?.into_iter().find(fits);
-        if let Some(c) = &found {
-            self.cluster_ids
-                .lock()
-                .expect("cluster ids")
-                .insert(name.to_string(), c.id.clone());
+        let clusters = self.cloud.cluster_list().await?;
+        // Remember every live cluster the list shows, not just this one: the other DIs of the
+        // region then read theirs by id instead of listing again.
+        let mut ids = self.cluster_ids.lock().expect("cluster ids");
+        for c in &clusters {
+            if !matches!(
+                c.status.state,
+                ClusterState::Deleting | ClusterState::Deleted
+            ) {
+                ids.insert(c.name.clone(), c.id.clone());
+            }
         }
-        Ok(found)
+        drop(ids);
+        Ok(clusters.into_iter().find(fits))
     }
 
     async fn kube_for(&self, cluster: &Cluster) -> Result<KubeClient> {
@@ -691,50 +782,12 @@ impl Reconciler {
         Ok(found.into_iter().flatten().collect())
     }
 
-    /// The endpoint certificate: the one in the cluster unless it must be reissued.
-    async fn tls(&self, id: Uuid, observed: &[Value]) -> Result<TlsPair> {
-        let ca = self.store.certificate_authority(id).await?;
-        let mut names_: Vec<String> = observed
-            .iter()
-            .filter(|o| o["kind"] == "Service" && o["spec"]["type"] == "LoadBalancer")
-            .filter_map(|o| o.pointer("/status/loadBalancer/ingress/0"))
-            .filter_map(|i| {
-                i.get("ip")
-                    .and_then(Value::as_str)
-                    .or_else(|| i.get("hostname").and_then(Value::as_str))
-            })
-            .filter(|h| !h.is_empty())
-            .map(str::to_string)
-            .collect();
-        names_.sort();
-        names_.dedup();
-        let now = SystemTime::now();
-        let existing = observed
-            .iter()
-            .find(|o| {
-                o["kind"] == "Secret"
-                    && o.pointer("/metadata/name").and_then(Value::as_str)
-                        == Some(names::TLS_SECRET)
-            })
-            .and_then(|o| {
-                Some(TlsPair {
-                    cert_pem: b64_decode(o.pointer("/data/tls.crt")?)?,
-                    key_pem: b64_decode(o.pointer("/data/tls.key")?)?,
-                })
-            });
-        match existing {
-            Some(pair) if !plan::needs_reissue(&pair.cert_pem, &ca.cert_pem, &names_, now) => {
-                Ok(pair)
-            }
-            _ => Ok(plan::issue(&ca.cert_pem, &ca.key_pem, &names_, now)?),
-        }
-    }
-
     async fn record_accelerators(
         &self,
         id: Uuid,
         spec: &StoredSpec,
         seen: &[plan::ObservedAccelerator],
+        recorded: &[ObservedAccelerator],
     ) -> Result<()> {
         let role = |model: Option<Uuid>| {
             spec.model_deployments
@@ -753,7 +806,12 @@ impl Reconciler {
                 status: a.status.clone(),
             })
             .collect();
-        self.store.accelerators_replace(id, &observed).await?;
+        let mut by_name: Vec<&ObservedAccelerator> = observed.iter().collect();
+        by_name.sort_by(|a, b| a.name.cmp(&b.name));
+        // `recorded` is sorted by name too: write only what changed.
+        if !by_name.iter().copied().eq(recorded.iter()) {
+            self.store.accelerators_replace(id, &observed).await?;
+        }
         Ok(())
     }
 
