@@ -126,6 +126,60 @@ async fn a_second_pass_over_an_active_di_writes_nothing() {
     env.sim.shutdown().await;
 }
 
+/// DigitalOcean requests (reads included) the simulator has served.
+fn do_requests(env: &Env) -> u64 {
+    env.sim
+        .stats()
+        .requests
+        .get("do")
+        .map(|by_kind| by_kind.values().sum())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_asks_digitalocean_nothing_until_the_nodes_change() {
+    let env = env_with(None).await;
+    let w = env.worker().await;
+    let (rec, _token) = env.create(1).await;
+    env.wait_active(rec.id, 1).await;
+    w.shutdown().await;
+
+    let cloud = cloud_clients::DoClient::new(&env.sim.base_url(), SIM_TOKEN).unwrap();
+    let r = Reconciler::new(env.store.clone(), cloud.clone(), env.config().settings);
+    // The first pass of a fresh worker finds the cluster through DigitalOcean; the next one
+    // reaches it directly and sees the pool's nodes as planned.
+    r.reconcile(rec.id).await.unwrap();
+    let before = do_requests(&env);
+    let pass = r.reconcile(rec.id).await.unwrap();
+    assert_eq!(pass.waiting, None, "{pass:?}");
+    assert_eq!(do_requests(&env), before, "{:?}", env.sim.stats().requests);
+
+    // The pool deleted behind the worker's back: once its node is gone from the cluster, a
+    // resync notices and creates the pool again.
+    let cluster = cloud.cluster_list().await.unwrap().remove(0);
+    let pools = cloud.node_pool_list(&cluster.id).await.unwrap();
+    let gpu = pools.iter().find(|p| p.size.starts_with("gpu-")).unwrap();
+    cloud.node_pool_delete(&cluster.id, &gpu.id).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let pass = r.reconcile(rec.id).await.unwrap();
+        if pass.do_writes > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the deleted pool was not noticed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let pools = cloud.node_pool_list(&cluster.id).await.unwrap();
+    assert!(
+        pools.iter().any(|p| p.name == gpu.name && p.id != gpu.id),
+        "{pools:?}"
+    );
+    env.sim.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_gpu_capacity_is_an_error_with_a_reason_until_the_spec_changes() {
     let env = env_with(Some(BTreeMap::from([(GPU.to_string(), 1)]))).await;

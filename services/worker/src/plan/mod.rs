@@ -13,5 +13,7 @@ pub use manifests::{
     manifests, prune, teardown_order, AccessTokenHash, Images, ManifestInput, ObjectKey, TlsPair,
 };
 pub use model::{models, GpuVendor, Model, PlanError};
-pub use pools::{desired_pools, node_pools, DesiredPool, ObservedNode, ObservedPool, PoolAction};
+pub use pools::{
+    desired_pools, node_pools, nodes_match, DesiredPool, ObservedNode, ObservedPool, PoolAction,
+};
 pub use readiness::{assess, Assessment, ObservedAccelerator, Progress};

@@ -178,6 +178,27 @@ pub fn node_pools(
         .collect()
 }
 
+/// Whether the DI's Kubernetes Nodes (in `observed`) already show exactly the pools `models`
+/// need at their steady-state size: `scale` Ready nodes of the planned pool name and size per
+/// model, and no other node labelled with the DI. A resync of such a DI can skip reading the
+/// pools from DigitalOcean, since a pool deleted, resized or replaced there changes the Nodes.
+pub fn nodes_match(di_id: &Uuid, models: &[Model], observed: &[serde_json::Value]) -> bool {
+    let nodes = super::readiness::accelerators(di_id, observed);
+    let mut want: BTreeMap<(String, &str), u32> = BTreeMap::new();
+    for m in models.iter().filter(|m| m.scale > 0) {
+        let name = names::node_pool(di_id, &m.model_id, &m.accelerator_slug);
+        *want.entry((name, m.accelerator_slug.as_str())).or_default() += m.scale;
+    }
+    let mut have: BTreeMap<(String, &str), u32> = BTreeMap::new();
+    for n in &nodes {
+        if n.status != "active" {
+            return false;
+        }
+        *have.entry((n.pool.clone(), n.slug.as_str())).or_default() += 1;
+    }
+    want == have
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -380,5 +401,43 @@ mod tests {
         let models = spec(0, false);
         let d = desired_pools(&di(), &models, &BTreeSet::from([id(M1)]), &[]);
         assert_eq!(d[0].count, 0);
+    }
+
+    fn node(name: &str, pool: &str, slug: &str, ready: &str) -> serde_json::Value {
+        serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {
+            names::DI_ID_LABEL: DI, names::MODEL_ID_LABEL: M1,
+            names::INSTANCE_TYPE_LABEL: slug, names::NODE_POOL_LABEL: pool}},
+            "status": {"conditions": [{"type": "Ready", "status": ready}]}})
+    }
+
+    #[test]
+    fn nodes_match_only_the_planned_pools_at_their_size() {
+        let models = spec(2, false);
+        let slug = "gpu-h100x1-80gb";
+        let pool = names::node_pool(&di(), &id(M1), slug);
+        let ready = |n: usize| -> Vec<serde_json::Value> {
+            (0..n)
+                .map(|i| node(&format!("n{i}"), &pool, slug, "True"))
+                .collect()
+        };
+        assert!(nodes_match(&di(), &models, &ready(2)));
+        // One node short, one too many, one not Ready, one of another pool or size.
+        assert!(!nodes_match(&di(), &models, &ready(1)));
+        assert!(!nodes_match(&di(), &models, &ready(3)));
+        let mut not_ready = ready(1);
+        not_ready.push(node("n1", &pool, slug, "False"));
+        assert!(!nodes_match(&di(), &models, &not_ready));
+        let mut stray = ready(2);
+        stray.push(node("n9", "di-old-pool", slug, "True"));
+        assert!(!nodes_match(&di(), &models, &stray));
+        let mut other_size = ready(1);
+        other_size.push(node("n1", &pool, "gpu-h200x1-141gb", "True"));
+        assert!(!nodes_match(&di(), &models, &other_size));
+        // Nodes of another DI do not count.
+        let mut theirs = ready(2);
+        let mut other = node("x", &pool, slug, "True");
+        other["metadata"]["labels"][names::DI_ID_LABEL] = "someone-else".into();
+        theirs.push(other);
+        assert!(nodes_match(&di(), &models, &theirs));
     }
 }
