@@ -60,16 +60,17 @@ pub struct Change {
     pub rv: u64,
     pub rt: usize,
     pub kind: EventType,
-    pub object: Value,
+    pub object: Arc<Value>,
     /// The previous state, so watches with selectors can turn a MODIFIED that
     /// leaves the selection into a DELETED (as the real server does).
-    pub old: Option<Value>,
+    pub old: Option<Arc<Value>>,
 }
 
 pub struct Inner {
-    /// Shared, immutable objects: a write replaces the `Arc`, so a controller's snapshot of the
-    /// whole store costs a reference count per object, not a deep copy.
-    pub objects: BTreeMap<Key, Arc<Value>>,
+    /// Shared, immutable objects in a copy-on-write map: a write replaces an object's `Arc`
+    /// (copying the map only while a controller's snapshot still holds it), so a snapshot of
+    /// the whole store costs one reference count.
+    pub objects: Arc<BTreeMap<Key, Arc<Value>>>,
     pub rv: u64,
     history: VecDeque<Arc<Change>>,
     /// Highest resourceVersion no longer in `history`.
@@ -127,7 +128,7 @@ impl Store {
         let (versions, _) = broadcast::channel(1024);
         Store {
             inner: Mutex::new(Inner {
-                objects: BTreeMap::new(),
+                objects: Arc::default(),
                 rv: 1,
                 history: VecDeque::new(),
                 compacted: 0,
@@ -195,10 +196,8 @@ impl Store {
         let rv = inner.rv;
         obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
         let key = Key::of(rt, &obj);
-        let old = inner
-            .objects
-            .insert(key, Arc::new(obj.clone()))
-            .map(Arc::unwrap_or_clone);
+        let obj = Arc::new(obj);
+        let old = Arc::make_mut(&mut inner.objects).insert(key, obj.clone());
         let kind = if old.is_some() {
             EventType::Modified
         } else {
@@ -214,12 +213,12 @@ impl Store {
                 old,
             },
         );
-        obj
+        Arc::unwrap_or_clone(obj)
     }
 
     /// Removes an object for good and emits DELETED carrying a fresh resourceVersion.
     pub fn remove(&self, inner: &mut Inner, key: &Key) -> Option<Value> {
-        let mut obj = Arc::unwrap_or_clone(inner.objects.remove(key)?);
+        let mut obj = Arc::unwrap_or_clone(Arc::make_mut(&mut inner.objects).remove(key)?);
         inner.rv += 1;
         let rv = inner.rv;
         obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
@@ -229,7 +228,7 @@ impl Store {
                 rv,
                 rt: key.rt,
                 kind: EventType::Deleted,
-                object: obj.clone(),
+                object: Arc::new(obj.clone()),
                 old: None,
             },
         );

@@ -47,14 +47,14 @@ impl WatchRequest {
         let now = self.matches(&c.object);
         match c.kind {
             EventType::Added | EventType::Deleted => {
-                now.then(|| (c.kind.as_str(), c.object.clone()))
+                now.then(|| (c.kind.as_str(), c.object.as_ref().clone()))
             }
             EventType::Modified => {
                 let before = c.old.as_ref().is_some_and(|o| self.matches(o));
                 match (before, now) {
-                    (true, true) => Some(("MODIFIED", c.object.clone())),
-                    (false, true) => Some(("ADDED", c.object.clone())),
-                    (true, false) => Some(("DELETED", c.object.clone())),
+                    (true, true) => Some(("MODIFIED", c.object.as_ref().clone())),
+                    (false, true) => Some(("ADDED", c.object.as_ref().clone())),
+                    (true, false) => Some(("DELETED", c.object.as_ref().clone())),
                     (false, false) => None,
                 }
             }

@@ -22,7 +22,7 @@ pub use scheduler::complete_node;
 
 /// Objects as of the start of a pass.
 pub(crate) struct Snapshot {
-    objects: BTreeMap<Key, Arc<Value>>,
+    objects: Arc<BTreeMap<Key, Arc<Value>>>,
 }
 
 impl Snapshot {
@@ -102,6 +102,9 @@ fn pass(shared: &Shared, timers: &mut Timers) {
     scheduler::run(store, &snapshot(shared), timers, &config);
     deployment::run(store, &snapshot(shared));
     network::run(store, &snapshot(shared), timers, &config);
+    if timers.pod_bound.is_empty() && timers.first_seen.is_empty() {
+        return;
+    }
     let live: std::collections::HashSet<String> = shared
         .store
         .lock()
