@@ -472,8 +472,8 @@ impl Reconciler {
             .record(LEDGER_CLUSTER, &cluster_name, "", None)
             .await?;
         // A resync of a converged DI reaches the cluster it reached last time without asking
-        // DigitalOcean: at 1,000 DIs the two reads a resync would cost each exceed the API's
-        // hourly budget. Whatever goes wrong on that path forgets the shortcut.
+        // DigitalOcean: at 1,000 DIs, two reads per resync would exceed the API's hourly budget
+        // several times over. When the cluster does not answer, the next pass asks again.
         let resync = status == "active" && pending.is_none();
         let trusted = if resync {
             self.trusted_cluster(&cluster_name)
