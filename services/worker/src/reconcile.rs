@@ -468,9 +468,6 @@ impl Reconciler {
 
         // The VPC's cluster: create it (recorded first), then wait for it to run.
         let cluster_name = names::cluster(&rec.vpc_uuid);
-        ledger
-            .record(LEDGER_CLUSTER, &cluster_name, "", None)
-            .await?;
         // A resync of a converged DI reaches the cluster it reached last time without asking
         // DigitalOcean: at 1,000 DIs, two reads per resync would exceed the API's hourly budget
         // several times over. When the cluster does not answer, the next pass asks again.
@@ -482,7 +479,12 @@ impl Reconciler {
         };
         let trusting = trusted.is_some();
         let (cluster_id, kube) = match trusted {
-            Some(known) => known,
+            Some((cluster_id, kube)) => {
+                ledger
+                    .record(LEDGER_CLUSTER, &cluster_name, "", Some(&cluster_id))
+                    .await?;
+                (cluster_id, kube)
+            }
             None => match self
                 .running_cluster(&cluster_name, rec, &pass, &mut ledger)
                 .await?
@@ -695,7 +697,17 @@ impl Reconciler {
         let cluster = match self.find_cluster(name, false).await? {
             Some(c) => c,
             None => {
-                let c = self.create_cluster(name, rec).await?;
+                ledger.record(LEDGER_CLUSTER, name, "", None).await?;
+                let c = match self.create_cluster(name, rec).await {
+                    Ok(c) => c,
+                    // Another DI of the VPC (or a retried attempt) created it first: look again
+                    // at the next check, not after a failure's backoff.
+                    Err(e) if e.is_already_exists() => {
+                        let wait = format!("cluster {name}: being created");
+                        return Ok(Err(pass.clone().wait(wait, poll)));
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 self.cluster_ids
                     .lock()
                     .expect("cluster ids")
@@ -737,7 +749,11 @@ impl Reconciler {
         self.forget_kube(id);
     }
 
-    async fn create_cluster(&self, name: &str, rec: &Record) -> Result<Cluster> {
+    async fn create_cluster(
+        &self,
+        name: &str,
+        rec: &Record,
+    ) -> std::result::Result<Cluster, DoError> {
         let s = &self.settings;
         let mut system = NodePoolCreateRequest::new(
             format!("{name}-system"),
@@ -759,7 +775,7 @@ impl Reconciler {
             ..Default::default()
         };
         tracing::info!(di = %rec.id, cluster = name, "creating cluster");
-        Ok(self.cloud.cluster_create(&req).await?)
+        self.cloud.cluster_create(&req).await
     }
 
     /// The cluster named `name`; a cluster being deleted counts only when `deleting_too`.

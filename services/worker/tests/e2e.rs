@@ -126,6 +126,31 @@ async fn a_second_pass_over_an_active_di_writes_nothing() {
     env.sim.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dis_of_a_new_vpc_claimed_together_share_one_cluster_without_a_failure() {
+    let env = env_with(None).await;
+    let (a, _) = env.create(1).await;
+    let (b, _) = env.create(1).await;
+    // Both are due before the worker starts, so their first passes run side by side; slow
+    // DigitalOcean answers make both find no cluster before either creates one. The pass whose
+    // create is refused waits for the other's cluster.
+    env.sim.set_faults(region_sim::FaultConfig {
+        do_api: region_sim::ApiFaults {
+            latency_ms: 100,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let w = env.worker().await;
+    env.wait_active(a.id, 1).await;
+    env.wait_active(b.id, 1).await;
+    assert_eq!(w.stats().transient_failures, 0, "{:?}", w.stats());
+    let cloud = cloud_clients::DoClient::new(&env.sim.base_url(), SIM_TOKEN).unwrap();
+    assert_eq!(cloud.cluster_list().await.unwrap().len(), 1);
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}
+
 /// DigitalOcean requests (reads included) the simulator has served.
 fn do_requests(env: &Env) -> u64 {
     env.sim
