@@ -9,7 +9,7 @@
 mod records;
 mod work;
 
-pub use work::{Claim, ClaimOptions, LedgerEntry, PassInputs, Stall};
+pub use work::{Claim, ClaimOptions, LedgerEntry, PassInputs, Stall, PROGRESS_IDLE};
 
 use api_types::regional::{
     Accelerator, Changes, CreateRequest, Event, NewToken, Page, Record, Token,

@@ -50,6 +50,9 @@ pub struct LedgerEntry {
     pub external_id: Option<String>,
 }
 
+/// The progress fingerprint of a DI with nothing moving (see [`Store::work_progress`]).
+pub const PROGRESS_IDLE: &str = "idle";
+
 /// What a worker's pass over a converging DI reads besides the DI itself, read at once.
 pub struct PassInputs {
     /// The teardown ledger, oldest first.
@@ -193,7 +196,8 @@ impl Store {
     }
 
     /// Records the DI's current progress fingerprint (what it waits for, in which phase) and
-    /// says how long it has been unchanged.
+    /// says how long it has been unchanged. [`PROGRESS_IDLE`] (nothing moving) is not timed:
+    /// writing it again is skipped, so a resync of a converged DI does not rewrite the row.
     pub async fn work_progress(&self, di_id: Uuid, key: &str) -> Result<Stall> {
         let (ms, reported): (f64, bool) = sqlx::query_as(
             "UPDATE work_items SET
@@ -201,11 +205,12 @@ impl Store {
                                        THEN now() ELSE progress_since END,
                  stall_reported = CASE WHEN progress_key IS DISTINCT FROM $2 THEN false ELSE stall_reported END,
                  progress_key = $2
-             WHERE di_id = $1
+             WHERE di_id = $1 AND (progress_key IS DISTINCT FROM $2 OR $2 <> $3)
              RETURNING (extract(epoch FROM now() - progress_since) * 1000)::float8, stall_reported",
         )
         .bind(di_id)
         .bind(key)
+        .bind(PROGRESS_IDLE)
         .fetch_optional(&self.pool)
         .await?
         .unwrap_or((0.0, false));

@@ -436,7 +436,7 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
     );
     let key = match (&pass.waiting, moving) {
         (Some(w), true) => format!("{}|{w}", pass.status),
-        _ => "idle".to_string(),
+        _ => region_store::PROGRESS_IDLE.to_string(),
     };
     let stall = match shared.store.work_progress(id, &key).await {
         Ok(s) => s,
@@ -445,7 +445,7 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
             return None;
         }
     };
-    if key == "idle" {
+    if key == region_store::PROGRESS_IDLE {
         return None;
     }
     let timeout = shared.config.stall_timeout;
