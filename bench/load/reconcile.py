@@ -340,7 +340,12 @@ def metrics(out, *named_urls):
 
 def cpu(out, *groups):
     tree = tool.children()
-    snap = {"time": time.monotonic(), "machine": tool.machine_ticks(), "groups": {}}
+    snap = {
+        "time": time.monotonic(),
+        "machine": tool.machine_ticks(),
+        "steal": tool.steal_ticks(),
+        "groups": {},
+    }
     for group in groups:
         name, pids = group.split("=", 1)
         snap["groups"][name] = tool.group_ticks([int(p) for p in pids.split(",") if p], tree)
@@ -364,10 +369,12 @@ def cpu_lines(before_path, after_path):
         accounted += used
         parts.append(f"{name} {used / hz:.2f}")
     machine = after["machine"] - before["machine"]
+    steal = after.get("steal", 0) - before.get("steal", 0)
     parts.append(f"other {max(machine - accounted, 0) / hz:.2f}")
     return (
         f"CPU seconds over {seconds:.1f} s: {', '.join(parts)}; "
-        f"machine {machine / hz:.2f} of {seconds * (os.cpu_count() or 1):.1f} available"
+        f"machine {machine / hz:.2f} of {seconds * (os.cpu_count() or 1):.1f} available, "
+        f"{steal / hz:.2f} taken by the hypervisor (steal)"
     )
 
 
