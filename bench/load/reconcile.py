@@ -371,11 +371,15 @@ def cpu_lines(before_path, after_path):
     machine = after["machine"] - before["machine"]
     steal = after.get("steal", 0) - before.get("steal", 0)
     parts.append(f"other {max(machine - accounted, 0) / hz:.2f}")
-    return (
+    available = seconds * (os.cpu_count() or 1)
+    line = (
         f"CPU seconds over {seconds:.1f} s: {', '.join(parts)}; "
-        f"machine {machine / hz:.2f} of {seconds * (os.cpu_count() or 1):.1f} available, "
+        f"machine {machine / hz:.2f} of {available:.1f} available, "
         f"{steal / hz:.2f} taken by the hypervisor (steal)"
     )
+    if available and steal / hz > 0.05 * available:
+        line += "\n  warning: over 5 % steal; these figures are not comparable with a quiet run"
+    return line
 
 
 def metric_delta(before_path, after_path):

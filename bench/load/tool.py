@@ -169,6 +169,8 @@ def cpu_report(before_path, after_path):
         f"cores busy: {', '.join(parts)}; machine {cores(machine):.2f} of {os.cpu_count()}, "
         f"{cores(steal):.2f} taken by the hypervisor (steal)"
     )
+    if cores(steal) > 0.05 * (os.cpu_count() or 1):
+        print("  warning: over 5 % steal; these figures are not comparable with a quiet run")
 
 
 def main():
