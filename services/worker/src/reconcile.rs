@@ -534,77 +534,16 @@ impl Reconciler {
         let rolling = plan::readiness::rollouts(&desired, &observed);
         let mut writes = 0u64;
         if !(resync && rolling.is_empty() && plan::nodes_match(&id, &models, &observed)) {
-            let pools = self.cloud.node_pool_list(&cluster_id).await?;
-            let busy = plan::readiness::busy_nodes(&observed);
-            let observed_pools: Vec<plan::ObservedPool> = pools
-                .iter()
-                .map(|p| plan::ObservedPool {
-                    id: p.id.clone(),
-                    name: p.name.clone(),
-                    size: p.size.clone(),
-                    count: p.count,
-                    labels: p.labels.clone(),
-                    nodes: p
-                        .nodes
-                        .iter()
-                        .map(|n| plan::ObservedNode {
-                            id: n.id.clone(),
-                            name: n.name.clone(),
-                            busy: busy.contains(&n.name),
-                        })
-                        .collect(),
-                })
-                .collect();
-            for action in plan::node_pools(&id, &models, &rolling, &observed_pools) {
-                writes += 1;
-                match action {
-                    PoolAction::Create(d) => {
-                        ledger
-                            .record(LEDGER_NODE_POOL, &d.name, &cluster_name, None)
-                            .await?;
-                        let mut req = NodePoolCreateRequest::new(&d.name, &d.size, d.count);
-                        req.labels = d.labels.clone();
-                        req.tags = d.tags.clone();
-                        let created = self.cloud.node_pool_create(&cluster_id, &req).await?;
-                        ledger
-                            .record(LEDGER_NODE_POOL, &d.name, &cluster_name, Some(&created.id))
-                            .await?;
-                        tracing::info!(di = %id, pool = %d.name, "node pool created");
-                    }
-                    PoolAction::Resize {
-                        pool_id,
-                        name,
-                        count,
-                    } => {
-                        self.cloud
-                            .node_pool_update(
-                                &cluster_id,
-                                &pool_id,
-                                &NodePoolUpdateRequest::new(&name, count),
-                            )
-                            .await?;
-                        tracing::info!(di = %id, pool = %name, count, "node pool resized");
-                    }
-                    PoolAction::DeleteNode { pool_id, node_id } => {
-                        match self
-                            .cloud
-                            .node_delete(&cluster_id, &pool_id, &node_id, false)
-                            .await
-                        {
-                            Err(e) if e.is_not_found() => {}
-                            r => r?,
-                        }
-                    }
-                    PoolAction::Delete { pool_id, name } => {
-                        match self.cloud.node_pool_delete(&cluster_id, &pool_id).await {
-                            Err(e) if e.is_not_found() => {}
-                            r => r?,
-                        }
-                        ledger.remove(LEDGER_NODE_POOL, &name).await?;
-                        tracing::info!(di = %id, pool = %name, "node pool deleted");
-                    }
-                }
-            }
+            writes += self
+                .apply_node_pools(
+                    id,
+                    (&cluster_id, &cluster_name),
+                    &models,
+                    &rolling,
+                    &observed,
+                    &mut ledger,
+                )
+                .await?;
         }
 
         // Kubernetes objects: the namespace is recorded before it is created.
@@ -682,6 +621,92 @@ impl Reconciler {
             Err(StoreError::Conflict(why)) => Ok(pass.wait(why, Duration::ZERO)),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Compares the DI's node pools in DigitalOcean with the plan and applies the difference;
+    /// returns how many changes it made. `cluster` is (id, name).
+    async fn apply_node_pools(
+        &self,
+        id: Uuid,
+        (cluster_id, cluster_name): (&str, &str),
+        models: &[plan::Model],
+        rolling: &std::collections::BTreeSet<Uuid>,
+        observed: &[Value],
+        ledger: &mut Ledger<'_>,
+    ) -> Result<u64> {
+        let pools = self.cloud.node_pool_list(cluster_id).await?;
+        let busy = plan::readiness::busy_nodes(observed);
+        let observed_pools: Vec<plan::ObservedPool> = pools
+            .iter()
+            .map(|p| plan::ObservedPool {
+                id: p.id.clone(),
+                name: p.name.clone(),
+                size: p.size.clone(),
+                count: p.count,
+                labels: p.labels.clone(),
+                nodes: p
+                    .nodes
+                    .iter()
+                    .map(|n| plan::ObservedNode {
+                        id: n.id.clone(),
+                        name: n.name.clone(),
+                        busy: busy.contains(&n.name),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let actions = plan::node_pools(&id, models, rolling, &observed_pools);
+        let changes = actions.len() as u64;
+        for action in actions {
+            match action {
+                PoolAction::Create(d) => {
+                    ledger
+                        .record(LEDGER_NODE_POOL, &d.name, cluster_name, None)
+                        .await?;
+                    let mut req = NodePoolCreateRequest::new(&d.name, &d.size, d.count);
+                    req.labels = d.labels.clone();
+                    req.tags = d.tags.clone();
+                    let created = self.cloud.node_pool_create(cluster_id, &req).await?;
+                    ledger
+                        .record(LEDGER_NODE_POOL, &d.name, cluster_name, Some(&created.id))
+                        .await?;
+                    tracing::info!(di = %id, pool = %d.name, "node pool created");
+                }
+                PoolAction::Resize {
+                    pool_id,
+                    name,
+                    count,
+                } => {
+                    self.cloud
+                        .node_pool_update(
+                            cluster_id,
+                            &pool_id,
+                            &NodePoolUpdateRequest::new(&name, count),
+                        )
+                        .await?;
+                    tracing::info!(di = %id, pool = %name, count, "node pool resized");
+                }
+                PoolAction::DeleteNode { pool_id, node_id } => {
+                    match self
+                        .cloud
+                        .node_delete(cluster_id, &pool_id, &node_id, false)
+                        .await
+                    {
+                        Err(e) if e.is_not_found() => {}
+                        r => r?,
+                    }
+                }
+                PoolAction::Delete { pool_id, name } => {
+                    match self.cloud.node_pool_delete(cluster_id, &pool_id).await {
+                        Err(e) if e.is_not_found() => {}
+                        r => r?,
+                    }
+                    ledger.remove(LEDGER_NODE_POOL, &name).await?;
+                    tracing::info!(di = %id, pool = %name, "node pool deleted");
+                }
+            }
+        }
+        Ok(changes)
     }
 
     /// The VPC's cluster `name` (its id) with a client, once it runs; until then, the pass to
