@@ -601,6 +601,37 @@ impl Store {
         self.record(id, None, true).await
     }
 
+    /// The endpoints of an active DI moved (the cloud replaced a load balancer, or the cluster
+    /// was rebuilt): the new addresses are recorded, with an event. A no-op when they are the
+    /// ones recorded or the DI is not active (a rollout records them when it completes).
+    pub async fn endpoints_update(&self, id: Uuid, endpoints: &Endpoints) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        lock_live(&mut tx, id, None).await?;
+        let moved = sqlx::query(
+            "UPDATE dedicated_inferences SET public_endpoint_fqdn = $2, private_endpoint_fqdn = $3, updated_at = now()
+             WHERE id = $1 AND status = 'active'
+               AND (public_endpoint_fqdn, private_endpoint_fqdn) IS DISTINCT FROM ($2, $3)",
+        )
+        .bind(id)
+        .bind(&endpoints.public_fqdn)
+        .bind(&endpoints.private_fqdn)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+            == 1;
+        if moved {
+            let shown = |e: &Option<String>| e.clone().unwrap_or_else(|| "none".into());
+            let message = format!(
+                "The endpoints moved: public {}, private {}.",
+                shown(&endpoints.public_fqdn),
+                shown(&endpoints.private_fqdn)
+            );
+            change(&mut tx, id, "active", "EndpointsChanged", &message, false).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// A permanent failure: status `error` with a reason, until the spec changes. Not applied to
     /// a DI being deleted (deletion wins).
     pub async fn error_set(&self, id: Uuid, reason: &str, message: &str) -> Result<Record> {

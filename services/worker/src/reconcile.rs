@@ -593,8 +593,20 @@ impl Reconciler {
         if !assessment.progress.ready {
             return Ok(pass.wait(assessment.progress.waiting_for.join("; "), s.poll));
         }
+        let endpoints = Endpoints {
+            public_fqdn: assessment.public_endpoint.clone(),
+            private_fqdn: assessment.private_endpoint.clone(),
+        };
         let Some(version) = pending else {
-            // Converged and nothing to roll out: a resync.
+            // Converged and nothing to roll out: a resync. Endpoints that moved since the rollout
+            // (a load balancer replaced, the cluster rebuilt) are recorded.
+            if status == "active"
+                && (rec.public_endpoint_fqdn != endpoints.public_fqdn
+                    || rec.private_endpoint_fqdn != endpoints.private_fqdn)
+            {
+                self.store.endpoints_update(id, &endpoints).await?;
+                tracing::info!(di = %id, ?endpoints, "endpoints moved");
+            }
             return Ok(Pass::new(&status, s.resync));
         };
         let Some(url) = assessment
@@ -607,10 +619,6 @@ impl Reconciler {
         if let Err(why) = self.probe(&url, &inputs.ca.cert_pem, &probe_value).await {
             return Ok(pass.wait(format!("endpoint {url}: {why}"), s.poll));
         }
-        let endpoints = Endpoints {
-            public_fqdn: assessment.public_endpoint.clone(),
-            private_fqdn: assessment.private_endpoint.clone(),
-        };
         match self.store.rollout_complete(id, version, &endpoints).await {
             // The pass leaves the DI active (its span says so): no later pass is needed to see it.
             Ok(done) => {

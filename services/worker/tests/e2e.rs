@@ -151,6 +151,61 @@ async fn dis_of_a_new_vpc_claimed_together_share_one_cluster_without_a_failure()
     env.sim.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_that_moved_is_recorded_by_the_next_resync() {
+    let env = env_with(None).await;
+    let w = env.worker().await;
+    let (rec, token) = env.create(1).await;
+    let before = env.wait_active(rec.id, 1).await;
+    w.shutdown().await;
+
+    // The private load balancer's Service is deleted behind the worker's back; the one it
+    // applies again gets another address.
+    let cloud = cloud_clients::DoClient::new(&env.sim.base_url(), SIM_TOKEN).unwrap();
+    let cluster = cloud.cluster_list().await.unwrap().remove(0);
+    let kubeconfig = cloud.kubeconfig(&cluster.id).await.unwrap();
+    let kube = cloud_clients::KubeClient::from_kubeconfig_yaml(&kubeconfig, "a-test")
+        .await
+        .unwrap();
+    let ns = worker::plan::names::namespace(&rec.id);
+    kube.delete(
+        "v1",
+        "Service",
+        Some(&ns),
+        worker::plan::names::PRIVATE_SERVICE,
+    )
+    .await
+    .unwrap();
+
+    let r = Reconciler::new(env.store.clone(), cloud, env.config().settings);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while r.reconcile(rec.id).await.unwrap().waiting.is_some() {
+        assert!(Instant::now() < deadline, "the resync did not converge");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let after = env.store.dedicated_inference_any(rec.id).await.unwrap();
+    assert_eq!(after.status, "active");
+    assert_eq!(after.public_endpoint_fqdn, before.public_endpoint_fqdn);
+    assert_ne!(after.private_endpoint_fqdn, before.private_endpoint_fqdn);
+    let ca = env.store.certificate_authority(rec.id).await.unwrap();
+    let endpoint = after.private_endpoint_fqdn.as_deref().unwrap();
+    assert_eq!(
+        chat(&ca_client(&ca.cert_pem), endpoint, &token).await,
+        reqwest::StatusCode::OK
+    );
+    let events = env
+        .store
+        .events_list(rec.id, env.team, 1, 100)
+        .await
+        .unwrap();
+    assert!(
+        events.items.iter().any(|e| e.reason == "EndpointsChanged"),
+        "{:?}",
+        events.items
+    );
+    env.sim.shutdown().await;
+}
+
 /// DigitalOcean requests (reads included) the simulator has served.
 fn do_requests(env: &Env) -> u64 {
     env.sim
