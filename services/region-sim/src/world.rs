@@ -14,6 +14,7 @@ use chrono::{SecondsFormat, Utc};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
 use crate::sizes::{self, SizeInfo};
@@ -377,9 +378,16 @@ impl World {
             capacity: RwLock::new(capacity),
         };
         // Every DigitalOcean account has a default VPC per region; resources created without a
-        // `vpc_uuid` land in it.
+        // `vpc_uuid` land in it. Its id depends only on the region, so a restarted simulator has
+        // the same one and the DIs a control plane kept in its database still name a real VPC
+        // (their clusters are then rebuilt instead of failing on an unknown VPC).
+        let digest = Sha256::digest(format!("region-sim default VPC {region}"));
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(&digest[..16]);
         let vpc = Vpc {
-            id: Uuid::new_v4().to_string(),
+            id: uuid::Builder::from_custom_bytes(bytes)
+                .into_uuid()
+                .to_string(),
             name: format!("default-{region}"),
             description: String::new(),
             region: region.to_string(),
