@@ -66,11 +66,14 @@ pub struct PassInputs {
 }
 
 /// How long a DI's progress fingerprint has been unchanged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stall {
     pub unchanged_for: Duration,
     /// Whether a stall event was already appended for this fingerprint.
     pub reported: bool,
+    /// The fingerprint recorded before this one (None when there was none, or when idle was
+    /// recorded over idle and nothing was written).
+    pub previous: Option<String>,
 }
 
 fn millis(d: Duration) -> i64 {
@@ -199,24 +202,28 @@ impl Store {
     /// says how long it has been unchanged. [`PROGRESS_IDLE`] (nothing moving) is not timed:
     /// writing it again is skipped, so a resync of a converged DI does not rewrite the row.
     pub async fn work_progress(&self, di_id: Uuid, key: &str) -> Result<Stall> {
-        let (ms, reported): (f64, bool) = sqlx::query_as(
-            "UPDATE work_items SET
-                 progress_since = CASE WHEN progress_key IS DISTINCT FROM $2 OR progress_since IS NULL
-                                       THEN now() ELSE progress_since END,
-                 stall_reported = CASE WHEN progress_key IS DISTINCT FROM $2 THEN false ELSE stall_reported END,
+        let (ms, reported, previous): (f64, bool, Option<String>) = sqlx::query_as(
+            "WITH old AS (SELECT progress_key FROM work_items WHERE di_id = $1 FOR UPDATE)
+             UPDATE work_items w SET
+                 progress_since = CASE WHEN w.progress_key IS DISTINCT FROM $2 OR w.progress_since IS NULL
+                                       THEN now() ELSE w.progress_since END,
+                 stall_reported = CASE WHEN w.progress_key IS DISTINCT FROM $2 THEN false ELSE w.stall_reported END,
                  progress_key = $2
-             WHERE di_id = $1 AND (progress_key IS DISTINCT FROM $2 OR $2 <> $3)
-             RETURNING (extract(epoch FROM now() - progress_since) * 1000)::float8, stall_reported",
+             FROM old
+             WHERE w.di_id = $1 AND (w.progress_key IS DISTINCT FROM $2 OR $2 <> $3)
+             RETURNING (extract(epoch FROM now() - w.progress_since) * 1000)::float8, w.stall_reported,
+                       old.progress_key",
         )
         .bind(di_id)
         .bind(key)
         .bind(PROGRESS_IDLE)
         .fetch_optional(&self.pool)
         .await?
-        .unwrap_or((0.0, false));
+        .unwrap_or((0.0, false, None));
         Ok(Stall {
             unchanged_for: Duration::from_millis(ms.max(0.0) as u64),
             reported,
+            previous,
         })
     }
 

@@ -382,7 +382,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
                 .unwrap_or_default();
             let pass = Pass {
                 status,
-                waiting: Some("retrying after transient failures".into()),
+                waiting: Some(RETRYING.into()),
                 next_check: Duration::ZERO,
                 do_writes: 0,
                 kube_writes: 0,
@@ -425,17 +425,28 @@ async fn sample_queue_depth(shared: Arc<Shared>, mut stop: watch::Receiver<bool>
     }
 }
 
-/// Stall detection: a DI in a moving phase whose fingerprint (phase + what it waits for) has
-/// not changed for half the stall timeout gets an event; for the whole timeout, `error`.
-/// Returns how long the fingerprint of a moving phase has been unchanged (None outside one, or
-/// when it could not be recorded).
+/// What a pass that failed transiently waits for (its progress fingerprint).
+const RETRYING: &str = "retrying after transient failures";
+
+/// Progress tracking, from the fingerprint a pass leaves (phase + what it waits for).
+/// - Stalls: a DI in a moving phase whose fingerprint has not changed for half the stall
+///   timeout gets an event; for the whole timeout, `error`.
+/// - Repairs: an active DI that a resync found out of step with its spec (a Service deleted, a
+///   cluster rebuilt; not a transient API failure) gets a `Repairing` event when that starts and
+///   a `Repaired` event once it is back in step, so a customer can tell why an active endpoint
+///   did not answer meanwhile.
+///
+/// Returns how long the fingerprint of a moving or repairing DI has been unchanged (None
+/// otherwise, or when it could not be recorded).
 async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Duration> {
     let moving = matches!(
         pass.status.as_str(),
         "new" | "provisioning" | "updating" | "deleting"
     );
-    let key = match (&pass.waiting, moving) {
-        (Some(w), true) => format!("{}|{w}", pass.status),
+    let repairing =
+        pass.status == "active" && pass.waiting.as_deref().is_some_and(|w| w != RETRYING);
+    let key = match &pass.waiting {
+        Some(w) if moving || repairing => format!("{}|{w}", pass.status),
         _ => region_store::PROGRESS_IDLE.to_string(),
     };
     let stall = match shared.store.work_progress(id, &key).await {
@@ -445,11 +456,25 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
             return None;
         }
     };
+    let was_repairing = stall
+        .previous
+        .as_deref()
+        .is_some_and(|k| k.starts_with("active|"));
+    let waiting = pass.waiting.as_deref().unwrap_or("");
+    if repairing && !was_repairing {
+        let msg = format!("Out of step with its spec; repairing: {waiting}");
+        let _ = shared.store.event_append(id, "Repairing", &msg).await;
+    } else if was_repairing && pass.status == "active" && pass.waiting.is_none() {
+        let msg = "Back in step with its spec.";
+        let _ = shared.store.event_append(id, "Repaired", msg).await;
+    }
     if key == region_store::PROGRESS_IDLE {
         return None;
     }
+    if !moving {
+        return Some(stall.unchanged_for);
+    }
     let timeout = shared.config.stall_timeout;
-    let waiting = pass.waiting.as_deref().unwrap_or("");
     if stall.unchanged_for >= timeout {
         let msg = format!(
             "No progress for {}s while {}: {waiting}",

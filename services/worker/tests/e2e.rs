@@ -206,6 +206,66 @@ async fn an_endpoint_that_moved_is_recorded_by_the_next_resync() {
     env.sim.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repair_of_an_active_di_is_told_in_its_events() {
+    let env = env_with(None).await;
+    let w = env.worker().await;
+    let (rec, _token) = env.create(1).await;
+    env.wait_active(rec.id, 1).await;
+
+    // The private load balancer's Service is deleted behind the worker's back, and the DI's
+    // resync is made due at once.
+    let cloud = cloud_clients::DoClient::new(&env.sim.base_url(), SIM_TOKEN).unwrap();
+    let cluster = cloud.cluster_list().await.unwrap().remove(0);
+    let kubeconfig = cloud.kubeconfig(&cluster.id).await.unwrap();
+    let kube = cloud_clients::KubeClient::from_kubeconfig_yaml(&kubeconfig, "a-test")
+        .await
+        .unwrap();
+    let ns = worker::plan::names::namespace(&rec.id);
+    kube.delete(
+        "v1",
+        "Service",
+        Some(&ns),
+        worker::plan::names::PRIVATE_SERVICE,
+    )
+    .await
+    .unwrap();
+    region_store::sqlx::query("UPDATE work_items SET next_check_after = now() WHERE di_id = $1")
+        .bind(rec.id)
+        .execute(env.store.pool())
+        .await
+        .unwrap();
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let reasons = loop {
+        let events = env
+            .store
+            .events_list(rec.id, env.team, 1, 100)
+            .await
+            .unwrap();
+        let reasons: Vec<String> = events.items.iter().map(|e| e.reason.clone()).collect();
+        if reasons.iter().any(|r| r == "Repaired") {
+            break reasons;
+        }
+        assert!(Instant::now() < deadline, "no Repaired event: {reasons:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let count = |reason: &str| reasons.iter().filter(|r| *r == reason).count();
+    assert_eq!(
+        (
+            count("Repairing"),
+            count("EndpointsChanged"),
+            count("Repaired")
+        ),
+        (1, 1, 1),
+        "{reasons:?}"
+    );
+    let after = env.store.dedicated_inference_any(rec.id).await.unwrap();
+    assert_eq!(after.status, "active");
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}
+
 /// DigitalOcean requests (reads included) the simulator has served.
 fn do_requests(env: &Env) -> u64 {
     env.sim

@@ -247,4 +247,12 @@ async fn ledger_and_stall_tracking(pool: PgPool) {
     assert!(s.work_progress(a, "provisioning|x").await.unwrap().reported);
     let moved = s.work_progress(a, "provisioning|y").await.unwrap();
     assert!(!moved.reported && moved.unchanged_for < Duration::from_millis(40));
+    assert_eq!(moved.previous.as_deref(), Some("provisioning|x"));
+    // Idle over idle writes nothing (and so reports no previous fingerprint).
+    let idle = region_store::PROGRESS_IDLE;
+    assert_eq!(
+        s.work_progress(a, idle).await.unwrap().previous.as_deref(),
+        Some("provisioning|y")
+    );
+    assert_eq!(s.work_progress(a, idle).await.unwrap().previous, None);
 }
