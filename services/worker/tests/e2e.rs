@@ -97,7 +97,7 @@ async fn a_second_pass_over_an_active_di_writes_nothing() {
     w.shutdown().await;
 
     // A fresh reconciler, as another worker would be.
-    let cloud = cloud_clients::DoClient::new(&env.sim.base_url(), SIM_TOKEN).unwrap();
+    let cloud = env.cloud();
     let r = Reconciler::new(env.store.clone(), cloud, env.config().settings);
     let do_before = env.sim.do_mutations();
     let kube_before = env.sim.kube_mutations();
@@ -145,7 +145,7 @@ async fn dis_of_a_new_vpc_claimed_together_share_one_cluster_without_a_failure()
     env.wait_active(a.id, 1).await;
     env.wait_active(b.id, 1).await;
     assert_eq!(w.stats().transient_failures, 0, "{:?}", w.stats());
-    let cloud = cloud_clients::DoClient::new(&env.sim.base_url(), SIM_TOKEN).unwrap();
+    let cloud = env.cloud();
     assert_eq!(cloud.cluster_list().await.unwrap().len(), 1);
     w.shutdown().await;
     env.sim.shutdown().await;
@@ -161,21 +161,8 @@ async fn an_endpoint_that_moved_is_recorded_by_the_next_resync() {
 
     // The private load balancer's Service is deleted behind the worker's back; the one it
     // applies again gets another address.
-    let cloud = cloud_clients::DoClient::new(&env.sim.base_url(), SIM_TOKEN).unwrap();
-    let cluster = cloud.cluster_list().await.unwrap().remove(0);
-    let kubeconfig = cloud.kubeconfig(&cluster.id).await.unwrap();
-    let kube = cloud_clients::KubeClient::from_kubeconfig_yaml(&kubeconfig, "a-test")
-        .await
-        .unwrap();
-    let ns = worker::plan::names::namespace(&rec.id);
-    kube.delete(
-        "v1",
-        "Service",
-        Some(&ns),
-        worker::plan::names::PRIVATE_SERVICE,
-    )
-    .await
-    .unwrap();
+    env.delete_private_service(rec.id).await;
+    let cloud = env.cloud();
 
     let r = Reconciler::new(env.store.clone(), cloud, env.config().settings);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -215,21 +202,7 @@ async fn a_repair_of_an_active_di_is_told_in_its_events() {
 
     // The private load balancer's Service is deleted behind the worker's back, and the DI's
     // resync is made due at once.
-    let cloud = cloud_clients::DoClient::new(&env.sim.base_url(), SIM_TOKEN).unwrap();
-    let cluster = cloud.cluster_list().await.unwrap().remove(0);
-    let kubeconfig = cloud.kubeconfig(&cluster.id).await.unwrap();
-    let kube = cloud_clients::KubeClient::from_kubeconfig_yaml(&kubeconfig, "a-test")
-        .await
-        .unwrap();
-    let ns = worker::plan::names::namespace(&rec.id);
-    kube.delete(
-        "v1",
-        "Service",
-        Some(&ns),
-        worker::plan::names::PRIVATE_SERVICE,
-    )
-    .await
-    .unwrap();
+    env.delete_private_service(rec.id).await;
     region_store::sqlx::query("UPDATE work_items SET next_check_after = now() WHERE di_id = $1")
         .bind(rec.id)
         .execute(env.store.pool())
@@ -284,7 +257,7 @@ async fn a_resync_asks_digitalocean_nothing_until_the_nodes_change() {
     env.wait_active(rec.id, 1).await;
     w.shutdown().await;
 
-    let cloud = cloud_clients::DoClient::new(&env.sim.base_url(), SIM_TOKEN).unwrap();
+    let cloud = env.cloud();
     let r = Reconciler::new(env.store.clone(), cloud.clone(), env.config().settings);
     // The first pass of a fresh worker finds the cluster through DigitalOcean; the next one
     // reaches it directly and sees the pool's nodes as planned.

@@ -127,6 +127,31 @@ impl Env {
         c
     }
 
+    /// A DigitalOcean client for the simulator, as a test's own (not a worker's).
+    pub fn cloud(&self) -> cloud_clients::DoClient {
+        cloud_clients::DoClient::new(&self.sim.base_url(), SIM_TOKEN).unwrap()
+    }
+
+    /// Deletes DI `di`'s private load balancer Service behind the workers' back (the test has
+    /// one cluster); the one a worker applies again gets another address.
+    pub async fn delete_private_service(&self, di: Uuid) {
+        let cloud = self.cloud();
+        let cluster = cloud.cluster_list().await.unwrap().remove(0);
+        let kubeconfig = cloud.kubeconfig(&cluster.id).await.unwrap();
+        let kube = cloud_clients::KubeClient::from_kubeconfig_yaml(&kubeconfig, "a-test")
+            .await
+            .unwrap();
+        let ns = worker::plan::names::namespace(&di);
+        kube.delete(
+            "v1",
+            "Service",
+            Some(&ns),
+            worker::plan::names::PRIVATE_SERVICE,
+        )
+        .await
+        .unwrap();
+    }
+
     pub async fn worker(&self) -> WorkerHandle {
         Worker::start(self.config()).await.unwrap()
     }
