@@ -1,0 +1,9 @@
+//! Black-box tests of the whole system through its public surfaces: the API's contract and
+//! dialects, bad input, retries and outages, the official Python clients, and the lifecycle
+//! end to end on the simulated cloud. Each module says what it covers.
+
+mod api;
+mod bad_input;
+mod lifecycle;
+mod pydo_compat;
+mod resilience;
