@@ -1,13 +1,11 @@
 //! A kube-rs `Controller` runs against the simulator unmodified: it watches
 //! parents and owned children, reconciles with server-side apply, and settles.
 
-mod common;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{eventually, start};
+use crate::common::{eventually, start};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, Patch, PatchParams, PostParams};

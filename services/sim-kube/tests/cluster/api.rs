@@ -1,11 +1,9 @@
 //! The API-server surface, driven by a real kube-rs client.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{eventually, start, start_with};
+use crate::common::{eventually, start, start_with};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service};

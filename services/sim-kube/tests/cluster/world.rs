@@ -1,11 +1,9 @@
 //! The simulated world: scheduling onto GPU nodes, readiness after model load,
 //! rollouts, node loss, garbage collection and load balancer addresses.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{cpu_node, eventually, gpu_node, start_with};
+use crate::common::{cpu_node, eventually, gpu_node, start_with};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};

@@ -1,0 +1,6 @@
+//! The simulated region driven from outside, as one test binary: its DigitalOcean API, the DOKS
+//! side (kubeconfigs, Nodes, load balancers, wired endpoints) and the data plane on its own.
+
+mod data_plane;
+mod do_api;
+mod doks;

@@ -1,0 +1,8 @@
+//! The simulated cluster driven from outside, as one test binary: its API-server surface through
+//! a real kube-rs client, an unmodified kube-rs `Controller` against it, and the simulated world
+//! (scheduling, readiness, rollouts, node loss, garbage collection, load balancers).
+
+mod api;
+mod common;
+mod controller;
+mod world;
