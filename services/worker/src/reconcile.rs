@@ -253,7 +253,8 @@ fn b64_decode(v: &Value) -> Option<String> {
 
 /// The endpoint certificate: the one in the cluster unless it must be reissued.
 fn tls(ca: &NewCa, observed: &[Value]) -> Result<TlsPair> {
-    let mut names_: Vec<String> = observed
+    // The addresses the load balancers report: the names the certificate must cover.
+    let mut hosts: Vec<String> = observed
         .iter()
         .filter(|o| o["kind"] == "Service" && o["spec"]["type"] == "LoadBalancer")
         .filter_map(|o| o.pointer("/status/loadBalancer/ingress/0"))
@@ -265,8 +266,8 @@ fn tls(ca: &NewCa, observed: &[Value]) -> Result<TlsPair> {
         .filter(|h| !h.is_empty())
         .map(str::to_string)
         .collect();
-    names_.sort();
-    names_.dedup();
+    hosts.sort();
+    hosts.dedup();
     let now = SystemTime::now();
     let existing = observed
         .iter()
@@ -281,8 +282,8 @@ fn tls(ca: &NewCa, observed: &[Value]) -> Result<TlsPair> {
             })
         });
     match existing {
-        Some(pair) if !plan::needs_reissue(&pair.cert_pem, &ca.cert_pem, &names_, now) => Ok(pair),
-        _ => Ok(plan::issue(&ca.cert_pem, &ca.key_pem, &names_, now)?),
+        Some(pair) if !plan::needs_reissue(&pair.cert_pem, &ca.cert_pem, &hosts, now) => Ok(pair),
+        _ => plan::issue(&ca.cert_pem, &ca.key_pem, &hosts, now).map_err(Into::into),
     }
 }
 
