@@ -58,6 +58,13 @@ pub struct Endpoints {
     pub private_fqdn: Option<String>,
 }
 
+/// Which DIs changed after an outbox position, and the position the batch ends at.
+#[derive(Debug, Clone)]
+pub struct ChangedBatch {
+    pub ids: Vec<Uuid>,
+    pub last_seq: i64,
+}
+
 /// The CA generated for a new dedicated inference (PEM); the key is sealed before storage.
 pub struct NewCa {
     pub cert_pem: String,
@@ -303,6 +310,13 @@ impl Store {
 
     /// The latest state of every DI changed after outbox position `after`, oldest change first.
     pub async fn changes_since(&self, after: i64, limit: i64) -> Result<Changes> {
+        let batch = self.changed_since(after, limit).await?;
+        self.changes_load(batch).await
+    }
+
+    /// The first step of [`Store::changes_since`]: which DIs changed after `after`, up to which
+    /// outbox position. Public so that a test can commit other changes before the second step.
+    pub async fn changed_since(&self, after: i64, limit: i64) -> Result<ChangedBatch> {
         let changed: Vec<(Uuid, i64)> = sqlx::query_as(
             "SELECT di_id, max(seq) AS seq FROM outbox WHERE seq > $1 GROUP BY di_id ORDER BY seq LIMIT $2",
         )
@@ -310,14 +324,26 @@ impl Store {
         .bind(limit)
         .fetch_all(&self.pool)
         .await?;
-        let mut records = Vec::with_capacity(changed.len());
-        let mut last_seq = after;
-        for (id, seq) in changed {
-            let record = self.record(id, None, true).await?;
-            last_seq = last_seq.max(seq).max(record.seq);
-            records.push(record);
+        let last_seq = changed.iter().map(|(_, seq)| *seq).max().unwrap_or(after);
+        Ok(ChangedBatch {
+            ids: changed.into_iter().map(|(id, _)| id).collect(),
+            last_seq: last_seq.max(after),
+        })
+    }
+
+    /// The second step of [`Store::changes_since`]: each changed DI's record as it is now. The
+    /// cursor stays where the batch ended even when a record is newer: a change of another DI
+    /// committed between the two steps sits below such a record's `seq`, and moving the cursor
+    /// past it would lose it. A record newer than the cursor only comes again next time.
+    pub async fn changes_load(&self, batch: ChangedBatch) -> Result<Changes> {
+        let mut records = Vec::with_capacity(batch.ids.len());
+        for id in batch.ids {
+            records.push(self.record(id, None, true).await?);
         }
-        Ok(Changes { records, last_seq })
+        Ok(Changes {
+            records,
+            last_seq: batch.last_seq,
+        })
     }
 
     /// The newest outbox position, for consumers that start from "now".

@@ -419,3 +419,40 @@ async fn tokens_and_accelerators(pool: PgPool) {
         0
     );
 }
+
+/// The feed loads each changed DI after it has read which DIs changed. A change of another DI
+/// committed in between must not be skipped, whatever the loaded records' positions say.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn change_feed_never_skips_a_change_committed_while_it_loads(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let a = create_request(team, None);
+    let b = create_request(team, None);
+    store.dedicated_inference_create(&a, &ca()).await.unwrap();
+    store.dedicated_inference_create(&b, &ca()).await.unwrap();
+    let cursor = store.changes_since(0, 100).await.unwrap().last_seq;
+
+    // A changes; the feed reads the batch (A only)…
+    store.provisioning_begin(a.id).await.unwrap();
+    let batch = store.changed_since(cursor, 100).await.unwrap();
+    assert_eq!(batch.ids, [a.id]);
+    // …then B changes, then A again, before the feed loads A's record.
+    store.provisioning_begin(b.id).await.unwrap();
+    store
+        .event_append(a.id, "Slow", "still provisioning")
+        .await
+        .unwrap();
+    let first = store.changes_load(batch).await.unwrap();
+    assert_eq!(first.records.len(), 1);
+
+    // The next poll must bring B's change.
+    let next = store.changes_since(first.last_seq, 100).await.unwrap();
+    let ids: Vec<Uuid> = next.records.iter().map(|r| r.id).collect();
+    assert!(
+        ids.contains(&b.id),
+        "B's change was skipped: the cursor moved to {} past it",
+        first.last_seq
+    );
+    let b_now = next.records.iter().find(|r| r.id == b.id).unwrap();
+    assert_eq!(b_now.status, "provisioning");
+}
