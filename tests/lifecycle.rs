@@ -31,7 +31,7 @@ const HF_TOKEN: &str = "hf_system_test_placeholder";
 // ---------------------------------------------------------------------------------------------
 // The public API
 
-async fn start(cloud: CloudOptions) -> System {
+pub(crate) async fn start(cloud: CloudOptions) -> System {
     System::start_with(Options {
         cloud: Some(cloud),
         ..Options::default()
@@ -39,12 +39,12 @@ async fn start(cloud: CloudOptions) -> System {
     .await
 }
 
-fn di_path(id: &str, rest: &str) -> String {
+pub(crate) fn di_path(id: &str, rest: &str) -> String {
     format!("/v2/dedicated-inferences/{id}{rest}")
 }
 
 /// A spec (pydo's dialect) for `model` at `scale`, in the region's simulated default VPC.
-fn spec(sys: &System, region: &str, name: &str, model: &str, scale: i64) -> Value {
+pub(crate) fn spec(sys: &System, region: &str, name: &str, model: &str, scale: i64) -> Value {
     let mut spec = create_body_in(name, region, sys.cloud(region).vpc)["spec"].clone();
     spec["model_deployments"][0]["model_slug"] = json!(model);
     spec["model_deployments"][0]["accelerators"][0]["accelerator_slug"] = json!(GPU);
@@ -52,16 +52,16 @@ fn spec(sys: &System, region: &str, name: &str, model: &str, scale: i64) -> Valu
     spec
 }
 
-struct Created {
-    id: String,
+pub(crate) struct Created {
+    pub(crate) id: String,
     /// The managed access token's value, shown once by the create response.
-    token: String,
-    model_id: String,
+    pub(crate) token: String,
+    pub(crate) model_id: String,
 }
 
 /// Creates a DI through `POST /v2/dedicated-inferences`; with the gated model, with a Hugging
 /// Face token.
-async fn create(
+pub(crate) async fn create(
     sys: &System,
     api_token: &str,
     region: &str,
@@ -104,12 +104,12 @@ async fn create(
     }
 }
 
-async fn get(sys: &System, api_token: &str, id: &str) -> system_tests::Reply {
+pub(crate) async fn get(sys: &System, api_token: &str, id: &str) -> system_tests::Reply {
     sys.call(Method::GET, &di_path(id, ""), api_token, None)
         .await
 }
 
-async fn status(sys: &System, api_token: &str, id: &str) -> String {
+pub(crate) async fn status(sys: &System, api_token: &str, id: &str) -> String {
     let reply = get(sys, api_token, id).await;
     assert_eq!(reply.status, 200, "GET {id}: {}", reply.body);
     reply.body["dedicated_inference"]["status"]
@@ -143,7 +143,7 @@ async fn events(sys: &System, api_token: &str, id: &str) -> Vec<(String, String)
 }
 
 /// What a failed wait prints: the DI's events, the region's leftovers and its workers' counters.
-async fn diagnose(sys: &System, api_token: &str, region: &str, id: &str) -> String {
+pub(crate) async fn diagnose(sys: &System, api_token: &str, region: &str, id: &str) -> String {
     let events = sys
         .call(
             Method::GET,
@@ -196,7 +196,7 @@ async fn diagnose(sys: &System, api_token: &str, region: &str, id: &str) -> Stri
 /// Polls `GET /v2/dedicated-inferences/{id}` until `done` holds; returns the DI and every status
 /// seen, in order. A DI in `error` fails at once: nothing these tests do may surface as `error`
 /// (transient faults are retried, never parked).
-async fn wait_for(
+pub(crate) async fn wait_for(
     sys: &System,
     api_token: &str,
     region: &str,
@@ -236,7 +236,7 @@ async fn wait_for(
 }
 
 /// Active on spec `version` with nothing rolling out, as automation waits for it.
-async fn wait_active(
+pub(crate) async fn wait_active(
     sys: &System,
     api_token: &str,
     region: &str,
@@ -260,7 +260,7 @@ async fn wait_active(
 }
 
 /// After a DELETE: 404, out of the list, and nothing of it left in the simulated region.
-async fn wait_gone(sys: &System, api_token: &str, region: &str, id: &str) {
+pub(crate) async fn wait_gone(sys: &System, api_token: &str, region: &str, id: &str) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let reply = get(sys, api_token, id).await;
@@ -312,7 +312,7 @@ async fn wait_gone(sys: &System, api_token: &str, region: &str, id: &str) {
 
 /// Polls a synchronous check (the simulator's state) every 25 ms; `None` on timeout so the caller
 /// can say what it saw.
-async fn until<T>(timeout: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
+pub(crate) async fn until<T>(timeout: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = check() {
@@ -326,14 +326,14 @@ async fn until<T>(timeout: Duration, mut check: impl FnMut() -> Option<T>) -> Op
 }
 
 /// The DI a test follows: waits on the simulator that print the DI's story when they time out.
-struct Follow<'a> {
+pub(crate) struct Follow<'a> {
     sys: &'a System,
     api: &'a str,
     region: &'a str,
     id: &'a str,
 }
 
-fn follow<'a>(sys: &'a System, api: &'a str, region: &'a str, id: &'a str) -> Follow<'a> {
+pub(crate) fn follow<'a>(sys: &'a System, api: &'a str, region: &'a str, id: &'a str) -> Follow<'a> {
     Follow {
         sys,
         api,
@@ -344,7 +344,7 @@ fn follow<'a>(sys: &'a System, api: &'a str, region: &'a str, id: &'a str) -> Fo
 
 impl Follow<'_> {
     /// [`until`], failing the test with `what` and the DI's diagnosis on timeout.
-    async fn until<T>(&self, what: &str, timeout: Duration, check: impl FnMut() -> Option<T>) -> T {
+    pub(crate) async fn until<T>(&self, what: &str, timeout: Duration, check: impl FnMut() -> Option<T>) -> T {
         match until(timeout, check).await {
             Some(v) => v,
             None => panic!(
@@ -395,7 +395,7 @@ fn assert_in_order(events: &[(String, String)], expected: &[(&str, &str)]) {
 // The data plane
 
 /// A client that trusts only the DI's CA, as the docs tell customers to do.
-fn ca_client(ca_pem: &str) -> reqwest::Client {
+pub(crate) fn ca_client(ca_pem: &str) -> reqwest::Client {
     reqwest::Client::builder()
         .tls_built_in_root_certs(false)
         .add_root_certificate(
@@ -408,7 +408,7 @@ fn ca_client(ca_pem: &str) -> reqwest::Client {
 }
 
 /// One chat completion; the status and JSON body, or why no answer came.
-async fn chat(
+pub(crate) async fn chat(
     client: &reqwest::Client,
     endpoint: &str,
     token: &str,
@@ -431,7 +431,7 @@ async fn chat(
 }
 
 /// Asserts a successful chat completion by `model`.
-async fn assert_chat_ok(client: &reqwest::Client, endpoint: &str, token: &str, model: &str) {
+pub(crate) async fn assert_chat_ok(client: &reqwest::Client, endpoint: &str, token: &str, model: &str) {
     match chat(client, endpoint, token, model).await {
         Ok((200, body)) => {
             assert_eq!(body["model"], model, "{body}");
@@ -448,15 +448,15 @@ async fn assert_chat_ok(client: &reqwest::Client, endpoint: &str, token: &str, m
 
 /// What a [`Caller`] saw.
 #[derive(Debug, Default)]
-struct CallLog {
-    ok: u64,
-    failures: Vec<String>,
+pub(crate) struct CallLog {
+    pub(crate) ok: u64,
+    pub(crate) failures: Vec<String>,
     /// Per endpoint, when it moved on to the next model (see [`Caller::start`]).
-    switches: Vec<String>,
+    pub(crate) switches: Vec<String>,
 }
 
 /// Calls chat completions on every endpoint back to back, in the background, until stopped.
-struct Caller {
+pub(crate) struct Caller {
     stop: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<CallLog>,
 }
@@ -469,7 +469,7 @@ impl Caller {
     /// client following the change would, and the same call is repeated at once with the new
     /// name: it must succeed. Every other non-200 answer, and any call without an answer, is a
     /// failure; so is going back to the old model (a flapping endpoint).
-    fn start(
+    pub(crate) fn start(
         client: reqwest::Client,
         endpoints: Vec<String>,
         token: String,
@@ -515,14 +515,14 @@ impl Caller {
         Caller { stop, task }
     }
 
-    async fn finish(self) -> CallLog {
+    pub(crate) async fn finish(self) -> CallLog {
         self.stop.store(true, Ordering::SeqCst);
         self.task.await.expect("the caller task")
     }
 }
 
 /// The CA of the DI from `GET …/{id}/ca`, as PEM.
-async fn fetch_ca(sys: &System, api_token: &str, id: &str) -> String {
+pub(crate) async fn fetch_ca(sys: &System, api_token: &str, id: &str) -> String {
     let reply = sys
         .call(Method::GET, &di_path(id, "/ca"), api_token, None)
         .await;
@@ -587,12 +587,12 @@ async fn openai_chat(
 // ---------------------------------------------------------------------------------------------
 // The simulator
 
-fn namespace(id: &str) -> String {
+pub(crate) fn namespace(id: &str) -> String {
     format!("di-{id}")
 }
 
 /// The DI's GPU node pools (named `di-<first 8 hex of the id>-…`).
-fn gpu_pools<'a>(inv: &'a Inventory, id: &str) -> Vec<&'a Value> {
+pub(crate) fn gpu_pools<'a>(inv: &'a Inventory, id: &str) -> Vec<&'a Value> {
     let prefix = format!("di-{}-", &id[..8]);
     inv.cloud
         .node_pools
@@ -602,7 +602,7 @@ fn gpu_pools<'a>(inv: &'a Inventory, id: &str) -> Vec<&'a Value> {
 }
 
 /// Kubernetes objects of `kind` in the DI's namespace.
-fn objects<'a>(inv: &'a Inventory, kind: &str, id: &str) -> Vec<&'a Value> {
+pub(crate) fn objects<'a>(inv: &'a Inventory, kind: &str, id: &str) -> Vec<&'a Value> {
     let ns = namespace(id);
     inv.kube_objects(kind)
         .into_iter()

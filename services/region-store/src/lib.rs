@@ -9,7 +9,9 @@
 mod records;
 mod work;
 
-pub use work::{Claim, ClaimOptions, LedgerEntry, PassInputs, Stall, PROGRESS_IDLE};
+pub use work::{
+    Claim, ClaimOptions, ClusterRelease, LedgerEntry, PassInputs, Stall, PROGRESS_IDLE,
+};
 
 use api_types::regional::{
     Accelerator, Changes, CreateRequest, Event, NewToken, Page, Record, Token,

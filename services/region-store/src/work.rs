@@ -45,9 +45,21 @@ pub struct LedgerEntry {
     pub seq: i64,
     pub kind: String,
     pub name: String,
-    /// For namespaces and node pools, the cluster they live in.
+    /// For namespaces and node pools, the id of the cluster they live in (the cluster's name
+    /// in entries recorded before ids were used).
     pub scope: String,
     pub external_id: Option<String>,
+    /// A cluster entry of a DI whose teardown is deleting that cluster as its last user.
+    pub retiring: bool,
+}
+
+/// Where a DI that stops using its VPC's cluster leaves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClusterRelease {
+    /// Other live DIs use the cluster: it stays, and this DI's entry is gone.
+    Shared,
+    /// This DI was its last user: its entry is now retiring and the caller deletes the cluster.
+    Last,
 }
 
 /// The progress fingerprint of a DI with nothing moving (see [`Store::work_progress`]).
@@ -240,7 +252,7 @@ impl Store {
     // Teardown ledger
 
     /// Records an external resource before (or as) it is created. Idempotent; a known entry
-    /// keeps its position and gains `external_id` when one is given.
+    /// keeps its position, takes the new `scope` and gains `external_id` when one is given.
     pub async fn ledger_record(
         &self,
         di_id: Uuid,
@@ -252,8 +264,9 @@ impl Store {
         sqlx::query(
             "INSERT INTO teardown_ledger (di_id, kind, name, scope, external_id) VALUES ($1, $2, $3, $4, $5)
              ON CONFLICT (di_id, kind, name) DO UPDATE
-                 SET external_id = coalesce(excluded.external_id, teardown_ledger.external_id)
-                 WHERE teardown_ledger.external_id IS DISTINCT FROM coalesce(excluded.external_id, teardown_ledger.external_id)",
+                 SET external_id = coalesce(excluded.external_id, teardown_ledger.external_id), scope = excluded.scope
+                 WHERE (teardown_ledger.external_id, teardown_ledger.scope)
+                     IS DISTINCT FROM (coalesce(excluded.external_id, teardown_ledger.external_id), excluded.scope)",
         )
         .bind(di_id)
         .bind(kind)
@@ -313,35 +326,120 @@ impl Store {
         Ok(())
     }
 
-    /// Other live DIs that recorded a use of the cluster `name`: while any exists, the cluster
-    /// must stay.
-    pub async fn ledger_cluster_users(&self, name: &str, except: Uuid) -> Result<Vec<Uuid>> {
-        Ok(sqlx::query_scalar(
-            "SELECT DISTINCT l.di_id FROM teardown_ledger l JOIN dedicated_inferences d ON d.id = l.di_id
-             WHERE l.kind = 'cluster' AND l.name = $1 AND l.di_id <> $2 AND d.gone_at IS NULL",
+    /// Records that DI `di_id` uses cluster `cluster_id` (the VPC's cluster `name`), unless the
+    /// teardown of its last user is deleting it: then `false`, and the DI must wait for a
+    /// cluster of its own. Serialised with [`Store::ledger_cluster_release`] per cluster name,
+    /// so that a cluster is never deleted under a DI that started using it.
+    pub async fn ledger_cluster_use(
+        &self,
+        di_id: Uuid,
+        name: &str,
+        cluster_id: &str,
+    ) -> Result<bool> {
+        let mut tx = self.pool.begin().await?;
+        lock_cluster(&mut tx, name).await?;
+        let retiring: Option<i32> = sqlx::query_scalar(
+            "SELECT 1 FROM teardown_ledger WHERE kind = 'cluster' AND name = $1 AND external_id = $2 AND retiring LIMIT 1",
         )
         .bind(name)
-        .bind(except)
-        .fetch_all(&self.pool)
-        .await?)
+        .bind(cluster_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if retiring.is_some() {
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO teardown_ledger (di_id, kind, name, external_id) VALUES ($1, 'cluster', $2, $3)
+             ON CONFLICT (di_id, kind, name) DO UPDATE SET external_id = excluded.external_id, retiring = false
+                 WHERE (teardown_ledger.external_id, teardown_ledger.retiring) IS DISTINCT FROM (excluded.external_id, false)",
+        )
+        .bind(di_id)
+        .bind(name)
+        .bind(cluster_id)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// DI `di_id`, being deleted, stops using cluster `cluster_id` (the VPC's cluster `name`).
+    /// Another live DI that uses it, or may be about to (its entry has no id yet), keeps it:
+    /// [`ClusterRelease::Shared`], and this DI's entry is gone. Otherwise this DI was the last
+    /// user: its entry turns retiring and the caller deletes the cluster. One transaction under
+    /// a lock per cluster name, so that two DIs deleted at once cannot each leave the cluster to
+    /// the other.
+    pub async fn ledger_cluster_release(
+        &self,
+        di_id: Uuid,
+        name: &str,
+        cluster_id: &str,
+    ) -> Result<ClusterRelease> {
+        let mut tx = self.pool.begin().await?;
+        lock_cluster(&mut tx, name).await?;
+        let other: Option<Uuid> = sqlx::query_scalar(
+            "SELECT l.di_id FROM teardown_ledger l JOIN dedicated_inferences d ON d.id = l.di_id
+             WHERE l.kind = 'cluster' AND l.name = $1 AND l.di_id <> $2 AND d.gone_at IS NULL
+               AND NOT l.retiring AND (l.external_id IS NULL OR l.external_id = $3)
+             LIMIT 1",
+        )
+        .bind(name)
+        .bind(di_id)
+        .bind(cluster_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let release = if other.is_some() {
+            sqlx::query(
+                "DELETE FROM teardown_ledger WHERE di_id = $1 AND kind = 'cluster' AND name = $2",
+            )
+            .bind(di_id)
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
+            ClusterRelease::Shared
+        } else {
+            sqlx::query(
+                "UPDATE teardown_ledger SET retiring = true, external_id = $3 WHERE di_id = $1 AND kind = 'cluster' AND name = $2",
+            )
+            .bind(di_id)
+            .bind(name)
+            .bind(cluster_id)
+            .execute(&mut *tx)
+            .await?;
+            ClusterRelease::Last
+        };
+        tx.commit().await?;
+        Ok(release)
     }
 }
 
+/// Serialises the users of one cluster name until commit (its own key space: the outbox lock
+/// is the one-argument form).
+async fn lock_cluster(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, name: &str) -> Result<()> {
+    sqlx::query("SELECT pg_advisory_xact_lock(7416, hashtext($1))")
+        .bind(name)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 async fn ledger_entries_on(conn: &mut PgConnection, di_id: Uuid) -> Result<Vec<LedgerEntry>> {
-    let rows: Vec<(i64, String, String, String, Option<String>)> = sqlx::query_as(
-        "SELECT seq, kind, name, scope, external_id FROM teardown_ledger WHERE di_id = $1 ORDER BY seq",
+    let rows: Vec<(i64, String, String, String, Option<String>, bool)> = sqlx::query_as(
+        "SELECT seq, kind, name, scope, external_id, retiring FROM teardown_ledger WHERE di_id = $1 ORDER BY seq",
     )
     .bind(di_id)
     .fetch_all(&mut *conn)
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(seq, kind, name, scope, external_id)| LedgerEntry {
-            seq,
-            kind,
-            name,
-            scope,
-            external_id,
-        })
+        .map(
+            |(seq, kind, name, scope, external_id, retiring)| LedgerEntry {
+                seq,
+                kind,
+                name,
+                scope,
+                external_id,
+                retiring,
+            },
+        )
         .collect())
 }

@@ -16,7 +16,9 @@ use cloud_clients::digitalocean::{
 };
 use cloud_clients::{Deleted, DoClient, DoError, KubeClient, KubeError};
 use hmac::{Hmac, Mac};
-use region_store::{Endpoints, LedgerEntry, NewCa, ObservedAccelerator, Store, StoreError};
+use region_store::{
+    ClusterRelease, Endpoints, LedgerEntry, NewCa, ObservedAccelerator, Store, StoreError,
+};
 use serde_json::Value;
 use sha2::Sha256;
 use uuid::Uuid;
@@ -310,7 +312,10 @@ impl Ledger<'_> {
             .iter()
             .position(|e| e.kind == kind && e.name == name);
         if let Some(i) = known {
-            if external_id.is_none() || self.known[i].external_id.as_deref() == external_id {
+            let e = &self.known[i];
+            if e.scope == scope
+                && (external_id.is_none() || e.external_id.as_deref() == external_id)
+            {
                 return Ok(());
             }
         }
@@ -319,16 +324,56 @@ impl Ledger<'_> {
             .await?;
         let external_id = external_id.map(str::to_string);
         match known {
-            Some(i) => self.known[i].external_id = external_id,
+            Some(i) => {
+                let e = &mut self.known[i];
+                e.scope = scope.to_string();
+                if external_id.is_some() {
+                    e.external_id = external_id;
+                }
+            }
             None => self.known.push(LedgerEntry {
                 seq: 0,
                 kind: kind.to_string(),
                 name: name.to_string(),
                 scope: scope.to_string(),
                 external_id,
+                retiring: false,
             }),
         }
         Ok(())
+    }
+
+    /// Records that the DI uses cluster `cluster_id` (the VPC's cluster `name`); `false` when
+    /// its last user's teardown is deleting it (see [`Store::ledger_cluster_use`]).
+    async fn use_cluster(&mut self, name: &str, cluster_id: &str) -> Result<bool> {
+        let known = self.known.iter().any(|e| {
+            e.kind == LEDGER_CLUSTER
+                && e.name == name
+                && e.external_id.as_deref() == Some(cluster_id)
+        });
+        if known {
+            // Recorded by an earlier pass: no teardown can have retired it since, because
+            // this DI's entry counts as a user.
+            return Ok(true);
+        }
+        if !self
+            .store
+            .ledger_cluster_use(self.id, name, cluster_id)
+            .await?
+        {
+            return Ok(false);
+        }
+        self.known
+            .retain(|e| !(e.kind == LEDGER_CLUSTER && e.name == name));
+        self.known.push(LedgerEntry {
+            seq: 0,
+            kind: LEDGER_CLUSTER.to_string(),
+            name: name.to_string(),
+            scope: String::new(),
+            external_id: Some(cluster_id.to_string()),
+            retiring: false,
+        });
+        Ok(true)
     }
 
     async fn remove(&mut self, kind: &str, name: &str) -> Result<()> {
@@ -481,9 +526,11 @@ impl Reconciler {
         let trusting = trusted.is_some();
         let (cluster_id, kube) = match trusted {
             Some((cluster_id, kube)) => {
-                ledger
-                    .record(LEDGER_CLUSTER, &cluster_name, "", Some(&cluster_id))
-                    .await?;
+                if !ledger.use_cluster(&cluster_name, &cluster_id).await? {
+                    self.distrust_cluster(&cluster_name, &cluster_id);
+                    let wait = format!("cluster {cluster_name}: being deleted");
+                    return Ok(pass.wait(wait, s.poll));
+                }
                 (cluster_id, kube)
             }
             None => match self
@@ -536,20 +583,13 @@ impl Reconciler {
         let mut writes = 0u64;
         if !(resync && rolling.is_empty() && plan::nodes_match(&id, &models, &observed)) {
             writes += self
-                .apply_node_pools(
-                    id,
-                    (&cluster_id, &cluster_name),
-                    &models,
-                    &rolling,
-                    &observed,
-                    &mut ledger,
-                )
+                .apply_node_pools(id, &cluster_id, &models, &rolling, &observed, &mut ledger)
                 .await?;
         }
 
         // Kubernetes objects: the namespace is recorded before it is created.
         ledger
-            .record(LEDGER_NAMESPACE, &ns, &cluster_name, None)
+            .record(LEDGER_NAMESPACE, &ns, &cluster_id, None)
             .await?;
         // Namespaces first (everything else lives in them), then the rest at once. Objects the
         // last list shows up to date cost no request.
@@ -633,11 +673,11 @@ impl Reconciler {
     }
 
     /// Compares the DI's node pools in DigitalOcean with the plan and applies the difference;
-    /// returns how many changes it made. `cluster` is (id, name).
+    /// returns how many changes it made.
     async fn apply_node_pools(
         &self,
         id: Uuid,
-        (cluster_id, cluster_name): (&str, &str),
+        cluster_id: &str,
         models: &[plan::Model],
         rolling: &std::collections::BTreeSet<Uuid>,
         observed: &[Value],
@@ -670,14 +710,14 @@ impl Reconciler {
             match action {
                 PoolAction::Create(d) => {
                     ledger
-                        .record(LEDGER_NODE_POOL, &d.name, cluster_name, None)
+                        .record(LEDGER_NODE_POOL, &d.name, cluster_id, None)
                         .await?;
                     let mut req = NodePoolCreateRequest::new(&d.name, &d.size, d.count);
                     req.labels = d.labels.clone();
                     req.tags = d.tags.clone();
                     let created = self.cloud.node_pool_create(cluster_id, &req).await?;
                     ledger
-                        .record(LEDGER_NODE_POOL, &d.name, cluster_name, Some(&created.id))
+                        .record(LEDGER_NODE_POOL, &d.name, cluster_id, Some(&created.id))
                         .await?;
                     tracing::info!(di = %id, pool = %d.name, "node pool created");
                 }
@@ -746,15 +786,18 @@ impl Reconciler {
                     .lock()
                     .expect("cluster ids")
                     .insert(name.to_string(), c.id.clone());
-                ledger.record(LEDGER_CLUSTER, name, "", Some(&c.id)).await?;
+                // Nobody can be retiring a cluster this pass just made.
+                ledger.use_cluster(name, &c.id).await?;
                 return Ok(Err(pass
                     .clone()
                     .wait(format!("cluster {name}: creating"), poll)));
             }
         };
-        ledger
-            .record(LEDGER_CLUSTER, name, "", Some(&cluster.id))
-            .await?;
+        if !ledger.use_cluster(name, &cluster.id).await? {
+            // The last DI of the VPC is deleting it: once it is going, a new one is made.
+            let wait = format!("cluster {name}: being deleted");
+            return Ok(Err(pass.clone().wait(wait, poll)));
+        }
         if cluster.status.state != ClusterState::Running {
             let state = format!("{:?}", cluster.status.state).to_lowercase();
             return Ok(Err(pass
@@ -956,17 +999,14 @@ impl Reconciler {
         let s = &self.settings;
         let pass = Pass::new("deleting", s.poll);
         let clusters = self.cloud.cluster_list().await?;
-        let find = |name: &str| clusters.iter().find(|c| c.name == name);
         let entries = self.store.ledger_entries(id).await?;
         for e in entries.iter().rev() {
             match e.kind.as_str() {
                 LEDGER_NAMESPACE => {
-                    let Some(c) =
-                        find(&e.scope).filter(|c| c.status.state == ClusterState::Running)
+                    let cluster = recorded_cluster(&clusters, &e.scope);
+                    let Some(c) = cluster.filter(|c| c.status.state == ClusterState::Running)
                     else {
-                        if find(&e.scope)
-                            .is_some_and(|c| c.status.state == ClusterState::Provisioning)
-                        {
+                        if cluster.is_some_and(|c| c.status.state == ClusterState::Provisioning) {
                             return Ok(pass.wait("cluster not reachable yet", s.poll));
                         }
                         // The cluster is gone or going: so is the namespace.
@@ -990,7 +1030,7 @@ impl Reconciler {
                     self.store.ledger_remove(id, &e.kind, &e.name).await?;
                 }
                 LEDGER_NODE_POOL => {
-                    if let Some(c) = find(&e.scope) {
+                    if let Some(c) = recorded_cluster(&clusters, &e.scope) {
                         let pools = match self.cloud.node_pool_list(&c.id).await {
                             Err(err) if err.is_not_found() => Vec::new(),
                             r => r?,
@@ -1005,41 +1045,43 @@ impl Reconciler {
                     self.store.ledger_remove(id, &e.kind, &e.name).await?;
                 }
                 LEDGER_CLUSTER => {
-                    let Some(c) = find(&e.name) else {
+                    // The cluster this DI used: by id once known. A cluster of the same name
+                    // made later (by another DI, after this one was deleted) is not it.
+                    let found = match &e.external_id {
+                        Some(cluster_id) => clusters.iter().find(|c| c.id == *cluster_id),
+                        None => clusters.iter().find(|c| c.name == e.name && !is_going(c)),
+                    };
+                    let Some(c) = found else {
                         self.store.ledger_remove(id, &e.kind, &e.name).await?;
                         continue;
                     };
-                    // Sweep pools of this DI the ledger missed (e.g. recorded by a newer spec
-                    // and removed out of order).
-                    let di = id.to_string();
-                    let pools = match self.cloud.node_pool_list(&c.id).await {
-                        Err(err) if err.is_not_found() => Vec::new(),
-                        r => r?,
-                    };
-                    for p in pools
-                        .iter()
-                        .filter(|p| p.labels.get(names::DI_ID_LABEL) == Some(&di))
-                    {
-                        match self.cloud.node_pool_delete(&c.id, &p.id).await {
-                            Err(err) if err.is_not_found() => {}
+                    if !e.retiring {
+                        // Sweep pools of this DI the ledger missed (e.g. recorded by a newer
+                        // spec and removed out of order).
+                        let di = id.to_string();
+                        let pools = match self.cloud.node_pool_list(&c.id).await {
+                            Err(err) if err.is_not_found() => Vec::new(),
                             r => r?,
+                        };
+                        for p in pools
+                            .iter()
+                            .filter(|p| p.labels.get(names::DI_ID_LABEL) == Some(&di))
+                        {
+                            match self.cloud.node_pool_delete(&c.id, &p.id).await {
+                                Err(err) if err.is_not_found() => {}
+                                r => r?,
+                            }
+                        }
+                        let release = self
+                            .store
+                            .ledger_cluster_release(id, &e.name, &c.id)
+                            .await?;
+                        if release == ClusterRelease::Shared {
+                            continue;
                         }
                     }
-                    let others_in_ledger = self.store.ledger_cluster_users(&e.name, id).await?;
-                    let others_in_cloud = pools.iter().any(|p| {
-                        p.labels
-                            .get(names::DI_ID_LABEL)
-                            .is_some_and(|owner| *owner != di)
-                    });
-                    if !others_in_ledger.is_empty() || others_in_cloud {
-                        // Shared with another DI of the VPC: it stays.
-                        self.store.ledger_remove(id, &e.kind, &e.name).await?;
-                        continue;
-                    }
-                    if !matches!(
-                        c.status.state,
-                        ClusterState::Deleting | ClusterState::Deleted
-                    ) {
+                    // The last user: delete it, and keep the entry until it is really gone.
+                    if !is_going(c) {
                         match self.cloud.cluster_delete(&c.id).await {
                             Err(err) if err.is_not_found() => {}
                             r => r?,
@@ -1047,7 +1089,6 @@ impl Reconciler {
                         self.forget_kube(&c.id);
                         tracing::info!(di = %id, cluster = %c.name, "cluster deleting");
                     }
-                    // Keep the entry until the cluster is really gone.
                     return Ok(pass.wait(format!("cluster {}: deleting", c.name), s.poll));
                 }
                 other => {
@@ -1064,6 +1105,22 @@ impl Reconciler {
             Err(e) => Err(e.into()),
         }
     }
+}
+
+fn is_going(c: &Cluster) -> bool {
+    matches!(
+        c.status.state,
+        ClusterState::Deleting | ClusterState::Deleted
+    )
+}
+
+/// The cluster a namespace or node-pool entry names in its scope: by id, or (entries recorded
+/// before ids were used) by name, preferring one that is not going.
+fn recorded_cluster<'a>(clusters: &'a [Cluster], scope: &str) -> Option<&'a Cluster> {
+    clusters.iter().find(|c| c.id == scope).or_else(|| {
+        let named = || clusters.iter().filter(|c| c.name == scope);
+        named().find(|c| !is_going(c)).or_else(|| named().next())
+    })
 }
 
 /// A shared reconciler.

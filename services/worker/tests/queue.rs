@@ -206,6 +206,30 @@ async fn error_dis_wait_for_a_new_spec(pool: PgPool) {
     assert_eq!(s.work_claim("a", LEASE, 10).await.unwrap().len(), 1);
 }
 
+/// Two DIs of one cluster released at once (`terraform destroy` deletes in parallel): exactly
+/// one of them is its last user, whatever the interleaving.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn concurrent_releases_leave_exactly_one_last_user(pool: PgPool) {
+    let s = store(pool);
+    let team = Uuid::new_v4();
+    for round in 0..20 {
+        let name = format!("di-vpc-{round}");
+        let (a, b) = (create(&s, team).await, create(&s, team).await);
+        for di in [a, b] {
+            assert!(s.ledger_cluster_use(di, &name, "c1").await.unwrap());
+        }
+        let (ra, rb) = tokio::join!(
+            s.ledger_cluster_release(a, &name, "c1"),
+            s.ledger_cluster_release(b, &name, "c1")
+        );
+        let lasts = [ra.unwrap(), rb.unwrap()]
+            .iter()
+            .filter(|r| **r == region_store::ClusterRelease::Last)
+            .count();
+        assert_eq!(lasts, 1, "round {round}: one DI must delete the cluster");
+    }
+}
+
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
 async fn ledger_and_stall_tracking(pool: PgPool) {
     let s = store(pool);
@@ -230,13 +254,30 @@ async fn ledger_and_stall_tracking(pool: PgPool) {
         ["cluster", "node_pool"]
     );
     assert_eq!(entries[0].external_id.as_deref(), Some("c1"));
-    assert_eq!(s.ledger_cluster_users("di-vpc", a).await.unwrap(), vec![b]);
-    s.ledger_remove(b, "cluster", "di-vpc").await.unwrap();
+    // A leaves a cluster B uses: it stays, and A's entry goes.
+    use region_store::ClusterRelease::{Last, Shared};
+    assert_eq!(
+        s.ledger_cluster_release(a, "di-vpc", "c1").await.unwrap(),
+        Shared
+    );
     assert!(s
-        .ledger_cluster_users("di-vpc", a)
+        .ledger_entries(a)
         .await
         .unwrap()
-        .is_empty());
+        .iter()
+        .all(|e| e.kind != "cluster"));
+    // B is then the last user: its entry retires, and no DI may start using that cluster.
+    assert_eq!(
+        s.ledger_cluster_release(b, "di-vpc", "c1").await.unwrap(),
+        Last
+    );
+    assert!(s.ledger_entries(b).await.unwrap()[0].retiring);
+    assert!(!s.ledger_cluster_use(a, "di-vpc", "c1").await.unwrap());
+    // A cluster of the same name made after it is another cluster: usable.
+    assert!(s.ledger_cluster_use(a, "di-vpc", "c2").await.unwrap());
+    let entries = s.ledger_entries(a).await.unwrap();
+    let cluster = entries.iter().find(|e| e.kind == "cluster").unwrap();
+    assert_eq!(cluster.external_id.as_deref(), Some("c2"));
 
     let first = s.work_progress(a, "provisioning|x").await.unwrap();
     assert!(!first.reported);
