@@ -7,3 +7,6 @@ mod bad_input;
 mod lifecycle;
 mod pydo_compat;
 mod resilience;
+mod revocation;
+mod shared_vpc;
+mod updates;

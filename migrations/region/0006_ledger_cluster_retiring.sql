@@ -5,3 +5,6 @@
 -- entries now name their cluster by id in `scope` (a cluster name can come back as another
 -- cluster); older rows hold the name, which teardown still understands.
 ALTER TABLE teardown_ledger ADD COLUMN retiring boolean NOT NULL DEFAULT false;
+-- (Not a schema change, a change of meaning: `error` DIs are now claimed for a customer's change
+-- they have not seen, such as a revoked token, though still not on a timer; see
+-- `Store::work_claim`.)

@@ -96,11 +96,11 @@ impl Store {
     // -----------------------------------------------------------------------------------------
     // Work queue
 
-    /// Claims up to `limit` DIs that need work and that no live lease holds, for `lease`. Work is
-    /// needed for status new, provisioning, updating or deleting, for a pending spec, and for an
-    /// active DI's periodic resync; `error` DIs wait for a spec change or a delete. A DI is due
-    /// when its `next_check_after` has passed or a customer changed it since a worker last
-    /// looked at it (the workers' own changes do not count: the pass that made them knows).
+    /// Claims up to `limit` DIs that need work and that no live lease holds, for `lease`. A DI is
+    /// due when a customer changed it since a worker last looked at it (the workers' own changes
+    /// do not count: the pass that made them knows), or, unless it is in `error`, when its
+    /// `next_check_after` has passed. An `error` DI is thus not retried on a timer, but a
+    /// change such as a revoked token still reaches its cluster.
     /// `SKIP LOCKED` keeps concurrent claimers apart; an expired lease is free to take.
     pub async fn work_claim(
         &self,
@@ -115,8 +115,7 @@ impl Store {
                  FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
                  WHERE d.gone_at IS NULL
                    AND (w.expires_at IS NULL OR w.expires_at <= now())
-                   AND d.status IN ('new', 'provisioning', 'updating', 'deleting', 'active')
-                   AND (w.next_check_after <= now()
+                   AND ((d.status <> 'error' AND w.next_check_after <= now())
                         OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)
                  ORDER BY w.next_check_after
                  LIMIT $3
@@ -155,8 +154,7 @@ impl Store {
             "SELECT
                  count(*) FILTER (
                      WHERE (w.expires_at IS NULL OR w.expires_at <= now())
-                       AND d.status IN ('new', 'provisioning', 'updating', 'deleting', 'active')
-                       AND (w.next_check_after <= now()
+                       AND ((d.status <> 'error' AND w.next_check_after <= now())
                             OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)),
                  count(*) FILTER (WHERE w.expires_at > now())
              FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id

@@ -479,7 +479,7 @@ impl Reconciler {
                 }
                 e => e,
             })?,
-            "error" => Pass::new("error", self.settings.resync),
+            "error" => self.refresh_credentials(rec).await?,
             _ => self.converge(rec).await?,
         };
         pass.kube_writes = self.kube_writes() - kube_before;
@@ -559,13 +559,8 @@ impl Reconciler {
 
         // Desired objects.
         let tls = tls(&inputs.ca, &observed)?;
-        let mut tokens: Vec<AccessTokenHash> = inputs
-            .token_hashes
-            .into_iter()
-            .map(|(tid, hash)| AccessTokenHash::new(tid, &hash))
-            .collect::<std::result::Result<_, _>>()?;
-        let (probe_id, probe_value) = probe_token(&s.probe_secret, id);
-        tokens.push(AccessTokenHash::from_value(probe_id, &probe_value));
+        let tokens = self.access_tokens(id, inputs.token_hashes)?;
+        let (_, probe_value) = probe_token(&s.probe_secret, id);
         let input = ManifestInput {
             di_id: id,
             models: models.clone(),
@@ -670,6 +665,53 @@ impl Reconciler {
             Err(StoreError::Conflict(why)) => Ok(pass.wait(why, Duration::ZERO)),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// The tokens the gateway must accept: the DI's live access tokens and the worker's probe token.
+    fn access_tokens(&self, id: Uuid, hashes: Vec<(Uuid, String)>) -> Result<Vec<AccessTokenHash>> {
+        let mut tokens: Vec<AccessTokenHash> = hashes
+            .into_iter()
+            .map(|(tid, hash)| AccessTokenHash::new(tid, &hash))
+            .collect::<std::result::Result<_, _>>()?;
+        let (probe_id, probe_value) = probe_token(&self.settings.probe_secret, id);
+        tokens.push(AccessTokenHash::from_value(probe_id, &probe_value));
+        Ok(tokens)
+    }
+
+    /// A DI in `error` keeps serving with what its last good spec left in the cluster, and is
+    /// not converged until its spec changes. What a customer changes meanwhile that is not the
+    /// spec — its access tokens — must still reach the gateway: a revoked token is refused
+    /// within seconds whatever the status.
+    async fn refresh_credentials(&self, rec: &Record) -> Result<Pass> {
+        let done = Pass::new(&rec.status, self.settings.resync);
+        let name = names::cluster(&rec.vpc_uuid);
+        let (cluster_id, kube) = match self.trusted_cluster(&name) {
+            Some(reached) => reached,
+            None => match self.find_cluster(&name, false).await? {
+                Some(c) if c.status.state == ClusterState::Running => {
+                    (c.id.clone(), self.kube_for(&c).await?)
+                }
+                // No cluster: nothing serves.
+                _ => return Ok(done),
+            },
+        };
+        let hashes = self.store.token_hashes(rec.id).await?;
+        let secret =
+            plan::manifests::access_tokens_secret(&rec.id, &self.access_tokens(rec.id, hashes)?);
+        match kube.apply(&secret).await {
+            Ok(applied) => {
+                if applied.changed {
+                    self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            // No namespace: nothing serves.
+            Err(e) if e.is_not_found() => {}
+            Err(e) => {
+                self.distrust_cluster(&name, &cluster_id);
+                return Err(e.into());
+            }
+        }
+        Ok(done)
     }
 
     /// Compares the DI's node pools in DigitalOcean with the plan and applies the difference;

@@ -151,7 +151,8 @@ async fn depth_counts_what_is_claimable_and_what_is_leased(pool: PgPool) {
     let depth = s.work_depth().await.unwrap();
     assert_eq!((depth.ready, depth.leased), (2, 1));
 
-    // An error DI waits for a new spec: not ready.
+    // An error DI is due only for a customer's change it has not seen: `free` was never looked
+    // at since it was created, so it is; once a worker has seen that, it waits.
     let free = ids
         .iter()
         .copied()
@@ -160,6 +161,15 @@ async fn depth_counts_what_is_claimable_and_what_is_leased(pool: PgPool) {
     s.error_set(free, "CapacityExhausted", "no GPUs")
         .await
         .unwrap();
+    let depth = s.work_depth().await.unwrap();
+    assert_eq!((depth.ready, depth.leased), (2, 1));
+    // A worker looks at both free DIs and lets them go at once: the error DI, having nothing
+    // new, waits; the other is ready again.
+    for c in s.work_claim("a", LEASE, 10).await.unwrap() {
+        s.work_release(c.di_id, c.lease_token, c.seq, Duration::ZERO)
+            .await
+            .unwrap();
+    }
     let depth = s.work_depth().await.unwrap();
     assert_eq!((depth.ready, depth.leased), (1, 1));
 

@@ -503,6 +503,25 @@ fn load_balancer(input: &ManifestInput, name: &str, which: &str, network: &str) 
     })
 }
 
+/// The Secret the gateway checks bearer tokens against: one key per token id, the value the hex
+/// SHA-256 of the token. Deterministic (sorted by id), so an unchanged set writes nothing.
+pub fn access_tokens_secret(di: &Uuid, tokens: &[AccessTokenHash]) -> Value {
+    let mut tokens = tokens.to_vec();
+    tokens.sort();
+    tokens.dedup_by_key(|t| t.id);
+    let data: Map<String, Value> = tokens
+        .iter()
+        .map(|t| (t.id.to_string(), json!(b64(&t.sha256_hex))))
+        .collect();
+    json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta(di, names::ACCESS_TOKENS_SECRET, &[]),
+        "type": "Opaque",
+        "data": data,
+    })
+}
+
 /// Every object of one DI, in apply order: Namespace, Secrets, per model (EPP ConfigMap,
 /// ServiceAccount, Role, RoleBinding, Service, Deployment; vLLM Deployment; InferencePool),
 /// Gateway, HTTPRoute, LoadBalancer Services. Deterministic: the same input gives the same
@@ -530,20 +549,7 @@ pub fn manifests(input: &ManifestInput) -> Vec<Value> {
         "type": "kubernetes.io/tls",
         "data": {"tls.crt": b64(&input.tls.cert_pem), "tls.key": b64(&input.tls.key_pem)},
     }));
-    let mut tokens = input.access_tokens.clone();
-    tokens.sort();
-    tokens.dedup_by_key(|t| t.id);
-    let data: Map<String, Value> = tokens
-        .iter()
-        .map(|t| (t.id.to_string(), json!(b64(&t.sha256_hex))))
-        .collect();
-    out.push(json!({
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": meta(di, names::ACCESS_TOKENS_SECRET, &[]),
-        "type": "Opaque",
-        "data": data,
-    }));
+    out.push(access_tokens_secret(di, &input.access_tokens));
     for m in &input.models {
         out.extend(epp_objects(input, m));
         out.push(vllm_deployment(input, m));

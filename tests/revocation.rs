@@ -1,0 +1,224 @@
+//! A revoked access token is refused by the data plane within 5 s in every status in which the
+//! endpoint serves: `active` (see the lifecycle test), `updating` while a slow rollout is under
+//! way, and `error` after an update the region could not satisfy (the old replicas keep
+//! serving).
+
+use std::time::{Duration, Instant};
+
+use region_sim::Delays;
+use reqwest::Method;
+use serde_json::json;
+use system_tests::{CloudOptions, System};
+use uuid::Uuid;
+
+use crate::lifecycle::{
+    assert_chat_ok, ca_client, chat, create, di_path, fetch_ca, spec, start, status,
+    wait_active, wait_for, Created,
+};
+
+const MODEL: &str = "qwen/qwen2.5-7b-instruct";
+
+/// A second token for `di`; returns (id, value) once the endpoint accepts it.
+async fn second_token(
+    sys: &System,
+    api: &str,
+    di: &Created,
+    client: &reqwest::Client,
+    endpoint: &str,
+) -> (String, String) {
+    let created = sys
+        .call(
+            Method::POST,
+            &di_path(&di.id, "/tokens"),
+            api,
+            Some(json!({"name": "second"})),
+        )
+        .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let value = created.body["token"]["value"].as_str().unwrap().to_string();
+    let id = created.body["token"]["id"].as_str().unwrap().to_string();
+    let began = Instant::now();
+    loop {
+        if let Ok((200, _)) = chat(client, endpoint, &value, MODEL).await {
+            return (id, value);
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "the new token was not accepted within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Revokes token `token_id` and asserts that the endpoint refuses `value` (401) within 5 s,
+/// while `other` keeps working.
+async fn revoke_and_expect_refusal(
+    sys: &System,
+    api: &str,
+    di: &Created,
+    client: &reqwest::Client,
+    endpoint: &str,
+    (token_id, value): (&str, &str),
+    other: &str,
+) {
+    let revoked = sys
+        .call(
+            Method::DELETE,
+            &di_path(&di.id, &format!("/tokens/{token_id}")),
+            api,
+            None,
+        )
+        .await;
+    assert_eq!(revoked.status, 204, "{}", revoked.body);
+    let at = Instant::now();
+    loop {
+        match chat(client, endpoint, value, MODEL).await {
+            Ok((401, _)) => break,
+            Ok((200, _)) => {}
+            other => panic!("the token must work until refused with 401: {other:?}"),
+        }
+        assert!(
+            at.elapsed() < Duration::from_secs(5),
+            "the revoked token still worked 5 s after the revoke returned (status {})",
+            status(sys, api, &di.id).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_chat_ok(client, endpoint, other, MODEL).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_reaches_a_di_in_error() {
+    let sys = start(CloudOptions::default()).await;
+    let region = "atl1";
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    let di = create(&sys, &api, region, "failing", MODEL, 1).await;
+    let (active, _) = wait_active(&sys, &api, region, &di.id, 1).await;
+    let endpoint = active["endpoints"]["public_endpoint_fqdn"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let client = ca_client(&fetch_ca(&sys, &api, &di.id).await);
+    let second = second_token(&sys, &api, &di, &client, &endpoint).await;
+
+    // More GPUs than the region has: the update fails, the old replica keeps serving.
+    let mut too_big = spec(&sys, region, "failing", MODEL, 50);
+    too_big["model_deployments"][0]["model_id"] = json!(di.model_id);
+    let patched = sys
+        .call(
+            Method::PATCH,
+            &di_path(&di.id, ""),
+            &api,
+            Some(json!({ "spec": too_big })),
+        )
+        .await;
+    assert_eq!(patched.status, 202, "{}", patched.body);
+    let errored = wait_error(&sys, &api, &di.id).await;
+    assert_eq!(errored["status"], "error", "{errored}");
+    assert_chat_ok(&client, &endpoint, &di.token, MODEL).await;
+
+    revoke_and_expect_refusal(
+        &sys,
+        &api,
+        &di,
+        &client,
+        &endpoint,
+        (&second.0, &second.1),
+        &di.token,
+    )
+    .await;
+    // So is the managed token's, the one the customer revoked.
+    let tokens = sys
+        .call(Method::GET, &di_path(&di.id, "/tokens"), &api, None)
+        .await;
+    let managed = tokens.body["tokens"][0]["id"].as_str().unwrap().to_string();
+    let third = second_token(&sys, &api, &di, &client, &endpoint).await;
+    revoke_and_expect_refusal(
+        &sys,
+        &api,
+        &di,
+        &client,
+        &endpoint,
+        (&managed, &di.token),
+        &third.1,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_reaches_a_di_while_it_updates() {
+    // Nodes that take long to come: the rollout is still under way when the token is revoked.
+    let sys = start(CloudOptions {
+        delays: Delays {
+            node_provision_ms: 20_000,
+            ..CloudOptions::quick_delays()
+        },
+        ..CloudOptions::default()
+    })
+    .await;
+    let region = "atl1";
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    let di = create(&sys, &api, region, "growing", MODEL, 1).await;
+    let (active, _) = wait_for(
+        &sys,
+        &api,
+        region,
+        &di.id,
+        "active on version 1",
+        Duration::from_secs(60),
+        |d| d["status"] == "active" && d["pending_deployment_spec"].is_null(),
+    )
+    .await;
+    let endpoint = active["endpoints"]["public_endpoint_fqdn"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let client = ca_client(&fetch_ca(&sys, &api, &di.id).await);
+    let second = second_token(&sys, &api, &di, &client, &endpoint).await;
+
+    let mut bigger = spec(&sys, region, "growing", MODEL, 3);
+    bigger["model_deployments"][0]["model_id"] = json!(di.model_id);
+    let patched = sys
+        .call(
+            Method::PATCH,
+            &di_path(&di.id, ""),
+            &api,
+            Some(json!({ "spec": bigger })),
+        )
+        .await;
+    assert_eq!(patched.status, 202, "{}", patched.body);
+    wait_for(
+        &sys,
+        &api,
+        region,
+        &di.id,
+        "updating",
+        Duration::from_secs(30),
+        |d| d["status"] == "updating",
+    )
+    .await;
+    revoke_and_expect_refusal(
+        &sys,
+        &api,
+        &di,
+        &client,
+        &endpoint,
+        (&second.0, &second.1),
+        &di.token,
+    )
+    .await;
+    assert_eq!(status(&sys, &api, &di.id).await, "updating");
+}
+
+/// Polls until the DI is in `error`; returns it.
+async fn wait_error(sys: &System, api: &str, id: &str) -> serde_json::Value {
+    for _ in 0..600 {
+        let reply = sys.call(Method::GET, &di_path(id, ""), api, None).await;
+        let di = reply.body["dedicated_inference"].clone();
+        if di["status"] == "error" {
+            return di;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{id} did not go to error within 60 s");
+}
