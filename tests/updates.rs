@@ -1,0 +1,206 @@
+//! Updates never interrupt serving, with delays like a real cloud's (seconds for nodes and model
+//! loads, not milliseconds): a client calling both endpoints every 50 ms through every kind of
+//! update sees no failed call, and a pure scale change adds or removes model servers without
+//! touching the ones that serve.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use region_sim::Delays;
+use reqwest::Method;
+use serde_json::{json, Value};
+use system_tests::{CloudOptions, System};
+use uuid::Uuid;
+
+use crate::lifecycle::{
+    assert_chat_ok, ca_client, create, di_path, fetch_ca, objects, spec, start, wait_active,
+    CallLog, Caller,
+};
+
+const MODEL: &str = "qwen/qwen2.5-7b-instruct";
+const OTHER_MODEL: &str = "openai/gpt-oss-20b";
+const H100: &str = "gpu-h100x1-80gb";
+const H200: &str = "gpu-h200x1-141gb";
+
+/// Seconds, as on a real cloud (scaled down from minutes, but long enough that any window
+/// without a ready model server is seen by a client calling every 50 ms).
+fn realistic() -> CloudOptions {
+    CloudOptions {
+        delays: Delays {
+            cluster_provision_ms: 1000,
+            node_provision_ms: 2000,
+            deletion_ms: 2000,
+            lb_provision_ms: 500,
+            model_load_ms: 2000,
+            gateway_address_ms: 200,
+        },
+        ..CloudOptions::default()
+    }
+}
+
+/// The DI's model-server (vLLM) pods that are ready, by name.
+fn ready_pods(sys: &System, region: &str, id: &str) -> BTreeSet<String> {
+    let inv = sys.cloud(region).sim.inventory();
+    objects(&inv, "Pod", id)
+        .into_iter()
+        .filter(|p| p["metadata"]["name"].as_str().is_some_and(|n| n.starts_with("vllm-")))
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .filter(|p| {
+            p["status"]["conditions"]
+                .as_array()
+                .is_some_and(|cs| cs.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
+        })
+        .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+struct Update<'a> {
+    sys: &'a System,
+    api: &'a str,
+    region: &'a str,
+    id: &'a str,
+    endpoints: Vec<String>,
+    client: reqwest::Client,
+    token: String,
+}
+
+impl Update<'_> {
+    /// PATCHes `spec` (version `version - 1`) while a client calls every endpoint with `models`
+    /// (see [`Caller::start`]), waits until the DI is active on `version` and returns what the
+    /// client saw, after checking that not one call failed.
+    async fn apply(&self, what: &str, spec: Value, version: i64, models: &[&str]) -> CallLog {
+        let caller = Caller::start(
+            self.client.clone(),
+            self.endpoints.clone(),
+            self.token.clone(),
+            models.iter().map(|m| m.to_string()).collect(),
+        );
+        // Let the client get going on the old spec first.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let patched = self
+            .sys
+            .call(
+                Method::PATCH,
+                &di_path(self.id, ""),
+                self.api,
+                Some(json!({ "spec": spec })),
+            )
+            .await;
+        assert_eq!(patched.status, 202, "{what}: {}", patched.body);
+        let (_, seen) = wait_active(self.sys, self.api, self.region, self.id, version).await;
+        // And keep calling a little after the rollout: what it left must serve too.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let log = caller.finish().await;
+        println!("{what}: {seen:?}, {} calls ok, {:?}", log.ok, log.switches);
+        assert!(
+            log.failures.is_empty(),
+            "{what}: {} failed calls (of {}): {:#?}",
+            log.failures.len(),
+            log.failures.len() as u64 + log.ok,
+            log.failures
+        );
+        assert!(log.ok >= 10, "{what}: the client must have been calling: {log:?}");
+        log
+    }
+}
+
+/// Scale up, GPU size, scale down, model, a deployment added and removed, a name change: each
+/// under continuous calls to both endpoints, with node and model-load delays of seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_update_drops_a_request() {
+    let sys = start(realistic()).await;
+    let region = "atl1";
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    let di = create(&sys, &api, region, "steady", MODEL, 1).await;
+    let id = di.id.as_str();
+    let (active, _) = wait_active(&sys, &api, region, id, 1).await;
+    let endpoints: Vec<String> = ["public_endpoint_fqdn", "private_endpoint_fqdn"]
+        .iter()
+        .map(|k| active["endpoints"][k].as_str().expect("an endpoint").to_string())
+        .collect();
+    let client = ca_client(&fetch_ca(&sys, &api, id).await);
+    for e in &endpoints {
+        assert_chat_ok(&client, e, &di.token, MODEL).await;
+    }
+    let u = Update {
+        sys: &sys,
+        api: &api,
+        region,
+        id,
+        endpoints,
+        client,
+        token: di.token.clone(),
+    };
+    let at = |name: &str, model: &str, gpu: &str, scale: i64, version: i64| {
+        let mut s = spec(&sys, region, name, model, scale);
+        s["version"] = json!(version);
+        s["model_deployments"][0]["model_id"] = json!(di.model_id);
+        s["model_deployments"][0]["accelerators"][0]["accelerator_slug"] = json!(gpu);
+        s
+    };
+
+    // Scale 1 → 2 adds a model server and leaves the serving one alone.
+    let before = ready_pods(&sys, region, id);
+    assert_eq!(before.len(), 1, "{before:?}");
+    u.apply("scale 1 → 2", at("steady", MODEL, H100, 2, 1), 2, &[MODEL])
+        .await;
+    let after = ready_pods(&sys, region, id);
+    assert_eq!(after.len(), 2, "{after:?}");
+    assert!(
+        before.is_subset(&after),
+        "a scale-up must not replace the serving model server: {before:?} → {after:?}"
+    );
+
+    // Another GPU size: new nodes and new model servers, the old ones serve until they are ready.
+    u.apply("H100 → H200", at("steady", MODEL, H200, 2, 2), 3, &[MODEL])
+        .await;
+
+    // Scale 2 → 1 removes a model server and leaves the other alone.
+    let before = ready_pods(&sys, region, id);
+    u.apply("scale 2 → 1", at("steady", MODEL, H200, 1, 3), 4, &[MODEL])
+        .await;
+    let after = ready_pods(&sys, region, id);
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert!(
+        after.is_subset(&before),
+        "a scale-down must keep a serving model server: {before:?} → {after:?}"
+    );
+
+    // Another model in the same deployment: the old one answers until the new one does.
+    u.apply(
+        "model change",
+        at("steady", OTHER_MODEL, H200, 1, 4),
+        5,
+        &[MODEL, OTHER_MODEL],
+    )
+    .await;
+
+    // A second deployment added, then removed: the first keeps serving throughout.
+    let mut two = at("steady", OTHER_MODEL, H200, 1, 5);
+    two["model_deployments"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({
+            "model_slug": MODEL, "model_provider": "hugging_face", "workload_config": {},
+            "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": H100}]
+        }));
+    u.apply("deployment added", two, 6, &[OTHER_MODEL]).await;
+    u.apply(
+        "deployment removed",
+        at("steady", OTHER_MODEL, H200, 1, 6),
+        7,
+        &[OTHER_MODEL],
+    )
+    .await;
+
+    // A new name changes nothing that serves.
+    let before = ready_pods(&sys, region, id);
+    u.apply(
+        "rename",
+        at("steady-renamed", OTHER_MODEL, H200, 1, 7),
+        8,
+        &[OTHER_MODEL],
+    )
+    .await;
+    assert_eq!(ready_pods(&sys, region, id), before);
+}
