@@ -105,9 +105,22 @@ impl Update<'_> {
 }
 
 /// Scale up, GPU size, scale down, model, a deployment added and removed, a name change: each
-/// under continuous calls to both endpoints, with node and model-load delays of seconds.
+/// under continuous calls to both endpoints, with node and model-load delays of seconds. The
+/// PATCHes carry the `model_id` of each deployment, as a client that read the DI back does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_update_drops_a_request() {
+    every_update(true).await;
+}
+
+/// The same with PATCH bodies as curl users, doctl spec files and a first Terraform apply write
+/// them: the create's body with a change, no `model_id`. A deployment is still recognised as the
+/// same one (by model, then by position), so a scale change is not a replacement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_update_without_model_ids_drops_a_request() {
+    every_update(false).await;
+}
+
+async fn every_update(with_ids: bool) {
     let sys = start(realistic()).await;
     let region = "atl1";
     let api = sys.token(Uuid::new_v4(), &[]).await;
@@ -134,7 +147,9 @@ async fn no_update_drops_a_request() {
     let at = |name: &str, model: &str, gpu: &str, scale: i64, version: i64| {
         let mut s = spec(&sys, region, name, model, scale);
         s["version"] = json!(version);
-        s["model_deployments"][0]["model_id"] = json!(di.model_id);
+        if with_ids {
+            s["model_deployments"][0]["model_id"] = json!(di.model_id);
+        }
         s["model_deployments"][0]["accelerators"][0]["accelerator_slug"] = json!(gpu);
         s
     };

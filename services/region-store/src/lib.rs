@@ -232,8 +232,12 @@ impl Store {
                     "spec.enable_public_endpoint cannot be changed".into(),
                 ));
             }
-            let known: Vec<Uuid> = sqlx::query_scalar(
-                "SELECT model_id FROM model_deployments WHERE di_id = $1 AND version = $2",
+            let known: Vec<KnownDeployment> = sqlx::query_as(
+                "SELECT m.model_id, m.model_slug,
+                        (SELECT g.accelerator_slug FROM accelerator_groups g
+                         WHERE g.di_id = m.di_id AND g.version = m.version AND g.deployment_position = m.position
+                         ORDER BY g.position LIMIT 1) AS accelerator_slug
+                 FROM model_deployments m WHERE m.di_id = $1 AND m.version = $2 ORDER BY m.position",
             )
             .bind(id)
             .bind(latest)
@@ -967,13 +971,20 @@ async fn lock_live(
     })
 }
 
-/// Inserts one immutable spec version. Deployments keep the `model_id` they name (it must be one of
-/// `known`, the ids of the version they replace); those without one get a fresh id.
+/// A model deployment of the version a new spec replaces, for [`deployment_ids`].
+#[derive(sqlx::FromRow)]
+struct KnownDeployment {
+    model_id: Uuid,
+    model_slug: String,
+    accelerator_slug: Option<String>,
+}
+
+/// Inserts one immutable spec version, its deployments identified by [`deployment_ids`].
 async fn insert_spec_version(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
     spec: &Spec,
-    known: &[Uuid],
+    known: &[KnownDeployment],
 ) -> Result<()> {
     sqlx::query(
         "INSERT INTO spec_versions (di_id, version, id, name, enable_public_endpoint, vpc_uuid) VALUES ($1, $2, $3, $4, $5, $6)",
@@ -986,10 +997,8 @@ async fn insert_spec_version(
     .bind(spec.vpc_uuid)
     .execute(&mut **tx)
     .await?;
-    let mut seen = Vec::new();
-    for (position, deployment) in spec.model_deployments.iter().enumerate() {
-        let model_id = deployment_id(deployment, known, &seen, position)?;
-        seen.push(model_id);
+    let ids = deployment_ids(&spec.model_deployments, known)?;
+    for (position, (deployment, model_id)) in spec.model_deployments.iter().zip(ids).enumerate() {
         sqlx::query(
             "INSERT INTO model_deployments (di_id, version, position, model_id, model_slug, model_provider, workload_config)
              VALUES ($1, $2, $3, $4, $5, $6, $7)",
@@ -1022,22 +1031,57 @@ async fn insert_spec_version(
     Ok(())
 }
 
-fn deployment_id(
-    deployment: &ModelDeployment,
-    known: &[Uuid],
-    seen: &[Uuid],
-    position: usize,
-) -> Result<Uuid> {
-    match deployment.model_id {
-        None => Ok(Uuid::new_v4()),
-        Some(id) if seen.contains(&id) => Err(StoreError::Unprocessable(format!(
-            "spec.model_deployments[{position}].model_id {id} appears twice"
-        ))),
-        Some(id) if known.contains(&id) => Ok(id),
-        Some(id) => Err(StoreError::Unprocessable(format!(
-            "spec.model_deployments[{position}].model_id {id} is not a deployment of this dedicated inference"
-        ))),
+/// The `model_id` of each deployment of a new spec. One that names an id keeps it (it must be a
+/// deployment of the version replaced, named once). One without — what curl users, doctl spec
+/// files and a first Terraform apply send — is the same deployment as an unclaimed one of the
+/// version replaced with the same model and GPU, else the same model, else the same position;
+/// only then is it new. So a scale or GPU change written without ids updates the deployment in
+/// place (its serving replicas stay) rather than replacing it with one that starts from zero.
+fn deployment_ids(deployments: &[ModelDeployment], known: &[KnownDeployment]) -> Result<Vec<Uuid>> {
+    let mut ids: Vec<Option<Uuid>> = vec![None; deployments.len()];
+    for (position, deployment) in deployments.iter().enumerate() {
+        let Some(id) = deployment.model_id else {
+            continue;
+        };
+        if ids.contains(&Some(id)) {
+            return Err(StoreError::Unprocessable(format!(
+                "spec.model_deployments[{position}].model_id {id} appears twice"
+            )));
+        }
+        if !known.iter().any(|k| k.model_id == id) {
+            return Err(StoreError::Unprocessable(format!(
+                "spec.model_deployments[{position}].model_id {id} is not a deployment of this dedicated inference"
+            )));
+        }
+        ids[position] = Some(id);
     }
+    let gpu = |d: &ModelDeployment| d.accelerators.first().map(|g| g.accelerator_slug.clone());
+    let same_model_and_gpu = |d: &ModelDeployment, _: usize, k: &KnownDeployment, _: usize| {
+        k.model_slug == d.model_slug && k.accelerator_slug == gpu(d)
+    };
+    let same_model =
+        |d: &ModelDeployment, _: usize, k: &KnownDeployment, _: usize| k.model_slug == d.model_slug;
+    let same_position = |_: &ModelDeployment, p: usize, _: &KnownDeployment, q: usize| p == q;
+    let rules: [&dyn Fn(&ModelDeployment, usize, &KnownDeployment, usize) -> bool; 3] =
+        [&same_model_and_gpu, &same_model, &same_position];
+    for rule in rules {
+        for (position, deployment) in deployments.iter().enumerate() {
+            if ids[position].is_some() {
+                continue;
+            }
+            ids[position] = known
+                .iter()
+                .enumerate()
+                .find(|(q, k)| {
+                    !ids.contains(&Some(k.model_id)) && rule(deployment, position, k, *q)
+                })
+                .map(|(_, k)| k.model_id);
+        }
+    }
+    Ok(ids
+        .into_iter()
+        .map(|id| id.unwrap_or_else(Uuid::new_v4))
+        .collect())
 }
 
 /// A change a customer asked for: as [`change`], and the work it creates for the workers carries
@@ -1111,4 +1155,98 @@ async fn change(
         .execute(&mut **tx)
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api_types::spec::AcceleratorGroup;
+
+    fn deployment(model: &str, gpu: &str, id: Option<Uuid>) -> ModelDeployment {
+        ModelDeployment {
+            model_id: id,
+            model_slug: model.into(),
+            model_provider: "hugging_face".into(),
+            workload_config: serde_json::json!({}),
+            accelerators: vec![AcceleratorGroup {
+                accelerator_slug: gpu.into(),
+                role: "prefill_decode".into(),
+                scale: 1,
+            }],
+        }
+    }
+
+    fn known(model: &str, gpu: &str) -> KnownDeployment {
+        KnownDeployment {
+            model_id: Uuid::new_v4(),
+            model_slug: model.into(),
+            accelerator_slug: Some(gpu.into()),
+        }
+    }
+
+    #[test]
+    fn a_deployment_without_an_id_is_the_one_it_updates() {
+        let old = [known("a", "h100"), known("b", "l40s")];
+        let (a, b) = (old[0].model_id, old[1].model_id);
+        // Same models, another GPU for one, reordered: matched by model.
+        let ids = deployment_ids(
+            &[deployment("b", "l40s", None), deployment("a", "h200", None)],
+            &old,
+        )
+        .unwrap();
+        assert_eq!(ids, [b, a]);
+        // Another model in the first place: the same deployment by position; an added one is new.
+        let ids = deployment_ids(
+            &[
+                deployment("c", "h100", None),
+                deployment("b", "l40s", None),
+                deployment("d", "h100", None),
+            ],
+            &old,
+        )
+        .unwrap();
+        assert_eq!(&ids[..2], [a, b]);
+        assert!(![a, b].contains(&ids[2]));
+        // A removed deployment: the other keeps its id.
+        assert_eq!(
+            deployment_ids(&[deployment("b", "l40s", None)], &old).unwrap(),
+            [b]
+        );
+    }
+
+    #[test]
+    fn one_model_on_two_gpus_is_matched_by_gpu_first() {
+        let old = [known("a", "h100"), known("a", "l40s")];
+        let ids = deployment_ids(
+            &[deployment("a", "l40s", None), deployment("a", "h100", None)],
+            &old,
+        )
+        .unwrap();
+        assert_eq!(ids, [old[1].model_id, old[0].model_id]);
+    }
+
+    #[test]
+    fn named_ids_win_and_are_checked() {
+        let old = [known("a", "h100"), known("b", "h100")];
+        let (a, b) = (old[0].model_id, old[1].model_id);
+        // The named one takes its id; the unnamed one cannot take it again.
+        let ids = deployment_ids(
+            &[
+                deployment("b", "h100", None),
+                deployment("a", "h100", Some(b)),
+            ],
+            &old,
+        )
+        .unwrap();
+        assert_eq!(ids, [a, b]);
+        assert!(deployment_ids(&[deployment("a", "h100", Some(Uuid::new_v4()))], &old).is_err());
+        assert!(deployment_ids(
+            &[
+                deployment("a", "h100", Some(a)),
+                deployment("b", "h100", Some(a))
+            ],
+            &old
+        )
+        .is_err());
+    }
 }
