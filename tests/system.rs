@@ -9,4 +9,5 @@ mod pydo_compat;
 mod resilience;
 mod revocation;
 mod shared_vpc;
+mod supervise;
 mod updates;
