@@ -22,6 +22,14 @@ async fn post_with_key(sys: &System, token: &str, key: &str, body: &Value) -> Re
     Reply::from(resp).await
 }
 
+/// Rows of a table in central's database.
+async fn central_rows(sys: &System, table: &str) -> i64 {
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+        .fetch_one(sys.central.app.store.pool())
+        .await
+        .unwrap()
+}
+
 async fn region_rows(sys: &System, region: &str) -> i64 {
     let url = &sys
         .regions
@@ -238,6 +246,41 @@ async fn a_slow_region_timeout_then_retry_yields_one_di() {
     sys.call(Method::POST, "/v2/dedicated-inferences", &token, Some(body))
         .await
         .assert_error(409, "conflict");
+}
+
+#[tokio::test]
+async fn recovery_settles_a_create_it_cannot_open_as_failed() {
+    let sys = System::start_with(Options {
+        background: false,
+        ..Options::default()
+    })
+    .await;
+    let team = Uuid::new_v4();
+    let token = sys.token(team, &[]).await;
+    // A pending create whose intent cannot be opened, as one written by a faulty central.
+    sys.central
+        .app
+        .store
+        .create_begin(&central_store::NewCreate {
+            di_id: Uuid::new_v4(),
+            team_id: team,
+            region: "atl1",
+            name: "unopenable",
+            fingerprint: b"fingerprint",
+            sealed_intent: b"not a sealed intent",
+            idempotency_key: None,
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(central::feed::RECOVERY_AGE + Duration::from_millis(200)).await;
+    let _ = central::feed::recover_once(&sys.central.app).await;
+    assert_eq!(
+        central_rows(&sys, "pending_creates").await,
+        0,
+        "settled as failed, not retried forever"
+    );
+    // Nothing of it remains: the name is free.
+    sys.create_di(&token, "unopenable", "atl1").await;
 }
 
 #[tokio::test]

@@ -68,6 +68,15 @@ pub enum IdempotencyState {
     },
 }
 
+/// A pending create that recovery may try again now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueCreate {
+    pub di_id: Uuid,
+    pub team_id: Uuid,
+    /// Failed attempts so far.
+    pub attempts: i32,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CreateBegin {
     Started,
@@ -253,24 +262,36 @@ impl CentralStore {
         )
     }
 
-    /// The team that owns a pending create.
-    pub async fn pending_create_team(&self, di_id: Uuid) -> Result<Option<Uuid>> {
-        Ok(sqlx::query_scalar(
-            "SELECT d.team_id FROM pending_creates p JOIN dedicated_inferences d ON d.id = p.di_id WHERE p.di_id = $1",
-        )
-        .bind(di_id)
-        .fetch_optional(&self.pool)
-        .await?)
-    }
-
-    /// Pending creates older than `age`: what recovery re-drives.
-    pub async fn pending_creates_older_than(&self, age: std::time::Duration) -> Result<Vec<Uuid>> {
-        Ok(sqlx::query_scalar(
-            "SELECT di_id FROM pending_creates WHERE created_at < now() - make_interval(secs => $1) ORDER BY created_at LIMIT 100",
+    /// Pending creates older than `age` whose next attempt is due: what recovery re-drives.
+    pub async fn pending_creates_due(&self, age: std::time::Duration) -> Result<Vec<DueCreate>> {
+        let rows: Vec<(Uuid, Uuid, i32)> = sqlx::query_as(
+            "SELECT p.di_id, d.team_id, p.attempts FROM pending_creates p JOIN dedicated_inferences d ON d.id = p.di_id
+             WHERE p.created_at < now() - make_interval(secs => $1) AND (p.retry_at IS NULL OR p.retry_at <= now())
+             ORDER BY p.created_at LIMIT 100",
         )
         .bind(age.as_secs_f64())
         .fetch_all(&self.pool)
-        .await?)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(di_id, team_id, attempts)| DueCreate {
+                di_id,
+                team_id,
+                attempts,
+            })
+            .collect())
+    }
+
+    /// Counts a failed attempt at a pending create and puts the next one off by `delay`.
+    pub async fn create_retry_later(&self, di_id: Uuid, delay: std::time::Duration) -> Result<()> {
+        sqlx::query(
+            "UPDATE pending_creates SET attempts = attempts + 1, retry_at = now() + make_interval(secs => $2) WHERE di_id = $1",
+        )
+        .bind(di_id)
+        .bind(delay.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// The region has the DI: the ownership row goes live with the region's view, the intent is

@@ -1,7 +1,9 @@
 //! Central's store on real Postgres.
 
+use std::time::Duration;
+
 use central_store::{
-    CentralStore, CreateBegin, IdempotencyState, NewCreate, ReadModelUpdate, StoreError,
+    CentralStore, CreateBegin, DueCreate, IdempotencyState, NewCreate, ReadModelUpdate, StoreError,
 };
 use serde_json::json;
 use sqlx::PgPool;
@@ -344,4 +346,45 @@ async fn read_cache_is_coherent_across_replicas(pool: PgPool) {
     for w in watchers {
         w.abort();
     }
+}
+
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn recovery_backs_off_per_create(pool: PgPool) {
+    let store = CentralStore::new(pool);
+    let team = Uuid::new_v4();
+    let id = Uuid::new_v4();
+    store
+        .create_begin(&new_create(id, team, "slow", None))
+        .await
+        .unwrap();
+    assert!(
+        store
+            .pending_creates_due(Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_empty(),
+        "too young"
+    );
+    assert_eq!(
+        store.pending_creates_due(Duration::ZERO).await.unwrap(),
+        vec![DueCreate {
+            di_id: id,
+            team_id: team,
+            attempts: 0
+        }]
+    );
+    store
+        .create_retry_later(id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(store
+        .pending_creates_due(Duration::ZERO)
+        .await
+        .unwrap()
+        .is_empty());
+    store.create_retry_later(id, Duration::ZERO).await.unwrap();
+    assert_eq!(
+        store.pending_creates_due(Duration::ZERO).await.unwrap()[0].attempts,
+        2
+    );
 }

@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use central_store::{CreateBegin, IdempotencyState, NewCreate, ReadModelUpdate, StoreError};
 use reqwest::Method;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
@@ -271,8 +272,8 @@ impl App {
     }
 
     /// Sends a pending create to its region (idempotent there) and settles it: confirmed with the
-    /// region's view, or aborted when the region refuses. Used by the request path, by retries, and
-    /// by recovery after a crash.
+    /// region's view, or aborted when the region refuses it or its intent cannot be read. Used by
+    /// the request path, by retries, and by recovery after a crash.
     pub async fn drive_create(&self, di_id: Uuid, team_id: Uuid) -> Result<Reply, ApiError> {
         let Some(sealed) = self
             .store
@@ -283,11 +284,15 @@ impl App {
             // Settled meanwhile by a concurrent retry or by recovery.
             return Err(ApiError::Conflict("This create was already completed; retry with the same Idempotency-Key to get its response.".into()));
         };
-        let plain = self
-            .sealer
-            .open(&sealed, intent_aad(di_id).as_bytes())
-            .map_err(ApiError::internal)?;
-        let intent: CreateIntent = serde_json::from_slice(&plain).map_err(ApiError::internal)?;
+        let intent: CreateIntent = match self.open_intent(&sealed, &intent_aad(di_id)) {
+            Ok(intent) => intent,
+            Err(problem) => {
+                // Nothing can ever send it: settle it as failed rather than retry it forever.
+                tracing::warn!(%di_id, "a pending create's intent {problem}; settling it as failed");
+                self.store.create_abort(di_id).await.map_err(store_error)?;
+                return Err(ApiError::internal(format!("create intent {problem}")));
+            }
+        };
         if intent.request.team_id != team_id {
             return Err(ApiError::NotFound);
         }
@@ -343,6 +348,23 @@ impl App {
         Ok(Reply {
             status: StatusCode::from_u16(status_code).map_err(ApiError::internal)?,
             body,
+        })
+    }
+
+    /// Opens and decodes a sealed intent. The error says what failed without quoting the
+    /// plaintext, which may hold secrets.
+    fn open_intent<T: DeserializeOwned>(&self, sealed: &[u8], aad: &str) -> Result<T, String> {
+        let plain = self
+            .sealer
+            .open(sealed, aad.as_bytes())
+            .map_err(|_| "cannot be opened".to_string())?;
+        serde_json::from_slice(&plain).map_err(|e| {
+            format!(
+                "cannot be decoded ({:?} error at line {} column {})",
+                e.classify(),
+                e.line(),
+                e.column()
+            )
         })
     }
 

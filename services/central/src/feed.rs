@@ -3,7 +3,8 @@
 //!   latest state into the read model (so reads and lists survive a region outage);
 //! - create recovery, which re-drives creates that central accepted into `pending_creates` but
 //!   could not settle (central crashed, or the region timed out): the region's create is idempotent
-//!   on the DI id, so re-driving can only finish what was started, never duplicate it;
+//!   on the DI id, so re-driving can only finish what was started, never duplicate it. A permanent
+//!   failure settles the create at once; transient ones are tried again with a backoff per create;
 //! - purging idempotency records older than 24 hours.
 //!
 //! Several replicas may run these at once: every step is idempotent and ordered by outbox `seq`.
@@ -16,6 +17,7 @@ use crate::App;
 
 pub const RECOVERY_AGE: Duration = Duration::from_secs(3);
 const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
+const MAX_BACKOFF: Duration = Duration::from_secs(300);
 
 pub fn spawn(app: App) -> Vec<JoinHandle<()>> {
     let mut tasks: Vec<JoinHandle<()>> = app
@@ -81,17 +83,38 @@ async fn recover(app: App) {
     }
 }
 
-/// Re-drives every pending create older than `RECOVERY_AGE`; returns how many settled.
+/// Re-drives every pending create older than `RECOVERY_AGE` whose next attempt is due; returns
+/// how many completed.
 pub async fn recover_once(app: &App) -> anyhow::Result<usize> {
-    let mut settled = 0;
-    for di_id in app.store.pending_creates_older_than(RECOVERY_AGE).await? {
-        let Some(team_id) = app.store.pending_create_team(di_id).await? else {
-            continue;
-        };
-        match app.drive_create(di_id, team_id).await {
-            Ok(_) => settled += 1,
-            Err(error) => tracing::info!(%di_id, %error, "pending create not settled yet"),
+    let mut completed = 0;
+    for due in app.store.pending_creates_due(RECOVERY_AGE).await? {
+        match app.drive_create(due.di_id, due.team_id).await {
+            Ok(_) => completed += 1,
+            Err(error) => {
+                // A permanent failure settled the create already; this only delays one still pending.
+                tracing::info!(di_id = %due.di_id, %error, attempts = due.attempts, "pending create not settled yet");
+                app.store
+                    .create_retry_later(due.di_id, backoff(due.attempts))
+                    .await?;
+            }
         }
     }
-    Ok(settled)
+    Ok(completed)
+}
+
+/// How long recovery waits after `attempts` failed tries before the next: one second, doubling
+/// up to five minutes, so that a region down for long is asked rarely, not every second.
+fn backoff(attempts: i32) -> Duration {
+    Duration::from_secs(1 << attempts.clamp(0, 16)).min(MAX_BACKOFF)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_five_minutes() {
+        let waits: Vec<u64> = [0, 1, 2, 8, 9, 1000].map(|n| backoff(n).as_secs()).to_vec();
+        assert_eq!(waits, vec![1, 2, 4, 256, 300, 300]);
+    }
 }
