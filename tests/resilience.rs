@@ -30,6 +30,17 @@ async fn central_rows(sys: &System, table: &str) -> i64 {
         .unwrap()
 }
 
+/// The lowercase hex SHA-256 of each live access token of DI `id`, as its region stores them.
+async fn region_token_hashes(sys: &System, region: &str, id: &str) -> Vec<String> {
+    let handle = sys.regions.iter().find(|r| r.name == region).unwrap();
+    let hashes = handle
+        .store()
+        .token_hashes(Uuid::parse_str(id).unwrap())
+        .await
+        .unwrap();
+    hashes.into_iter().map(|(_, hash)| hash).collect()
+}
+
 async fn region_rows(sys: &System, region: &str) -> i64 {
     let url = &sys
         .regions
@@ -242,10 +253,62 @@ async fn a_slow_region_timeout_then_retry_yields_one_di() {
     assert_eq!(keyed.body["token"]["value"], retried.body["token"]["value"]);
     assert_eq!(listed(&sys, &token).await.len(), 1);
     assert_eq!(region_rows(&sys, "atl1").await, 1);
-    // Once answered, a plain retry is a duplicate name, not a second DI.
-    sys.call(Method::POST, "/v2/dedicated-inferences", &token, Some(body))
-        .await
-        .assert_error(409, "conflict");
+    // Once answered, a plain retry replays the same create, not a second DI.
+    let replayed = sys
+        .call(Method::POST, "/v2/dedicated-inferences", &token, Some(body))
+        .await;
+    assert_eq!(replayed.status, 202, "{}", replayed.body);
+    assert_eq!(replayed.body, retried.body);
+    assert_eq!(region_rows(&sys, "atl1").await, 1);
+}
+
+#[tokio::test]
+async fn an_identical_create_retried_after_recovery_settled_it_gets_its_202() {
+    // Central gives up on a region call after 5 s; the region stalls for 7 s. The create is
+    // made there but answered 503 here, and recovery settles it once the region answers again.
+    let sys = System::start().await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let body = create_body("stalled", "atl1");
+    let stall = tokio::time::Instant::now();
+    sys.proxy("atl1")
+        .set_mode(Mode::SlowResponses(Duration::from_secs(7)));
+    let create = || {
+        let body = body.clone();
+        sys.call(Method::POST, "/v2/dedicated-inferences", &token, Some(body))
+    };
+    let first = create().await;
+    first.assert_error(503, "service_unavailable");
+    let answered = tokio::time::Instant::now();
+    let retry_after: u64 = first.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    tokio::time::sleep_until(stall + Duration::from_secs(7)).await;
+    sys.proxy("atl1").set_mode(Mode::Pass);
+    eventually(Duration::from_secs(20), || async {
+        (central_rows(&sys, "pending_creates").await == 0).then_some(())
+    })
+    .await;
+    tokio::time::sleep_until(answered + Duration::from_secs(retry_after)).await;
+
+    // The client retries the same body, as pydo and plain clients do after Retry-After.
+    let retried = create().await;
+    assert_eq!(retried.status, 202, "{}", retried.body);
+    let id = retried.body["dedicated_inference"]["id"].as_str().unwrap();
+    let listed = listed(&sys, &token).await;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0]["id"], id);
+    // The token shown is the DI's managed token, the one its region checks.
+    let value = retried.body["token"]["value"].as_str().unwrap();
+    assert_eq!(
+        region_token_hashes(&sys, "atl1", id).await,
+        vec![common::tokens::sha256_hex(value)]
+    );
+    let again = create().await;
+    assert_eq!(again.status, 202);
+    assert_eq!(again.body, retried.body);
+    assert_eq!(region_rows(&sys, "atl1").await, 1);
 }
 
 #[tokio::test]

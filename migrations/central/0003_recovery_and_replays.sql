@@ -1,3 +1,17 @@
+-- A create's request fingerprint and first response stay on its row, so that a retry of the
+-- identical create without a key (a client that never got the answer) replays that response,
+-- token included, whichever path settled the create. Replays are promised for 24 hours, like
+-- idempotency keys; the purge then clears the columns.
+ALTER TABLE dedicated_inferences
+    ADD COLUMN create_fingerprint bytea,
+    ADD COLUMN create_status_code integer,
+    ADD COLUMN create_response bytea;
+UPDATE dedicated_inferences d SET create_fingerprint = p.fingerprint
+    FROM pending_creates p WHERE p.di_id = d.id;
+ALTER TABLE pending_creates DROP COLUMN fingerprint;
+CREATE INDEX dedicated_inferences_create_replies ON dedicated_inferences (created_at)
+    WHERE create_response IS NOT NULL;
+
 -- Recovery backs off per create: failed attempts so far, and when to try again (NULL: as soon as
 -- it is old enough).
 ALTER TABLE pending_creates

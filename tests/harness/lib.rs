@@ -347,6 +347,16 @@ impl System {
             .expect("known region")
     }
 
+    /// Region `name`'s proxy, to make it slow or unreachable while the system is borrowed.
+    pub fn proxy(&self, name: &str) -> &proxy::Proxy {
+        &self
+            .regions
+            .iter()
+            .find(|r| r.name == name)
+            .expect("known region")
+            .proxy
+    }
+
     /// Region `name`'s simulated cloud (with [`Options::cloud`]).
     pub fn cloud(&self, name: &str) -> &Cloud {
         self.regions

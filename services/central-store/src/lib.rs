@@ -1,7 +1,8 @@
 //! Central's store: every SQL statement of the central API. It owns API tokens, the ownership map
 //! (dedicated inference id → team, region) together with the read model of each DI fed from the
 //! regions' change feeds, the pending creates that make a create exactly-once across central and
-//! region, idempotency records, and the feed cursors. Sealing and policy are the caller's: rows
+//! region (and each create's first response, for identical retries), idempotency records, and the
+//! feed cursors. Sealing and policy are the caller's: rows
 //! hold what they are given. Ownership rows are also cached in process ([`read_cache`]), kept
 //! coherent across replicas by Postgres notifications while [`CentralStore::watch_read_cache`] runs.
 
@@ -65,6 +66,22 @@ pub enum IdempotencyState {
     Done {
         status_code: u16,
         sealed_body: Vec<u8>,
+    },
+}
+
+/// Where a create stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CreateState {
+    /// Not settled yet: the sealed intent re-drives it.
+    Pending {
+        team_id: Uuid,
+        sealed_intent: Vec<u8>,
+    },
+    /// Confirmed by the region: its first response, sealed, for replays.
+    Settled {
+        team_id: Uuid,
+        status_code: u16,
+        sealed_response: Vec<u8>,
     },
 }
 
@@ -209,12 +226,14 @@ impl CentralStore {
             }
         }
         let inserted = sqlx::query(
-            "INSERT INTO dedicated_inferences (id, team_id, region, name, state, status) VALUES ($1, $2, $3, $4, 'pending', 'new')",
+            "INSERT INTO dedicated_inferences (id, team_id, region, name, state, status, create_fingerprint)
+             VALUES ($1, $2, $3, $4, 'pending', 'new', $5)",
         )
         .bind(new.di_id)
         .bind(new.team_id)
         .bind(new.region)
         .bind(new.name)
+        .bind(new.fingerprint)
         .execute(&mut *tx)
         .await;
         if let Err(sqlx::Error::Database(e)) = &inserted {
@@ -223,9 +242,8 @@ impl CentralStore {
             }
         }
         inserted?;
-        sqlx::query("INSERT INTO pending_creates (di_id, fingerprint, sealed) VALUES ($1, $2, $3)")
+        sqlx::query("INSERT INTO pending_creates (di_id, sealed) VALUES ($1, $2)")
             .bind(new.di_id)
-            .bind(new.fingerprint)
             .bind(new.sealed_intent)
             .execute(&mut *tx)
             .await?;
@@ -234,32 +252,53 @@ impl CentralStore {
         Ok(CreateBegin::Started)
     }
 
-    /// The pending create of the team's DI with this name, if its request had this fingerprint:
-    /// a client retrying a create it never got an answer to.
-    pub async fn pending_create_by_name(
+    /// The team's DI that holds this name, if a request with this fingerprint created it within
+    /// `window`: a client retrying a create whose answer it may never have got.
+    pub async fn create_by_fingerprint(
         &self,
         team_id: Uuid,
         name: &str,
         fingerprint: &[u8],
+        window: std::time::Duration,
     ) -> Result<Option<Uuid>> {
         Ok(sqlx::query_scalar(
-            "SELECT d.id FROM dedicated_inferences d JOIN pending_creates p ON p.di_id = d.id
-             WHERE d.team_id = $1 AND d.name = $2 AND d.state <> 'gone' AND p.fingerprint = $3",
+            "SELECT id FROM dedicated_inferences
+             WHERE team_id = $1 AND name = $2 AND state <> 'gone' AND status <> 'deleting'
+               AND create_fingerprint = $3 AND created_at > now() - make_interval(secs => $4)",
         )
         .bind(team_id)
         .bind(name)
         .bind(fingerprint)
+        .bind(window.as_secs_f64())
         .fetch_optional(&self.pool)
         .await?)
     }
 
-    pub async fn pending_create(&self, di_id: Uuid) -> Result<Option<Vec<u8>>> {
-        Ok(
-            sqlx::query_scalar("SELECT sealed FROM pending_creates WHERE di_id = $1")
-                .bind(di_id)
-                .fetch_optional(&self.pool)
-                .await?,
+    /// Where the create of `di_id` stands; `None` when it was aborted, or settled so long ago
+    /// that its response is no longer kept.
+    pub async fn create_state(&self, di_id: Uuid) -> Result<Option<CreateState>> {
+        type Row = (Uuid, Option<Vec<u8>>, Option<i32>, Option<Vec<u8>>);
+        let row: Option<Row> = sqlx::query_as(
+            "SELECT d.team_id, p.sealed, d.create_status_code, d.create_response
+             FROM dedicated_inferences d LEFT JOIN pending_creates p ON p.di_id = d.id WHERE d.id = $1",
         )
+        .bind(di_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(match row {
+            Some((team_id, Some(sealed_intent), _, _)) => Some(CreateState::Pending {
+                team_id,
+                sealed_intent,
+            }),
+            Some((team_id, None, Some(code), Some(sealed_response))) => {
+                Some(CreateState::Settled {
+                    team_id,
+                    status_code: code as u16,
+                    sealed_response,
+                })
+            }
+            _ => None,
+        })
     }
 
     /// Pending creates older than `age` whose next attempt is due: what recovery re-drives.
@@ -295,7 +334,8 @@ impl CentralStore {
     }
 
     /// The region has the DI: the ownership row goes live with the region's view, the intent is
-    /// dropped, and the response is stored for replays of every idempotency key of this create.
+    /// dropped, and the response is stored for replays: of every idempotency key of this create,
+    /// and of identical retries without one. A response stored first stays.
     pub async fn create_confirm(
         &self,
         update: &ReadModelUpdate<'_>,
@@ -305,9 +345,13 @@ impl CentralStore {
         let mut tx = self.pool.begin().await?;
         apply(&mut tx, update).await?;
         sqlx::query(
-            "UPDATE dedicated_inferences SET state = 'live' WHERE id = $1 AND state = 'pending'",
+            "UPDATE dedicated_inferences SET state = CASE WHEN state = 'pending' THEN 'live' ELSE state END,
+                 create_status_code = coalesce(create_status_code, $2), create_response = coalesce(create_response, $3)
+             WHERE id = $1",
         )
         .bind(update.id)
+        .bind(status_code as i32)
+        .bind(sealed_response)
         .execute(&mut *tx)
         .await?;
         sqlx::query(
@@ -526,16 +570,24 @@ impl CentralStore {
         Ok(())
     }
 
-    /// Drops keys older than `age` (replays are promised for 24 hours).
+    /// Drops keys, and the responses kept for identical creates, older than `age` (replays are
+    /// promised for 24 hours); returns how many.
     pub async fn idempotency_purge(&self, age: std::time::Duration) -> Result<u64> {
-        Ok(sqlx::query(
+        let keys = sqlx::query(
             "DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)
                AND (di_id IS NULL OR di_id NOT IN (SELECT di_id FROM pending_creates))",
         )
         .bind(age.as_secs_f64())
         .execute(&self.pool)
-        .await?
-        .rows_affected())
+        .await?;
+        let creates = sqlx::query(
+            "UPDATE dedicated_inferences SET create_fingerprint = NULL, create_status_code = NULL, create_response = NULL
+             WHERE create_response IS NOT NULL AND created_at < now() - make_interval(secs => $1)",
+        )
+        .bind(age.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        Ok(keys.rows_affected() + creates.rows_affected())
     }
 }
 

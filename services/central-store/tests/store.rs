@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use central_store::{
-    CentralStore, CreateBegin, DueCreate, IdempotencyState, NewCreate, ReadModelUpdate, StoreError,
+    CentralStore, CreateBegin, CreateState, DueCreate, IdempotencyState, NewCreate,
+    ReadModelUpdate, StoreError,
 };
 use serde_json::json;
 use sqlx::PgPool;
@@ -82,19 +83,18 @@ async fn create_lifecycle_and_name_uniqueness(pool: PgPool) {
         store.idempotency_begin(team, "k", b"other").await.unwrap(),
         IdempotencyState::Mismatch
     ));
+    // An identical retry finds the create by its fingerprint; another request does not.
+    let by_fingerprint = |fingerprint: &'static [u8]| {
+        store.create_by_fingerprint(team, "a", fingerprint, Duration::from_secs(24 * 3600))
+    };
+    assert_eq!(by_fingerprint(b"fp").await.unwrap(), Some(id));
+    assert_eq!(by_fingerprint(b"different").await.unwrap(), None);
     assert_eq!(
-        store
-            .pending_create_by_name(team, "a", b"fp")
-            .await
-            .unwrap(),
-        Some(id)
-    );
-    assert_eq!(
-        store
-            .pending_create_by_name(team, "a", b"different")
-            .await
-            .unwrap(),
-        None
+        store.create_state(id).await.unwrap(),
+        Some(CreateState::Pending {
+            team_id: team,
+            sealed_intent: b"sealed".to_vec()
+        })
     );
 
     // Pending DIs are invisible to reads.
@@ -116,7 +116,20 @@ async fn create_lifecycle_and_name_uniqueness(pool: PgPool) {
         )
         .await
         .unwrap();
-    assert!(store.pending_create(id).await.unwrap().is_none());
+    // Settled: the response is kept for identical retries, with or without the key.
+    let settled = CreateState::Settled {
+        team_id: team,
+        status_code: 202,
+        sealed_response: b"sealed-response".to_vec(),
+    };
+    assert_eq!(store.create_state(id).await.unwrap(), Some(settled.clone()));
+    assert_eq!(by_fingerprint(b"fp").await.unwrap(), Some(id));
+    // A second confirmation (a concurrent retry, recovery) keeps the first response.
+    store
+        .create_confirm(&update(id, team, "a", "new", &body, 1), 202, b"later")
+        .await
+        .unwrap();
+    assert_eq!(store.create_state(id).await.unwrap(), Some(settled));
     match store.idempotency_begin(team, "k", b"fp").await.unwrap() {
         IdempotencyState::Done {
             status_code,

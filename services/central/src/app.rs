@@ -3,6 +3,7 @@
 //! idempotent replays can return the stored bytes unchanged.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use api_types::public::{
     AcceleratorInfo, AcceleratorList, AccessToken, CaResponse, CreateRequest, CreateResponse,
@@ -16,7 +17,9 @@ use api_types::regional::{
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
-use central_store::{CreateBegin, IdempotencyState, NewCreate, ReadModelUpdate, StoreError};
+use central_store::{
+    CreateBegin, CreateState, IdempotencyState, NewCreate, ReadModelUpdate, StoreError,
+};
 use reqwest::Method;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -81,6 +84,9 @@ pub struct Paging {
 }
 
 const RETRY_AFTER_SECS: u64 = 5;
+/// How long a first response is replayed: for an Idempotency-Key, and for an identical create
+/// retried without one.
+pub const REPLAY_WINDOW: Duration = Duration::from_secs(24 * 3600);
 const MANAGED_TOKEN_NAME: &str = "managed";
 
 fn fingerprint(method: &str, path: &str, canonical: &str) -> Vec<u8> {
@@ -255,11 +261,12 @@ impl App {
                 }
             },
             Err(StoreError::NameTaken) => {
-                // A client retrying a create it never got an answer to (same body, no key): finish
-                // that create rather than refuse the retry.
+                // The same request again, from a client that may never have got the answer (a
+                // timeout, a 503 that recovery then settled): finish that create, or replay its
+                // response with the token, rather than refuse the retry.
                 match self
                     .store
-                    .pending_create_by_name(p.team_id, &intent.request.spec.name, &fp)
+                    .create_by_fingerprint(p.team_id, &intent.request.spec.name, &fp, REPLAY_WINDOW)
                     .await
                     .map_err(store_error)?
                 {
@@ -271,18 +278,27 @@ impl App {
         }
     }
 
-    /// Sends a pending create to its region (idempotent there) and settles it: confirmed with the
-    /// region's view, or aborted when the region refuses it or its intent cannot be read. Used by
+    /// Settles a create and answers with its response. A pending create is sent to its region
+    /// (idempotent there) and confirmed with the region's view, or aborted when the region
+    /// refuses it or its intent cannot be read; a settled one replays its first response. Used by
     /// the request path, by retries, and by recovery after a crash.
     pub async fn drive_create(&self, di_id: Uuid, team_id: Uuid) -> Result<Reply, ApiError> {
-        let Some(sealed) = self
-            .store
-            .pending_create(di_id)
-            .await
-            .map_err(store_error)?
-        else {
-            // Settled meanwhile by a concurrent retry or by recovery.
-            return Err(ApiError::Conflict("This create was already completed; retry with the same Idempotency-Key to get its response.".into()));
+        let sealed = match self.store.create_state(di_id).await.map_err(store_error)? {
+            Some(CreateState::Pending {
+                team_id: owner,
+                sealed_intent,
+            }) if owner == team_id => sealed_intent,
+            Some(CreateState::Settled {
+                team_id: owner,
+                status_code,
+                sealed_response,
+            }) if owner == team_id => return self.replay(team_id, status_code, &sealed_response),
+            Some(_) => return Err(ApiError::NotFound),
+            None => {
+                return Err(ApiError::Conflict(
+                    "The create this request repeats was refused meanwhile; send it again.".into(),
+                ))
+            }
         };
         let intent: CreateIntent = match self.open_intent(&sealed, &intent_aad(di_id)) {
             Ok(intent) => intent,
@@ -293,9 +309,6 @@ impl App {
                 return Err(ApiError::internal(format!("create intent {problem}")));
             }
         };
-        if intent.request.team_id != team_id {
-            return Err(ApiError::NotFound);
-        }
         let answer: Result<RecordEnvelope, _> = self
             .regions
             .call(

@@ -5,7 +5,7 @@
 //!   could not settle (central crashed, or the region timed out): the region's create is idempotent
 //!   on the DI id, so re-driving can only finish what was started, never duplicate it. A permanent
 //!   failure settles the create at once; transient ones are tried again with a backoff per create;
-//! - purging idempotency records older than 24 hours.
+//! - purging idempotency records and replayable create responses older than 24 hours.
 //!
 //! Several replicas may run these at once: every step is idempotent and ordered by outbox `seq`.
 
@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
+use crate::app::REPLAY_WINDOW;
 use crate::App;
 
 pub const RECOVERY_AGE: Duration = Duration::from_secs(3);
-const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
 const MAX_BACKOFF: Duration = Duration::from_secs(300);
 
 pub fn spawn(app: App) -> Vec<JoinHandle<()>> {
@@ -76,7 +76,7 @@ async fn recover(app: App) {
         }
         if purged_at.elapsed() > Duration::from_secs(600) {
             purged_at = tokio::time::Instant::now();
-            if let Err(error) = app.store.idempotency_purge(IDEMPOTENCY_TTL).await {
+            if let Err(error) = app.store.idempotency_purge(REPLAY_WINDOW).await {
                 tracing::warn!(%error, "idempotency purge failed");
             }
         }
