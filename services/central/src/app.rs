@@ -473,6 +473,7 @@ impl App {
             }
             let request = regional::PatchRequest {
                 team_id: p.team_id,
+                operation_id: None,
                 requires_hugging_face_token: checked.as_ref().is_some_and(|c| c.gated),
                 spec: checked.map(|c| c.spec),
                 hugging_face_token: hf,
@@ -556,6 +557,7 @@ impl App {
             let value = common::tokens::mint(common::tokens::ENDPOINT_TOKEN_PREFIX);
             let request = regional::TokenCreateRequest {
                 team_id: p.team_id,
+                operation_id: None,
                 token: NewToken {
                     id: Uuid::new_v4(),
                     name: parsed.value.name.clone(),
