@@ -438,6 +438,17 @@ impl System {
         (id, reply.body)
     }
 
+    /// Starts a new central on the same database with its background work (change feeds,
+    /// recovery) on, and points the tests at it; the old one is dropped, as after a crash.
+    pub async fn restart_central(&mut self) {
+        let mut config = self.central_config.clone();
+        config.background = true;
+        self.central = central::Server::start(config)
+            .await
+            .expect("central restarts");
+        self.base = format!("http://{}", self.central.addr);
+    }
+
     /// Brings the read model up to date with every region now, without waiting for the feed.
     pub async fn settle(&self) {
         for region in REGIONS {

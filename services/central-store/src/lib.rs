@@ -1,8 +1,8 @@
 //! Central's store: every SQL statement of the central API. It owns API tokens, the ownership map
 //! (dedicated inference id → team, region) together with the read model of each DI fed from the
 //! regions' change feeds, the pending creates that make a create exactly-once across central and
-//! region (and each create's first response, for identical retries), idempotency records, and the
-//! feed cursors. Sealing and policy are the caller's: rows
+//! region (and each create's first response, for identical retries), idempotency records with the
+//! keyed operations behind them, and the feed cursors. Sealing and policy are the caller's: rows
 //! hold what they are given. Ownership rows are also cached in process ([`read_cache`]), kept
 //! coherent across replicas by Postgres notifications while [`CentralStore::watch_read_cache`] runs.
 
@@ -10,7 +10,6 @@ mod read_cache;
 
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
 use sqlx::postgres::PgPool;
 use uuid::Uuid;
 
@@ -60,8 +59,12 @@ pub enum IdempotencyState {
     /// Same key, different request: refuse.
     Mismatch,
     /// A request with this key was accepted but has no stored response yet (it crashed or is in
-    /// flight); `di_id` says which create it belongs to, when it is one.
-    Unfinished { di_id: Option<Uuid> },
+    /// flight); `di_id` says which create it belongs to, when it is one, and `sealed_operation`
+    /// what to send to the region, when it is a keyed operation.
+    Unfinished {
+        di_id: Option<Uuid>,
+        sealed_operation: Option<Vec<u8>>,
+    },
     /// Replay this.
     Done {
         status_code: u16,
@@ -90,6 +93,16 @@ pub enum CreateState {
 pub struct DueCreate {
     pub di_id: Uuid,
     pub team_id: Uuid,
+    /// Failed attempts so far.
+    pub attempts: i32,
+}
+
+/// An unfinished keyed operation that recovery may try again now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueOperation {
+    pub team_id: Uuid,
+    pub key: String,
+    pub sealed_operation: Vec<u8>,
     /// Failed attempts so far.
     pub attempts: i32,
 }
@@ -507,26 +520,46 @@ impl CentralStore {
     // -----------------------------------------------------------------------------------------
     // Idempotency keys
 
-    /// Claims `key` for a request with `fingerprint`, or says what the key already stands for.
+    /// Claims `key` for a request with `fingerprint` and the operation it will run (if any), or
+    /// says what the key already stands for.
     pub async fn idempotency_begin(
         &self,
         team_id: Uuid,
         key: &str,
         fingerprint: &[u8],
+        sealed_operation: Option<&[u8]>,
     ) -> Result<IdempotencyState> {
         let claimed = sqlx::query(
-            "INSERT INTO idempotency_keys (team_id, key, fingerprint) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            "INSERT INTO idempotency_keys (team_id, key, fingerprint, sealed_operation) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
         )
         .bind(team_id)
         .bind(key)
         .bind(fingerprint)
+        .bind(sealed_operation)
         .execute(&self.pool)
         .await?;
         if claimed.rows_affected() == 1 {
             return Ok(IdempotencyState::Fresh);
         }
-        let row: Option<(Vec<u8>, Option<Uuid>, Option<i32>, Option<Vec<u8>>, DateTime<Utc>)> = sqlx::query_as(
-            "SELECT fingerprint, di_id, status_code, sealed_body, created_at FROM idempotency_keys WHERE team_id = $1 AND key = $2",
+        self.idempotency_state(team_id, key, fingerprint).await
+    }
+
+    /// What `key` stands for, without claiming it; `Fresh` when nothing.
+    pub async fn idempotency_state(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        fingerprint: &[u8],
+    ) -> Result<IdempotencyState> {
+        type Row = (
+            Vec<u8>,
+            Option<Uuid>,
+            Option<i32>,
+            Option<Vec<u8>>,
+            Option<Vec<u8>>,
+        );
+        let row: Option<Row> = sqlx::query_as(
+            "SELECT fingerprint, di_id, status_code, sealed_body, sealed_operation FROM idempotency_keys WHERE team_id = $1 AND key = $2",
         )
         .bind(team_id)
         .bind(key)
@@ -534,15 +567,64 @@ impl CentralStore {
         .await?;
         Ok(match row {
             None => IdempotencyState::Fresh,
-            Some((stored, _, _, _, _)) if stored != fingerprint => IdempotencyState::Mismatch,
+            Some((stored, ..)) if stored != fingerprint => IdempotencyState::Mismatch,
             Some((_, _, Some(code), Some(body), _)) => IdempotencyState::Done {
                 status_code: code as u16,
                 sealed_body: body,
             },
-            Some((_, di_id, _, _, _)) => IdempotencyState::Unfinished { di_id },
+            Some((_, di_id, _, _, sealed_operation)) => IdempotencyState::Unfinished {
+                di_id,
+                sealed_operation,
+            },
         })
     }
 
+    /// Unfinished keyed operations older than `age` whose next attempt is due: what recovery
+    /// re-drives.
+    pub async fn unfinished_operations_due(
+        &self,
+        age: std::time::Duration,
+    ) -> Result<Vec<DueOperation>> {
+        let rows: Vec<(Uuid, String, Vec<u8>, i32)> = sqlx::query_as(
+            "SELECT team_id, key, sealed_operation, attempts FROM idempotency_keys
+             WHERE sealed_operation IS NOT NULL AND status_code IS NULL
+               AND created_at < now() - make_interval(secs => $1) AND (retry_at IS NULL OR retry_at <= now())
+             ORDER BY created_at LIMIT 100",
+        )
+        .bind(age.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(team_id, key, sealed_operation, attempts)| DueOperation {
+                team_id,
+                key,
+                sealed_operation,
+                attempts,
+            })
+            .collect())
+    }
+
+    /// Counts a failed attempt at a keyed operation and puts the next one off by `delay`.
+    pub async fn operation_retry_later(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        delay: std::time::Duration,
+    ) -> Result<()> {
+        sqlx::query(
+            "UPDATE idempotency_keys SET attempts = attempts + 1, retry_at = now() + make_interval(secs => $3)
+             WHERE team_id = $1 AND key = $2 AND status_code IS NULL",
+        )
+        .bind(team_id)
+        .bind(key)
+        .bind(delay.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Stores the response for `key`; a response stored first (by a concurrent retry) stays.
     pub async fn idempotency_complete(
         &self,
         team_id: Uuid,
@@ -550,7 +632,7 @@ impl CentralStore {
         status_code: u16,
         sealed_body: &[u8],
     ) -> Result<()> {
-        sqlx::query("UPDATE idempotency_keys SET status_code = $3, sealed_body = $4 WHERE team_id = $1 AND key = $2")
+        sqlx::query("UPDATE idempotency_keys SET status_code = $3, sealed_body = $4 WHERE team_id = $1 AND key = $2 AND status_code IS NULL")
             .bind(team_id)
             .bind(key)
             .bind(status_code as i32)

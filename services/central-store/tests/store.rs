@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use central_store::{
-    CentralStore, CreateBegin, CreateState, DueCreate, IdempotencyState, NewCreate,
+    CentralStore, CreateBegin, CreateState, DueCreate, DueOperation, IdempotencyState, NewCreate,
     ReadModelUpdate, StoreError,
 };
 use serde_json::json;
@@ -77,10 +77,10 @@ async fn create_lifecycle_and_name_uniqueness(pool: PgPool) {
         CreateBegin::KeyTaken
     );
     assert!(
-        matches!(store.idempotency_begin(team, "k", b"fp").await.unwrap(), IdempotencyState::Unfinished { di_id: Some(d) } if d == id)
+        matches!(store.idempotency_state(team, "k", b"fp").await.unwrap(), IdempotencyState::Unfinished { di_id: Some(d), sealed_operation: None } if d == id)
     );
     assert!(matches!(
-        store.idempotency_begin(team, "k", b"other").await.unwrap(),
+        store.idempotency_state(team, "k", b"other").await.unwrap(),
         IdempotencyState::Mismatch
     ));
     // An identical retry finds the create by its fingerprint; another request does not.
@@ -130,7 +130,11 @@ async fn create_lifecycle_and_name_uniqueness(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(store.create_state(id).await.unwrap(), Some(settled));
-    match store.idempotency_begin(team, "k", b"fp").await.unwrap() {
+    match store
+        .idempotency_begin(team, "k", b"fp", None)
+        .await
+        .unwrap()
+    {
         IdempotencyState::Done {
             status_code,
             sealed_body,
@@ -233,8 +237,109 @@ async fn aborted_creates_leave_nothing(pool: PgPool) {
         assert_eq!(n, 0, "{table}");
     }
     assert!(matches!(
-        store.idempotency_begin(team, "key", b"fp").await.unwrap(),
+        store
+            .idempotency_begin(team, "key", b"fp", None)
+            .await
+            .unwrap(),
         IdempotencyState::Fresh
+    ));
+}
+
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn recovery_backs_off_per_create_and_per_operation(pool: PgPool) {
+    let store = CentralStore::new(pool);
+    let team = Uuid::new_v4();
+    let id = Uuid::new_v4();
+    store
+        .create_begin(&new_create(id, team, "slow", None))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store
+            .idempotency_begin(team, "op", b"fp", Some(b"sealed-op"))
+            .await
+            .unwrap(),
+        IdempotencyState::Fresh
+    ));
+    assert!(
+        store
+            .pending_creates_due(Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_empty(),
+        "too young"
+    );
+    assert_eq!(
+        store.pending_creates_due(Duration::ZERO).await.unwrap(),
+        vec![DueCreate {
+            di_id: id,
+            team_id: team,
+            attempts: 0
+        }]
+    );
+    assert_eq!(
+        store
+            .unfinished_operations_due(Duration::ZERO)
+            .await
+            .unwrap(),
+        vec![DueOperation {
+            team_id: team,
+            key: "op".into(),
+            sealed_operation: b"sealed-op".to_vec(),
+            attempts: 0
+        }]
+    );
+    // A retry finds the operation it has to re-drive.
+    assert!(matches!(
+        store.idempotency_begin(team, "op", b"fp", Some(b"another")).await.unwrap(),
+        IdempotencyState::Unfinished { di_id: None, sealed_operation: Some(op) } if op == b"sealed-op"
+    ));
+
+    store
+        .create_retry_later(id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    store
+        .operation_retry_later(team, "op", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(store
+        .pending_creates_due(Duration::ZERO)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(store
+        .unfinished_operations_due(Duration::ZERO)
+        .await
+        .unwrap()
+        .is_empty());
+    store.create_retry_later(id, Duration::ZERO).await.unwrap();
+    assert_eq!(
+        store.pending_creates_due(Duration::ZERO).await.unwrap()[0].attempts,
+        2
+    );
+
+    // Done operations are no longer due, and keep their first response.
+    store
+        .idempotency_complete(team, "op", 202, b"first")
+        .await
+        .unwrap();
+    store
+        .idempotency_complete(team, "op", 202, b"second")
+        .await
+        .unwrap();
+    store
+        .operation_retry_later(team, "op", Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(store
+        .unfinished_operations_due(Duration::ZERO)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(matches!(
+        store.idempotency_state(team, "op", b"fp").await.unwrap(),
+        IdempotencyState::Done { sealed_body, .. } if sealed_body == b"first"
     ));
 }
 
@@ -359,45 +464,4 @@ async fn read_cache_is_coherent_across_replicas(pool: PgPool) {
     for w in watchers {
         w.abort();
     }
-}
-
-#[sqlx::test(migrator = "central_store::MIGRATOR")]
-async fn recovery_backs_off_per_create(pool: PgPool) {
-    let store = CentralStore::new(pool);
-    let team = Uuid::new_v4();
-    let id = Uuid::new_v4();
-    store
-        .create_begin(&new_create(id, team, "slow", None))
-        .await
-        .unwrap();
-    assert!(
-        store
-            .pending_creates_due(Duration::from_secs(60))
-            .await
-            .unwrap()
-            .is_empty(),
-        "too young"
-    );
-    assert_eq!(
-        store.pending_creates_due(Duration::ZERO).await.unwrap(),
-        vec![DueCreate {
-            di_id: id,
-            team_id: team,
-            attempts: 0
-        }]
-    );
-    store
-        .create_retry_later(id, Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert!(store
-        .pending_creates_due(Duration::ZERO)
-        .await
-        .unwrap()
-        .is_empty());
-    store.create_retry_later(id, Duration::ZERO).await.unwrap();
-    assert_eq!(
-        store.pending_creates_due(Duration::ZERO).await.unwrap()[0].attempts,
-        2
-    );
 }

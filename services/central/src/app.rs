@@ -24,6 +24,7 @@ use reqwest::Method;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::auth::Principal;
@@ -74,6 +75,77 @@ impl IntoResponse for Reply {
 struct CreateIntent {
     request: regional::CreateRequest,
     token_value: String,
+}
+
+/// A write to an existing DI as central sends it to the region. Under an Idempotency-Key it is
+/// sealed at rest with the key (it may carry a Hugging Face token or a minted token value), so
+/// that whoever finds the key unfinished (a retry, recovery after a restart) sends the very same
+/// operation again; its operation id makes the region apply it at most once.
+#[derive(Serialize, Deserialize)]
+struct Operation {
+    team_id: Uuid,
+    di_id: Uuid,
+    region: String,
+    kind: OperationKind,
+}
+
+#[derive(Serialize, Deserialize)]
+enum OperationKind {
+    Patch(regional::PatchRequest),
+    Delete {
+        operation_id: Uuid,
+    },
+    TokenCreate {
+        request: regional::TokenCreateRequest,
+        token_value: String,
+    },
+    TokenRevoke {
+        token_id: Uuid,
+        operation_id: Uuid,
+    },
+}
+
+impl Operation {
+    fn new(p: &Principal, owned: &central_store::Owned, kind: OperationKind) -> Operation {
+        Operation {
+            team_id: p.team_id,
+            di_id: owned.id,
+            region: owned.region.clone(),
+            kind,
+        }
+    }
+}
+
+/// Why an operation did not complete.
+enum OperationError {
+    /// It changed nothing (the region refused it, or central did before calling): a key is
+    /// released, so that a retry runs the request afresh.
+    Refused(ApiError),
+    /// Its outcome is unknown (the region was unreachable or slow, or central failed after the
+    /// call): a key keeps the operation, for a retry or recovery to drive again.
+    Unsettled(ApiError),
+}
+
+impl From<OperationError> for ApiError {
+    fn from(e: OperationError) -> ApiError {
+        match e {
+            OperationError::Refused(e) | OperationError::Unsettled(e) => e,
+        }
+    }
+}
+
+fn region_failure(e: RegionCallError) -> OperationError {
+    match e {
+        RegionCallError::Rejected { .. } => OperationError::Refused(region_error(e)),
+        _ => OperationError::Unsettled(region_error(e)),
+    }
+}
+
+fn store_failure(e: StoreError) -> OperationError {
+    match e {
+        StoreError::Database(_) => OperationError::Unsettled(store_error(e)),
+        _ => OperationError::Refused(store_error(e)),
+    }
 }
 
 /// Page parameters, already validated.
@@ -244,7 +316,7 @@ impl App {
             Ok(CreateBegin::Started) => self.drive_create(di_id, p.team_id).await,
             Ok(CreateBegin::KeyTaken) => match self
                 .store
-                .idempotency_begin(p.team_id, key.unwrap_or_default(), &fp)
+                .idempotency_state(p.team_id, key.unwrap_or_default(), &fp)
                 .await
                 .map_err(store_error)?
             {
@@ -253,10 +325,10 @@ impl App {
                     sealed_body,
                 } => self.replay(p.team_id, status_code, &sealed_body),
                 IdempotencyState::Mismatch => Err(key_mismatch()),
-                IdempotencyState::Unfinished { di_id: Some(id) } => {
-                    self.drive_create(id, p.team_id).await
-                }
-                IdempotencyState::Unfinished { di_id: None } | IdempotencyState::Fresh => {
+                IdempotencyState::Unfinished {
+                    di_id: Some(id), ..
+                } => self.drive_create(id, p.team_id).await,
+                IdempotencyState::Unfinished { di_id: None, .. } | IdempotencyState::Fresh => {
                     Err(key_in_progress())
                 }
             },
@@ -381,35 +453,73 @@ impl App {
         })
     }
 
-    /// Runs `op` under an idempotency key: replays a stored response, refuses a reused key with
-    /// another body, and stores the response of a successful first run.
-    async fn idempotent<F, Fut>(
+    /// Runs `operation`; under an Idempotency-Key at most once: a stored response is replayed, a
+    /// reused key with another body refused, and otherwise the key's operation (this one, or the
+    /// one a first request stored and did not finish) is driven to its end in a task of its own,
+    /// so that a client that disconnects cannot cut it off half-way.
+    async fn idempotent(
         &self,
-        team_id: Uuid,
         key: Option<&str>,
         fp: Vec<u8>,
-        op: F,
-    ) -> Result<Reply, ApiError>
-    where
-        F: FnOnce() -> Fut,
-        Fut: std::future::Future<Output = Result<Reply, ApiError>>,
-    {
-        let Some(key) = key else { return op().await };
-        match self
+        operation: Operation,
+    ) -> Result<Reply, ApiError> {
+        let Some(key) = key else {
+            return Ok(self.run_operation(&operation).await?);
+        };
+        let team_id = operation.team_id;
+        let sealed = self.sealer.seal(
+            &serde_json::to_vec(&operation).expect("operations serialise"),
+            operation_aad(team_id, key).as_bytes(),
+        );
+        let sealed = match self
             .store
-            .idempotency_begin(team_id, key, &fp)
+            .idempotency_begin(team_id, key, &fp, Some(&sealed))
             .await
             .map_err(store_error)?
         {
+            IdempotencyState::Fresh => sealed,
+            IdempotencyState::Unfinished {
+                sealed_operation: Some(first),
+                ..
+            } => first,
             IdempotencyState::Done {
                 status_code,
                 sealed_body,
             } => return self.replay(team_id, status_code, &sealed_body),
             IdempotencyState::Mismatch => return Err(key_mismatch()),
-            IdempotencyState::Unfinished { .. } => return Err(key_in_progress()),
-            IdempotencyState::Fresh => {}
-        }
-        match op().await {
+            IdempotencyState::Unfinished {
+                sealed_operation: None,
+                ..
+            } => return Err(key_in_progress()),
+        };
+        let (app, key) = (self.clone(), key.to_owned());
+        let drive = async move { app.drive_operation(team_id, &key, &sealed).await };
+        tokio::spawn(drive.instrument(tracing::Span::current()))
+            .await
+            .map_err(ApiError::internal)?
+    }
+
+    /// Drives a keyed operation to its end: its response is stored for the key, or the key is
+    /// released when the operation changed nothing. While its outcome is unknown (the region was
+    /// unreachable or slow) the key keeps it, for a retry or recovery to drive again.
+    pub async fn drive_operation(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        sealed: &[u8],
+    ) -> Result<Reply, ApiError> {
+        let operation: Operation = match self.open_intent(sealed, &operation_aad(team_id, key)) {
+            Ok(operation) => operation,
+            Err(problem) => {
+                tracing::warn!(%team_id, "a keyed operation {problem}; releasing its key");
+                self.store
+                    .idempotency_release(team_id, key)
+                    .await
+                    .map_err(store_error)?;
+                return Err(ApiError::internal(format!("keyed operation {problem}")));
+            }
+        };
+        match self.run_operation(&operation).await {
             Ok(reply) => {
                 let sealed = self
                     .sealer
@@ -420,12 +530,128 @@ impl App {
                     .map_err(store_error)?;
                 Ok(reply)
             }
-            Err(e) => {
+            Err(OperationError::Refused(e)) => {
                 self.store
                     .idempotency_release(team_id, key)
                     .await
                     .map_err(store_error)?;
                 Err(e)
+            }
+            Err(OperationError::Unsettled(e)) => Err(e),
+        }
+    }
+
+    /// Sends an operation to its region and answers with the public reply.
+    async fn run_operation(&self, op: &Operation) -> Result<Reply, OperationError> {
+        let path = format!("/internal/v1/dedicated-inferences/{}", op.di_id);
+        match &op.kind {
+            OperationKind::Patch(request) => self.run_patch(op, &path, request).await,
+            OperationKind::Delete { operation_id } => {
+                let answer: RecordEnvelope = self
+                    .regions
+                    .call::<(), _>(
+                        &op.region,
+                        Method::DELETE,
+                        &format!("{path}?team_id={}&operation_id={operation_id}", op.team_id),
+                        None,
+                    )
+                    .await
+                    .map_err(region_failure)?;
+                self.apply(&answer.record)
+                    .await
+                    .map_err(OperationError::Unsettled)?;
+                Ok(Reply::empty(StatusCode::ACCEPTED))
+            }
+            OperationKind::TokenCreate {
+                request,
+                token_value,
+            } => {
+                let token: Token = self
+                    .regions
+                    .call(
+                        &op.region,
+                        Method::POST,
+                        &format!("{path}/tokens"),
+                        Some(request),
+                    )
+                    .await
+                    .map_err(region_failure)?;
+                let mut public = AccessToken::from(&token);
+                public.value = Some(token_value.clone());
+                Ok(Reply::json(
+                    StatusCode::ACCEPTED,
+                    &TokenEnvelope { token: public },
+                ))
+            }
+            OperationKind::TokenRevoke {
+                token_id,
+                operation_id,
+            } => {
+                self.regions
+                    .call::<(), serde_json::Value>(
+                        &op.region,
+                        Method::DELETE,
+                        &format!(
+                            "{path}/tokens/{token_id}?team_id={}&operation_id={operation_id}",
+                            op.team_id
+                        ),
+                        None,
+                    )
+                    .await
+                    .map_err(region_failure)?;
+                Ok(Reply::empty(StatusCode::NO_CONTENT))
+            }
+        }
+    }
+
+    /// A patch that renames the DI reserves the new name in central before the region call, and
+    /// gives it back if the call fails (should the patch have landed after all, the change feed
+    /// renames again).
+    async fn run_patch(
+        &self,
+        op: &Operation,
+        path: &str,
+        request: &regional::PatchRequest,
+    ) -> Result<Reply, OperationError> {
+        let current = self
+            .store
+            .dedicated_inference(op.di_id, op.team_id)
+            .await
+            .map_err(store_failure)?
+            .ok_or(OperationError::Refused(ApiError::NotFound))?;
+        let new_name = request
+            .spec
+            .as_ref()
+            .map(|s| s.name.as_str())
+            .filter(|n| *n != current.name);
+        if let Some(name) = new_name {
+            self.store
+                .rename(op.di_id, op.team_id, name)
+                .await
+                .map_err(store_failure)?;
+        }
+        let answer: Result<RecordEnvelope, _> = self
+            .regions
+            .call(&op.region, Method::PATCH, path, Some(request))
+            .await;
+        match answer {
+            Ok(RecordEnvelope { record }) => {
+                let public = self
+                    .apply(&record)
+                    .await
+                    .map_err(OperationError::Unsettled)?;
+                Ok(Reply::json(
+                    StatusCode::ACCEPTED,
+                    &DedicatedInferenceEnvelope {
+                        dedicated_inference: public,
+                    },
+                ))
+            }
+            Err(e) => {
+                if new_name.is_some() {
+                    let _ = self.store.rename(op.di_id, op.team_id, &current.name).await;
+                }
+                Err(region_failure(e))
             }
         }
     }
@@ -458,55 +684,20 @@ impl App {
                 "The request must contain spec and/or access_tokens.".into(),
             ));
         }
-        let path = format!("/v2/dedicated-inferences/{id}");
-        let fp = fingerprint("PATCH", &path, &parsed.canonical);
-        self.idempotent(p.team_id, key, fp, || async {
-            let new_name = checked
-                .as_ref()
-                .map(|c| c.spec.name.clone())
-                .filter(|n| *n != owned.name);
-            if let Some(name) = &new_name {
-                self.store
-                    .rename(id, p.team_id, name)
-                    .await
-                    .map_err(store_error)?;
-            }
-            let request = regional::PatchRequest {
-                team_id: p.team_id,
-                operation_id: None,
-                requires_hugging_face_token: checked.as_ref().is_some_and(|c| c.gated),
-                spec: checked.map(|c| c.spec),
-                hugging_face_token: hf,
-            };
-            let answer: Result<RecordEnvelope, _> = self
-                .regions
-                .call(
-                    &owned.region,
-                    Method::PATCH,
-                    &format!("/internal/v1/dedicated-inferences/{id}"),
-                    Some(&request),
-                )
-                .await;
-            match answer {
-                Ok(RecordEnvelope { record }) => {
-                    let public = self.apply(&record).await?;
-                    Ok(Reply::json(
-                        StatusCode::ACCEPTED,
-                        &DedicatedInferenceEnvelope {
-                            dedicated_inference: public,
-                        },
-                    ))
-                }
-                Err(e) => {
-                    if new_name.is_some() {
-                        // Undo the reservation; if the patch did land, the change feed renames again.
-                        let _ = self.store.rename(id, p.team_id, &owned.name).await;
-                    }
-                    Err(region_error(e))
-                }
-            }
-        })
-        .await
+        let fp = fingerprint(
+            "PATCH",
+            &format!("/v2/dedicated-inferences/{id}"),
+            &parsed.canonical,
+        );
+        let request = regional::PatchRequest {
+            team_id: p.team_id,
+            operation_id: Some(Uuid::new_v4()),
+            requires_hugging_face_token: checked.as_ref().is_some_and(|c| c.gated),
+            spec: checked.map(|c| c.spec),
+            hugging_face_token: hf,
+        };
+        let operation = Operation::new(p, &owned, OperationKind::Patch(request));
+        self.idempotent(key, fp, operation).await
     }
 
     pub async fn delete(
@@ -518,24 +709,11 @@ impl App {
         p.require("dedicated_inference:delete")?;
         let owned = self.owned(p, id).await?;
         let fp = fingerprint("DELETE", &format!("/v2/dedicated-inferences/{id}"), "");
-        self.idempotent(p.team_id, key, fp, || async {
-            let answer: RecordEnvelope = self
-                .regions
-                .call::<(), _>(
-                    &owned.region,
-                    Method::DELETE,
-                    &format!(
-                        "/internal/v1/dedicated-inferences/{id}?team_id={}",
-                        p.team_id
-                    ),
-                    None,
-                )
-                .await
-                .map_err(region_error)?;
-            self.apply(&answer.record).await?;
-            Ok(Reply::empty(StatusCode::ACCEPTED))
-        })
-        .await
+        let kind = OperationKind::Delete {
+            operation_id: Uuid::new_v4(),
+        };
+        self.idempotent(key, fp, Operation::new(p, &owned, kind))
+            .await
     }
 
     pub async fn token_create(
@@ -553,35 +731,22 @@ impl App {
             &format!("/v2/dedicated-inferences/{id}/tokens"),
             &parsed.canonical,
         );
-        self.idempotent(p.team_id, key, fp, || async {
-            let value = common::tokens::mint(common::tokens::ENDPOINT_TOKEN_PREFIX);
-            let request = regional::TokenCreateRequest {
-                team_id: p.team_id,
-                operation_id: None,
-                token: NewToken {
-                    id: Uuid::new_v4(),
-                    name: parsed.value.name.clone(),
-                    sha256_hex: common::tokens::sha256_hex(&value),
-                },
-            };
-            let token: Token = self
-                .regions
-                .call(
-                    &owned.region,
-                    Method::POST,
-                    &format!("/internal/v1/dedicated-inferences/{id}/tokens"),
-                    Some(&request),
-                )
-                .await
-                .map_err(region_error)?;
-            let mut public = AccessToken::from(&token);
-            public.value = Some(value);
-            Ok(Reply::json(
-                StatusCode::ACCEPTED,
-                &TokenEnvelope { token: public },
-            ))
-        })
-        .await
+        let token_value = common::tokens::mint(common::tokens::ENDPOINT_TOKEN_PREFIX);
+        let request = regional::TokenCreateRequest {
+            team_id: p.team_id,
+            operation_id: Some(Uuid::new_v4()),
+            token: NewToken {
+                id: Uuid::new_v4(),
+                name: parsed.value.name,
+                sha256_hex: common::tokens::sha256_hex(&token_value),
+            },
+        };
+        let kind = OperationKind::TokenCreate {
+            request,
+            token_value,
+        };
+        self.idempotent(key, fp, Operation::new(p, &owned, kind))
+            .await
     }
 
     pub async fn token_revoke(
@@ -598,22 +763,12 @@ impl App {
             &format!("/v2/dedicated-inferences/{id}/tokens/{token_id}"),
             "",
         );
-        self.idempotent(p.team_id, key, fp, || async {
-            self.regions
-                .call::<(), serde_json::Value>(
-                    &owned.region,
-                    Method::DELETE,
-                    &format!(
-                        "/internal/v1/dedicated-inferences/{id}/tokens/{token_id}?team_id={}",
-                        p.team_id
-                    ),
-                    None,
-                )
-                .await
-                .map_err(region_error)?;
-            Ok(Reply::empty(StatusCode::NO_CONTENT))
-        })
-        .await
+        let kind = OperationKind::TokenRevoke {
+            token_id,
+            operation_id: Uuid::new_v4(),
+        };
+        self.idempotent(key, fp, Operation::new(p, &owned, kind))
+            .await
     }
 
     // -----------------------------------------------------------------------------------------
@@ -924,6 +1079,10 @@ impl App {
 
 fn intent_aad(di_id: Uuid) -> String {
     format!("create-intent:{di_id}")
+}
+
+fn operation_aad(team_id: Uuid, key: &str) -> String {
+    format!("keyed-operation:{team_id}:{key}")
 }
 
 fn key_mismatch() -> ApiError {

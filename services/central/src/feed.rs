@@ -1,10 +1,12 @@
 //! Background work of every central replica:
 //! - one change-feed consumer per region, long-polling the region's outbox and merging each DI's
 //!   latest state into the read model (so reads and lists survive a region outage);
-//! - create recovery, which re-drives creates that central accepted into `pending_creates` but
-//!   could not settle (central crashed, or the region timed out): the region's create is idempotent
-//!   on the DI id, so re-driving can only finish what was started, never duplicate it. A permanent
-//!   failure settles the create at once; transient ones are tried again with a backoff per create;
+//! - recovery, which re-drives creates that central accepted into `pending_creates` but could not
+//!   settle, and keyed operations whose key has no response yet (central crashed, or the region
+//!   timed out): the region applies a create once per DI id and an operation once per operation
+//!   id, so re-driving can only finish what was started, never duplicate it. A permanent failure
+//!   settles the create or releases the key at once; transient ones are tried again with a
+//!   backoff per create or operation;
 //! - purging idempotency records and replayable create responses older than 24 hours.
 //!
 //! Several replicas may run these at once: every step is idempotent and ordered by outbox `seq`.
@@ -72,7 +74,7 @@ async fn recover(app: App) {
     loop {
         tick.tick().await;
         if let Err(error) = recover_once(&app).await {
-            tracing::warn!(%error, "create recovery pass failed");
+            tracing::warn!(%error, "recovery pass failed");
         }
         if purged_at.elapsed() > Duration::from_secs(600) {
             purged_at = tokio::time::Instant::now();
@@ -83,8 +85,8 @@ async fn recover(app: App) {
     }
 }
 
-/// Re-drives every pending create older than `RECOVERY_AGE` whose next attempt is due; returns
-/// how many completed.
+/// Re-drives every pending create and unfinished keyed operation older than `RECOVERY_AGE` whose
+/// next attempt is due; returns how many completed.
 pub async fn recover_once(app: &App) -> anyhow::Result<usize> {
     let mut completed = 0;
     for due in app.store.pending_creates_due(RECOVERY_AGE).await? {
@@ -95,6 +97,21 @@ pub async fn recover_once(app: &App) -> anyhow::Result<usize> {
                 tracing::info!(di_id = %due.di_id, %error, attempts = due.attempts, "pending create not settled yet");
                 app.store
                     .create_retry_later(due.di_id, backoff(due.attempts))
+                    .await?;
+            }
+        }
+    }
+    for due in app.store.unfinished_operations_due(RECOVERY_AGE).await? {
+        match app
+            .drive_operation(due.team_id, &due.key, &due.sealed_operation)
+            .await
+        {
+            Ok(_) => completed += 1,
+            Err(error) => {
+                // A permanent failure released the key already; this only delays one still unfinished.
+                tracing::info!(team_id = %due.team_id, %error, attempts = due.attempts, "keyed operation not finished yet");
+                app.store
+                    .operation_retry_later(due.team_id, &due.key, backoff(due.attempts))
                     .await?;
             }
         }
