@@ -103,6 +103,76 @@ async fn malformed_bodies() {
     .assert_error(422, "unprocessable_entity");
 }
 
+/// A create body whose first deployment's `workload_config` is `workload_config` (raw JSON).
+fn create_with_workload_config(name: &str, workload_config: &str) -> Vec<u8> {
+    let mut body = create_body(name, "atl1");
+    body["spec"]["model_deployments"][0]["workload_config"] = json!("@WORKLOAD@");
+    body.to_string()
+        .replace("\"@WORKLOAD@\"", workload_config)
+        .into_bytes()
+}
+
+/// An object nested `levels` deep: `{"a":{"a":…{}…}}`.
+fn nested(levels: usize) -> String {
+    format!(
+        "{}{{}}{}",
+        "{\"a\":".repeat(levels - 1),
+        "}".repeat(levels - 1)
+    )
+}
+
+#[tokio::test]
+async fn deep_or_large_input_is_refused_at_the_edge() {
+    let sys = System::start().await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let post = |body: Vec<u8>| raw(&sys, Method::POST, "/v2/dedicated-inferences", &token, body);
+    let field = "spec.model_deployments[0].workload_config";
+
+    // Deep enough to pass serde_json's own limit but not what central seals and re-reads.
+    for levels in [122, 20] {
+        let reply = post(create_with_workload_config("deep", &nested(levels))).await;
+        reply.assert_error(422, "unprocessable_entity");
+        let message = reply.body["message"].as_str().unwrap();
+        assert!(message.contains(field), "{levels} levels: {message}");
+    }
+    // Deeper than any JSON parser's recursion limit, in a field central does not even read.
+    let mut body = create_body("deeper", "atl1");
+    body["extra"] = json!("@DEEP@");
+    let body = body.to_string().replace("\"@DEEP@\"", &nested(300));
+    let reply = post(body.into_bytes()).await;
+    reply.assert_error(422, "unprocessable_entity");
+    assert!(
+        reply.body["message"].as_str().unwrap().starts_with("extra"),
+        "{}",
+        reply.body
+    );
+    // Large but under the body limit.
+    let padding = format!("{{\"padding\":\"{}\"}}", "x".repeat(20 * 1024));
+    let reply = post(create_with_workload_config("large", &padding)).await;
+    reply.assert_error(422, "unprocessable_entity");
+    assert!(
+        reply.body["message"].as_str().unwrap().contains(field),
+        "{}",
+        reply.body
+    );
+    // The limits allow what real workload hints look like.
+    let hints = r#"{"input_tokens":512,"output_tokens":256,"slo":{"ttft_ms":300,"tpot_ms":40,"percentile":95},
+        "autoscaling":{"min_replicas":1,"max_replicas":4,"scale_to_zero_after_seconds":600}}"#;
+    let reply = post(create_with_workload_config("hinted", hints)).await;
+    assert_eq!(reply.status, 202, "{}", reply.body);
+
+    // Nothing refused was left for recovery.
+    assert_eq!(
+        central::feed::recover_once(&sys.central.app).await.unwrap(),
+        0
+    );
+    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM pending_creates")
+        .fetch_one(sys.central.app.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(pending, 0);
+}
+
 #[tokio::test]
 async fn catalog_validation() {
     let sys = System::start().await;

@@ -10,16 +10,80 @@ use system_tests::{create_body, eventually, Options, Reply, System};
 use uuid::Uuid;
 
 async fn post_with_key(sys: &System, token: &str, key: &str, body: &Value) -> Reply {
-    let resp = sys
-        .http
-        .post(sys.url("/v2/dedicated-inferences"))
-        .bearer_auth(token)
-        .header("idempotency-key", key)
-        .json(body)
-        .send()
+    Keyed { sys, token }
+        .send(Method::POST, "/v2/dedicated-inferences", key, Some(body))
+        .await
+}
+
+/// A team's requests with an Idempotency-Key.
+struct Keyed<'a> {
+    sys: &'a System,
+    token: &'a str,
+}
+
+impl Keyed<'_> {
+    fn request(
+        &self,
+        method: Method,
+        path: &str,
+        key: &str,
+        body: Option<&Value>,
+    ) -> reqwest::RequestBuilder {
+        let mut request = self
+            .sys
+            .http
+            .request(method, self.sys.url(path))
+            .bearer_auth(self.token)
+            .header("idempotency-key", key);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        request
+    }
+
+    async fn send(&self, method: Method, path: &str, key: &str, body: Option<&Value>) -> Reply {
+        let request = self.request(method, path, key, body);
+        Reply::from(request.send().await.unwrap()).await
+    }
+
+    /// Sends the request from a client that gives up after half a second and cuts its
+    /// connection, as a client with a short timeout does while the region stalls.
+    async fn give_up_after_half_a_second(
+        &self,
+        method: Method,
+        path: &str,
+        key: &str,
+        body: Option<&Value>,
+    ) {
+        let sent = self
+            .request(method, path, key, body)
+            .timeout(Duration::from_millis(500))
+            .send()
+            .await;
+        assert!(
+            sent.as_ref().is_err_and(reqwest::Error::is_timeout),
+            "the client was meant to give up first: {sent:?}"
+        );
+    }
+}
+
+/// Rows of a table in central's database.
+async fn central_rows(sys: &System, table: &str) -> i64 {
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+        .fetch_one(sys.central.app.store.pool())
+        .await
+        .unwrap()
+}
+
+/// The lowercase hex SHA-256 of each live access token of DI `id`, as its region stores them.
+async fn region_token_hashes(sys: &System, region: &str, id: &str) -> Vec<String> {
+    let handle = sys.regions.iter().find(|r| r.name == region).unwrap();
+    let hashes = handle
+        .store()
+        .token_hashes(Uuid::parse_str(id).unwrap())
         .await
         .unwrap();
-    Reply::from(resp).await
+    hashes.into_iter().map(|(_, hash)| hash).collect()
 }
 
 async fn region_rows(sys: &System, region: &str) -> i64 {
@@ -234,10 +298,207 @@ async fn a_slow_region_timeout_then_retry_yields_one_di() {
     assert_eq!(keyed.body["token"]["value"], retried.body["token"]["value"]);
     assert_eq!(listed(&sys, &token).await.len(), 1);
     assert_eq!(region_rows(&sys, "atl1").await, 1);
-    // Once answered, a plain retry is a duplicate name, not a second DI.
-    sys.call(Method::POST, "/v2/dedicated-inferences", &token, Some(body))
+    // Once answered, a plain retry replays the same create, not a second DI.
+    let replayed = sys
+        .call(Method::POST, "/v2/dedicated-inferences", &token, Some(body))
+        .await;
+    assert_eq!(replayed.status, 202, "{}", replayed.body);
+    assert_eq!(replayed.body, retried.body);
+    assert_eq!(region_rows(&sys, "atl1").await, 1);
+}
+
+#[tokio::test]
+async fn an_identical_create_retried_after_recovery_settled_it_gets_its_202() {
+    // Central gives up on a region call after 5 s; the region stalls for 7 s. The create is
+    // made there but answered 503 here, and recovery settles it once the region answers again.
+    let sys = System::start().await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let body = create_body("stalled", "atl1");
+    let stall = tokio::time::Instant::now();
+    sys.proxy("atl1")
+        .set_mode(Mode::SlowResponses(Duration::from_secs(7)));
+    let create = || {
+        let body = body.clone();
+        sys.call(Method::POST, "/v2/dedicated-inferences", &token, Some(body))
+    };
+    let first = create().await;
+    first.assert_error(503, "service_unavailable");
+    let answered = tokio::time::Instant::now();
+    let retry_after: u64 = first.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    tokio::time::sleep_until(stall + Duration::from_secs(7)).await;
+    sys.proxy("atl1").set_mode(Mode::Pass);
+    eventually(Duration::from_secs(20), || async {
+        (central_rows(&sys, "pending_creates").await == 0).then_some(())
+    })
+    .await;
+    tokio::time::sleep_until(answered + Duration::from_secs(retry_after)).await;
+
+    // The client retries the same body, as pydo and plain clients do after Retry-After.
+    let retried = create().await;
+    assert_eq!(retried.status, 202, "{}", retried.body);
+    let id = retried.body["dedicated_inference"]["id"].as_str().unwrap();
+    let listed = listed(&sys, &token).await;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0]["id"], id);
+    // The token shown is the DI's managed token, the one its region checks.
+    let value = retried.body["token"]["value"].as_str().unwrap();
+    assert_eq!(
+        region_token_hashes(&sys, "atl1", id).await,
+        vec![common::tokens::sha256_hex(value)]
+    );
+    let again = create().await;
+    assert_eq!(again.status, 202);
+    assert_eq!(again.body, retried.body);
+    assert_eq!(region_rows(&sys, "atl1").await, 1);
+}
+
+/// A system without background work (only requests finish what they start, until a restart
+/// turns it on), a token, a DI in atl1, and a PATCH body that scales it to 3.
+async fn a_di_to_patch(name: &str) -> (System, String, String, Value) {
+    let sys = System::start_with(Options {
+        background: false,
+        ..Options::default()
+    })
+    .await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let (id, created) = sys.create_di(&token, name, "atl1").await;
+    let mut spec = created["dedicated_inference"]["spec"].clone();
+    spec["model_deployments"][0]["accelerators"][0]["scale"] = json!(3);
+    let path = format!("/v2/dedicated-inferences/{id}");
+    (sys, token, path, json!({ "spec": spec }))
+}
+
+#[tokio::test]
+async fn a_keyed_patch_runs_to_its_end_after_its_client_gave_up() {
+    let (sys, token, path, body) = a_di_to_patch("impatient").await;
+    sys.proxy("atl1")
+        .set_mode(Mode::SlowResponses(Duration::from_secs(2)));
+    let keyed = Keyed {
+        sys: &sys,
+        token: &token,
+    };
+    keyed
+        .give_up_after_half_a_second(Method::PATCH, &path, "patch-once", Some(&body))
+        .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    sys.proxy("atl1").set_mode(Mode::Pass);
+
+    let retried = keyed
+        .send(Method::PATCH, &path, "patch-once", Some(&body))
+        .await;
+    assert_eq!(retried.status, 202, "{}", retried.body);
+    let pending = &retried.body["dedicated_inference"]["pending_deployment_spec"];
+    assert_eq!(pending["version"], 2, "applied once: {}", retried.body);
+    assert_eq!(
+        pending["model_deployments"][0]["accelerators"][0]["scale"],
+        3
+    );
+    let again = keyed
+        .send(Method::PATCH, &path, "patch-once", Some(&body))
+        .await;
+    assert_eq!(again.body, retried.body);
+}
+
+#[tokio::test]
+async fn keyed_operations_cut_off_by_a_central_restart_are_finished_by_recovery() {
+    let (mut sys, token, path, patch) = a_di_to_patch("restarted").await;
+    let tokens_path = format!("{path}/tokens");
+    let mint = json!({"name": "ci"});
+
+    // The region applies both requests but holds its answers back; central dies before it hears
+    // them (its connections to the region are cut) and a new central takes over.
+    sys.region("atl1")
+        .proxy
+        .set_mode(Mode::SlowResponses(Duration::from_secs(3)));
+    let keyed = Keyed {
+        sys: &sys,
+        token: &token,
+    };
+    tokio::join!(
+        keyed.give_up_after_half_a_second(Method::PATCH, &path, "patch-key", Some(&patch)),
+        keyed.give_up_after_half_a_second(Method::POST, &tokens_path, "mint-key", Some(&mint)),
+    );
+    sys.region("atl1").go_down();
+    sys.restart_central().await;
+    sys.region("atl1").come_back();
+
+    // Recovery finishes both without any client asking again.
+    eventually(Duration::from_secs(20), || async {
+        let unfinished = sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM idempotency_keys WHERE status_code IS NULL",
+        )
+        .fetch_one(sys.central.app.store.pool())
         .await
-        .assert_error(409, "conflict");
+        .unwrap();
+        (unfinished == 0).then_some(())
+    })
+    .await;
+
+    let keyed = Keyed {
+        sys: &sys,
+        token: &token,
+    };
+    let patched = keyed
+        .send(Method::PATCH, &path, "patch-key", Some(&patch))
+        .await;
+    assert_eq!(patched.status, 202, "{}", patched.body);
+    assert_eq!(
+        patched.body["dedicated_inference"]["pending_deployment_spec"]["version"], 2,
+        "applied once, and its re-drive was not a stale version: {}",
+        patched.body
+    );
+    let minted = keyed
+        .send(Method::POST, &tokens_path, "mint-key", Some(&mint))
+        .await;
+    assert_eq!(minted.status, 202, "{}", minted.body);
+    let value = minted.body["token"]["value"].as_str().unwrap();
+    let id = path.rsplit('/').next().unwrap();
+    let hashes = region_token_hashes(&sys, "atl1", id).await;
+    assert_eq!(hashes.len(), 2, "the managed token and the one minted");
+    assert!(hashes.contains(&common::tokens::sha256_hex(value)));
+    let again = keyed
+        .send(Method::POST, &tokens_path, "mint-key", Some(&mint))
+        .await;
+    assert_eq!(again.body, minted.body);
+}
+
+#[tokio::test]
+async fn recovery_settles_a_create_it_cannot_open_as_failed() {
+    let sys = System::start_with(Options {
+        background: false,
+        ..Options::default()
+    })
+    .await;
+    let team = Uuid::new_v4();
+    let token = sys.token(team, &[]).await;
+    // A pending create whose intent cannot be opened, as one written by a faulty central.
+    sys.central
+        .app
+        .store
+        .create_begin(&central_store::NewCreate {
+            di_id: Uuid::new_v4(),
+            team_id: team,
+            region: "atl1",
+            name: "unopenable",
+            fingerprint: b"fingerprint",
+            sealed_intent: b"not a sealed intent",
+            idempotency_key: None,
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(central::feed::RECOVERY_AGE + Duration::from_millis(200)).await;
+    let _ = central::feed::recover_once(&sys.central.app).await;
+    assert_eq!(
+        central_rows(&sys, "pending_creates").await,
+        0,
+        "settled as failed, not retried forever"
+    );
+    // Nothing of it remains: the name is free.
+    sys.create_di(&token, "unopenable", "atl1").await;
 }
 
 #[tokio::test]
@@ -275,12 +536,7 @@ async fn recovery_after_central_restart_settles_unanswered_creates() {
     sys.region("nyc2").proxy.set_mode(Mode::Pass);
 
     // Central restarts: a new process on the same database, running the background work.
-    let mut config = sys.central_config.clone();
-    config.background = true;
-    sys.central = central::Server::start(config)
-        .await
-        .expect("central restarts");
-    sys.base = format!("http://{}", sys.central.addr);
+    sys.restart_central().await;
 
     let names = eventually(Duration::from_secs(20), || async {
         let list = listed(&sys, &token).await;

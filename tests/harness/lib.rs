@@ -347,6 +347,16 @@ impl System {
             .expect("known region")
     }
 
+    /// Region `name`'s proxy, to make it slow or unreachable while the system is borrowed.
+    pub fn proxy(&self, name: &str) -> &proxy::Proxy {
+        &self
+            .regions
+            .iter()
+            .find(|r| r.name == name)
+            .expect("known region")
+            .proxy
+    }
+
     /// Region `name`'s simulated cloud (with [`Options::cloud`]).
     pub fn cloud(&self, name: &str) -> &Cloud {
         self.regions
@@ -426,6 +436,17 @@ impl System {
             .expect("an id")
             .to_string();
         (id, reply.body)
+    }
+
+    /// Starts a new central on the same database with its background work (change feeds,
+    /// recovery) on, and points the tests at it; the old one is dropped, as after a crash.
+    pub async fn restart_central(&mut self) {
+        let mut config = self.central_config.clone();
+        config.background = true;
+        self.central = central::Server::start(config)
+            .await
+            .expect("central restarts");
+        self.base = format!("http://{}", self.central.addr);
     }
 
     /// Brings the read model up to date with every region now, without waiting for the feed.

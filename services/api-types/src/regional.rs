@@ -33,6 +33,10 @@ pub struct NewToken {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct PatchRequest {
     pub team_id: Uuid,
+    /// Central's id for this operation: applied at most once, a repeat answered with the
+    /// current state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_id: Option<Uuid>,
     pub spec: Option<Spec>,
     pub hugging_face_token: Option<String>,
     /// The spec names a gated model: the region refuses it unless a Hugging Face token is sent
@@ -40,14 +44,24 @@ pub struct PatchRequest {
     pub requires_hugging_face_token: bool,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+/// The query of a DELETE (of a DI or a token).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct TeamScoped {
     pub team_id: Uuid,
+    /// Central's id for this operation: applied at most once, a repeat (central never heard the
+    /// first answer) answered with the current state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_id: Option<Uuid>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct TokenCreateRequest {
     pub team_id: Uuid,
+    /// Central's id for this operation: applied at most once, a repeat answered with the
+    /// current state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_id: Option<Uuid>,
     pub token: NewToken,
 }
 

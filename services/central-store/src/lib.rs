@@ -1,7 +1,8 @@
 //! Central's store: every SQL statement of the central API. It owns API tokens, the ownership map
 //! (dedicated inference id → team, region) together with the read model of each DI fed from the
 //! regions' change feeds, the pending creates that make a create exactly-once across central and
-//! region, idempotency records, and the feed cursors. Sealing and policy are the caller's: rows
+//! region (and each create's first response, for identical retries), idempotency records with the
+//! keyed operations behind them, and the feed cursors. Sealing and policy are the caller's: rows
 //! hold what they are given. Ownership rows are also cached in process ([`read_cache`]), kept
 //! coherent across replicas by Postgres notifications while [`CentralStore::watch_read_cache`] runs.
 
@@ -9,7 +10,6 @@ mod read_cache;
 
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
 use sqlx::postgres::PgPool;
 use uuid::Uuid;
 
@@ -59,13 +59,52 @@ pub enum IdempotencyState {
     /// Same key, different request: refuse.
     Mismatch,
     /// A request with this key was accepted but has no stored response yet (it crashed or is in
-    /// flight); `di_id` says which create it belongs to, when it is one.
-    Unfinished { di_id: Option<Uuid> },
+    /// flight); `di_id` says which create it belongs to, when it is one, and `sealed_operation`
+    /// what to send to the region, when it is a keyed operation.
+    Unfinished {
+        di_id: Option<Uuid>,
+        sealed_operation: Option<Vec<u8>>,
+    },
     /// Replay this.
     Done {
         status_code: u16,
         sealed_body: Vec<u8>,
     },
+}
+
+/// Where a create stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CreateState {
+    /// Not settled yet: the sealed intent re-drives it.
+    Pending {
+        team_id: Uuid,
+        sealed_intent: Vec<u8>,
+    },
+    /// Confirmed by the region: its first response, sealed, for replays.
+    Settled {
+        team_id: Uuid,
+        status_code: u16,
+        sealed_response: Vec<u8>,
+    },
+}
+
+/// A pending create that recovery may try again now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueCreate {
+    pub di_id: Uuid,
+    pub team_id: Uuid,
+    /// Failed attempts so far.
+    pub attempts: i32,
+}
+
+/// An unfinished keyed operation that recovery may try again now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueOperation {
+    pub team_id: Uuid,
+    pub key: String,
+    pub sealed_operation: Vec<u8>,
+    /// Failed attempts so far.
+    pub attempts: i32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,12 +239,14 @@ impl CentralStore {
             }
         }
         let inserted = sqlx::query(
-            "INSERT INTO dedicated_inferences (id, team_id, region, name, state, status) VALUES ($1, $2, $3, $4, 'pending', 'new')",
+            "INSERT INTO dedicated_inferences (id, team_id, region, name, state, status, create_fingerprint)
+             VALUES ($1, $2, $3, $4, 'pending', 'new', $5)",
         )
         .bind(new.di_id)
         .bind(new.team_id)
         .bind(new.region)
         .bind(new.name)
+        .bind(new.fingerprint)
         .execute(&mut *tx)
         .await;
         if let Err(sqlx::Error::Database(e)) = &inserted {
@@ -214,9 +255,8 @@ impl CentralStore {
             }
         }
         inserted?;
-        sqlx::query("INSERT INTO pending_creates (di_id, fingerprint, sealed) VALUES ($1, $2, $3)")
+        sqlx::query("INSERT INTO pending_creates (di_id, sealed) VALUES ($1, $2)")
             .bind(new.di_id)
-            .bind(new.fingerprint)
             .bind(new.sealed_intent)
             .execute(&mut *tx)
             .await?;
@@ -225,56 +265,90 @@ impl CentralStore {
         Ok(CreateBegin::Started)
     }
 
-    /// The pending create of the team's DI with this name, if its request had this fingerprint:
-    /// a client retrying a create it never got an answer to.
-    pub async fn pending_create_by_name(
+    /// The team's DI that holds this name, if a request with this fingerprint created it within
+    /// `window`: a client retrying a create whose answer it may never have got.
+    pub async fn create_by_fingerprint(
         &self,
         team_id: Uuid,
         name: &str,
         fingerprint: &[u8],
+        window: std::time::Duration,
     ) -> Result<Option<Uuid>> {
         Ok(sqlx::query_scalar(
-            "SELECT d.id FROM dedicated_inferences d JOIN pending_creates p ON p.di_id = d.id
-             WHERE d.team_id = $1 AND d.name = $2 AND d.state <> 'gone' AND p.fingerprint = $3",
+            "SELECT id FROM dedicated_inferences
+             WHERE team_id = $1 AND name = $2 AND state <> 'gone' AND status <> 'deleting'
+               AND create_fingerprint = $3 AND created_at > now() - make_interval(secs => $4)",
         )
         .bind(team_id)
         .bind(name)
         .bind(fingerprint)
+        .bind(window.as_secs_f64())
         .fetch_optional(&self.pool)
         .await?)
     }
 
-    pub async fn pending_create(&self, di_id: Uuid) -> Result<Option<Vec<u8>>> {
-        Ok(
-            sqlx::query_scalar("SELECT sealed FROM pending_creates WHERE di_id = $1")
-                .bind(di_id)
-                .fetch_optional(&self.pool)
-                .await?,
-        )
-    }
-
-    /// The team that owns a pending create.
-    pub async fn pending_create_team(&self, di_id: Uuid) -> Result<Option<Uuid>> {
-        Ok(sqlx::query_scalar(
-            "SELECT d.team_id FROM pending_creates p JOIN dedicated_inferences d ON d.id = p.di_id WHERE p.di_id = $1",
+    /// Where the create of `di_id` stands; `None` when it was aborted, or settled so long ago
+    /// that its response is no longer kept.
+    pub async fn create_state(&self, di_id: Uuid) -> Result<Option<CreateState>> {
+        type Row = (Uuid, Option<Vec<u8>>, Option<i32>, Option<Vec<u8>>);
+        let row: Option<Row> = sqlx::query_as(
+            "SELECT d.team_id, p.sealed, d.create_status_code, d.create_response
+             FROM dedicated_inferences d LEFT JOIN pending_creates p ON p.di_id = d.id WHERE d.id = $1",
         )
         .bind(di_id)
         .fetch_optional(&self.pool)
-        .await?)
+        .await?;
+        Ok(match row {
+            Some((team_id, Some(sealed_intent), _, _)) => Some(CreateState::Pending {
+                team_id,
+                sealed_intent,
+            }),
+            Some((team_id, None, Some(code), Some(sealed_response))) => {
+                Some(CreateState::Settled {
+                    team_id,
+                    status_code: code as u16,
+                    sealed_response,
+                })
+            }
+            _ => None,
+        })
     }
 
-    /// Pending creates older than `age`: what recovery re-drives.
-    pub async fn pending_creates_older_than(&self, age: std::time::Duration) -> Result<Vec<Uuid>> {
-        Ok(sqlx::query_scalar(
-            "SELECT di_id FROM pending_creates WHERE created_at < now() - make_interval(secs => $1) ORDER BY created_at LIMIT 100",
+    /// Pending creates older than `age` whose next attempt is due: what recovery re-drives.
+    pub async fn pending_creates_due(&self, age: std::time::Duration) -> Result<Vec<DueCreate>> {
+        let rows: Vec<(Uuid, Uuid, i32)> = sqlx::query_as(
+            "SELECT p.di_id, d.team_id, p.attempts FROM pending_creates p JOIN dedicated_inferences d ON d.id = p.di_id
+             WHERE p.created_at < now() - make_interval(secs => $1) AND (p.retry_at IS NULL OR p.retry_at <= now())
+             ORDER BY p.created_at LIMIT 100",
         )
         .bind(age.as_secs_f64())
         .fetch_all(&self.pool)
-        .await?)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(di_id, team_id, attempts)| DueCreate {
+                di_id,
+                team_id,
+                attempts,
+            })
+            .collect())
+    }
+
+    /// Counts a failed attempt at a pending create and puts the next one off by `delay`.
+    pub async fn create_retry_later(&self, di_id: Uuid, delay: std::time::Duration) -> Result<()> {
+        sqlx::query(
+            "UPDATE pending_creates SET attempts = attempts + 1, retry_at = now() + make_interval(secs => $2) WHERE di_id = $1",
+        )
+        .bind(di_id)
+        .bind(delay.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// The region has the DI: the ownership row goes live with the region's view, the intent is
-    /// dropped, and the response is stored for replays of every idempotency key of this create.
+    /// dropped, and the response is stored for replays: of every idempotency key of this create,
+    /// and of identical retries without one. A response stored first stays.
     pub async fn create_confirm(
         &self,
         update: &ReadModelUpdate<'_>,
@@ -284,9 +358,13 @@ impl CentralStore {
         let mut tx = self.pool.begin().await?;
         apply(&mut tx, update).await?;
         sqlx::query(
-            "UPDATE dedicated_inferences SET state = 'live' WHERE id = $1 AND state = 'pending'",
+            "UPDATE dedicated_inferences SET state = CASE WHEN state = 'pending' THEN 'live' ELSE state END,
+                 create_status_code = coalesce(create_status_code, $2), create_response = coalesce(create_response, $3)
+             WHERE id = $1",
         )
         .bind(update.id)
+        .bind(status_code as i32)
+        .bind(sealed_response)
         .execute(&mut *tx)
         .await?;
         sqlx::query(
@@ -442,26 +520,46 @@ impl CentralStore {
     // -----------------------------------------------------------------------------------------
     // Idempotency keys
 
-    /// Claims `key` for a request with `fingerprint`, or says what the key already stands for.
+    /// Claims `key` for a request with `fingerprint` and the operation it will run (if any), or
+    /// says what the key already stands for.
     pub async fn idempotency_begin(
         &self,
         team_id: Uuid,
         key: &str,
         fingerprint: &[u8],
+        sealed_operation: Option<&[u8]>,
     ) -> Result<IdempotencyState> {
         let claimed = sqlx::query(
-            "INSERT INTO idempotency_keys (team_id, key, fingerprint) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            "INSERT INTO idempotency_keys (team_id, key, fingerprint, sealed_operation) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
         )
         .bind(team_id)
         .bind(key)
         .bind(fingerprint)
+        .bind(sealed_operation)
         .execute(&self.pool)
         .await?;
         if claimed.rows_affected() == 1 {
             return Ok(IdempotencyState::Fresh);
         }
-        let row: Option<(Vec<u8>, Option<Uuid>, Option<i32>, Option<Vec<u8>>, DateTime<Utc>)> = sqlx::query_as(
-            "SELECT fingerprint, di_id, status_code, sealed_body, created_at FROM idempotency_keys WHERE team_id = $1 AND key = $2",
+        self.idempotency_state(team_id, key, fingerprint).await
+    }
+
+    /// What `key` stands for, without claiming it; `Fresh` when nothing.
+    pub async fn idempotency_state(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        fingerprint: &[u8],
+    ) -> Result<IdempotencyState> {
+        type Row = (
+            Vec<u8>,
+            Option<Uuid>,
+            Option<i32>,
+            Option<Vec<u8>>,
+            Option<Vec<u8>>,
+        );
+        let row: Option<Row> = sqlx::query_as(
+            "SELECT fingerprint, di_id, status_code, sealed_body, sealed_operation FROM idempotency_keys WHERE team_id = $1 AND key = $2",
         )
         .bind(team_id)
         .bind(key)
@@ -469,15 +567,64 @@ impl CentralStore {
         .await?;
         Ok(match row {
             None => IdempotencyState::Fresh,
-            Some((stored, _, _, _, _)) if stored != fingerprint => IdempotencyState::Mismatch,
+            Some((stored, ..)) if stored != fingerprint => IdempotencyState::Mismatch,
             Some((_, _, Some(code), Some(body), _)) => IdempotencyState::Done {
                 status_code: code as u16,
                 sealed_body: body,
             },
-            Some((_, di_id, _, _, _)) => IdempotencyState::Unfinished { di_id },
+            Some((_, di_id, _, _, sealed_operation)) => IdempotencyState::Unfinished {
+                di_id,
+                sealed_operation,
+            },
         })
     }
 
+    /// Unfinished keyed operations older than `age` whose next attempt is due: what recovery
+    /// re-drives.
+    pub async fn unfinished_operations_due(
+        &self,
+        age: std::time::Duration,
+    ) -> Result<Vec<DueOperation>> {
+        let rows: Vec<(Uuid, String, Vec<u8>, i32)> = sqlx::query_as(
+            "SELECT team_id, key, sealed_operation, attempts FROM idempotency_keys
+             WHERE sealed_operation IS NOT NULL AND status_code IS NULL
+               AND created_at < now() - make_interval(secs => $1) AND (retry_at IS NULL OR retry_at <= now())
+             ORDER BY created_at LIMIT 100",
+        )
+        .bind(age.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(team_id, key, sealed_operation, attempts)| DueOperation {
+                team_id,
+                key,
+                sealed_operation,
+                attempts,
+            })
+            .collect())
+    }
+
+    /// Counts a failed attempt at a keyed operation and puts the next one off by `delay`.
+    pub async fn operation_retry_later(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        delay: std::time::Duration,
+    ) -> Result<()> {
+        sqlx::query(
+            "UPDATE idempotency_keys SET attempts = attempts + 1, retry_at = now() + make_interval(secs => $3)
+             WHERE team_id = $1 AND key = $2 AND status_code IS NULL",
+        )
+        .bind(team_id)
+        .bind(key)
+        .bind(delay.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Stores the response for `key`; a response stored first (by a concurrent retry) stays.
     pub async fn idempotency_complete(
         &self,
         team_id: Uuid,
@@ -485,7 +632,7 @@ impl CentralStore {
         status_code: u16,
         sealed_body: &[u8],
     ) -> Result<()> {
-        sqlx::query("UPDATE idempotency_keys SET status_code = $3, sealed_body = $4 WHERE team_id = $1 AND key = $2")
+        sqlx::query("UPDATE idempotency_keys SET status_code = $3, sealed_body = $4 WHERE team_id = $1 AND key = $2 AND status_code IS NULL")
             .bind(team_id)
             .bind(key)
             .bind(status_code as i32)
@@ -505,16 +652,24 @@ impl CentralStore {
         Ok(())
     }
 
-    /// Drops keys older than `age` (replays are promised for 24 hours).
+    /// Drops keys, and the responses kept for identical creates, older than `age` (replays are
+    /// promised for 24 hours); returns how many.
     pub async fn idempotency_purge(&self, age: std::time::Duration) -> Result<u64> {
-        Ok(sqlx::query(
+        let keys = sqlx::query(
             "DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)
                AND (di_id IS NULL OR di_id NOT IN (SELECT di_id FROM pending_creates))",
         )
         .bind(age.as_secs_f64())
         .execute(&self.pool)
-        .await?
-        .rows_affected())
+        .await?;
+        let creates = sqlx::query(
+            "UPDATE dedicated_inferences SET create_fingerprint = NULL, create_status_code = NULL, create_response = NULL
+             WHERE create_response IS NOT NULL AND created_at < now() - make_interval(secs => $1)",
+        )
+        .bind(age.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        Ok(keys.rows_affected() + creates.rows_affected())
     }
 }
 

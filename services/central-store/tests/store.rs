@@ -1,7 +1,10 @@
 //! Central's store on real Postgres.
 
+use std::time::Duration;
+
 use central_store::{
-    CentralStore, CreateBegin, IdempotencyState, NewCreate, ReadModelUpdate, StoreError,
+    CentralStore, CreateBegin, CreateState, DueCreate, DueOperation, IdempotencyState, NewCreate,
+    ReadModelUpdate, StoreError,
 };
 use serde_json::json;
 use sqlx::PgPool;
@@ -74,25 +77,24 @@ async fn create_lifecycle_and_name_uniqueness(pool: PgPool) {
         CreateBegin::KeyTaken
     );
     assert!(
-        matches!(store.idempotency_begin(team, "k", b"fp").await.unwrap(), IdempotencyState::Unfinished { di_id: Some(d) } if d == id)
+        matches!(store.idempotency_state(team, "k", b"fp").await.unwrap(), IdempotencyState::Unfinished { di_id: Some(d), sealed_operation: None } if d == id)
     );
     assert!(matches!(
-        store.idempotency_begin(team, "k", b"other").await.unwrap(),
+        store.idempotency_state(team, "k", b"other").await.unwrap(),
         IdempotencyState::Mismatch
     ));
+    // An identical retry finds the create by its fingerprint; another request does not.
+    let by_fingerprint = |fingerprint: &'static [u8]| {
+        store.create_by_fingerprint(team, "a", fingerprint, Duration::from_secs(24 * 3600))
+    };
+    assert_eq!(by_fingerprint(b"fp").await.unwrap(), Some(id));
+    assert_eq!(by_fingerprint(b"different").await.unwrap(), None);
     assert_eq!(
-        store
-            .pending_create_by_name(team, "a", b"fp")
-            .await
-            .unwrap(),
-        Some(id)
-    );
-    assert_eq!(
-        store
-            .pending_create_by_name(team, "a", b"different")
-            .await
-            .unwrap(),
-        None
+        store.create_state(id).await.unwrap(),
+        Some(CreateState::Pending {
+            team_id: team,
+            sealed_intent: b"sealed".to_vec()
+        })
     );
 
     // Pending DIs are invisible to reads.
@@ -114,8 +116,25 @@ async fn create_lifecycle_and_name_uniqueness(pool: PgPool) {
         )
         .await
         .unwrap();
-    assert!(store.pending_create(id).await.unwrap().is_none());
-    match store.idempotency_begin(team, "k", b"fp").await.unwrap() {
+    // Settled: the response is kept for identical retries, with or without the key.
+    let settled = CreateState::Settled {
+        team_id: team,
+        status_code: 202,
+        sealed_response: b"sealed-response".to_vec(),
+    };
+    assert_eq!(store.create_state(id).await.unwrap(), Some(settled.clone()));
+    assert_eq!(by_fingerprint(b"fp").await.unwrap(), Some(id));
+    // A second confirmation (a concurrent retry, recovery) keeps the first response.
+    store
+        .create_confirm(&update(id, team, "a", "new", &body, 1), 202, b"later")
+        .await
+        .unwrap();
+    assert_eq!(store.create_state(id).await.unwrap(), Some(settled));
+    match store
+        .idempotency_begin(team, "k", b"fp", None)
+        .await
+        .unwrap()
+    {
         IdempotencyState::Done {
             status_code,
             sealed_body,
@@ -218,8 +237,109 @@ async fn aborted_creates_leave_nothing(pool: PgPool) {
         assert_eq!(n, 0, "{table}");
     }
     assert!(matches!(
-        store.idempotency_begin(team, "key", b"fp").await.unwrap(),
+        store
+            .idempotency_begin(team, "key", b"fp", None)
+            .await
+            .unwrap(),
         IdempotencyState::Fresh
+    ));
+}
+
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn recovery_backs_off_per_create_and_per_operation(pool: PgPool) {
+    let store = CentralStore::new(pool);
+    let team = Uuid::new_v4();
+    let id = Uuid::new_v4();
+    store
+        .create_begin(&new_create(id, team, "slow", None))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store
+            .idempotency_begin(team, "op", b"fp", Some(b"sealed-op"))
+            .await
+            .unwrap(),
+        IdempotencyState::Fresh
+    ));
+    assert!(
+        store
+            .pending_creates_due(Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_empty(),
+        "too young"
+    );
+    assert_eq!(
+        store.pending_creates_due(Duration::ZERO).await.unwrap(),
+        vec![DueCreate {
+            di_id: id,
+            team_id: team,
+            attempts: 0
+        }]
+    );
+    assert_eq!(
+        store
+            .unfinished_operations_due(Duration::ZERO)
+            .await
+            .unwrap(),
+        vec![DueOperation {
+            team_id: team,
+            key: "op".into(),
+            sealed_operation: b"sealed-op".to_vec(),
+            attempts: 0
+        }]
+    );
+    // A retry finds the operation it has to re-drive.
+    assert!(matches!(
+        store.idempotency_begin(team, "op", b"fp", Some(b"another")).await.unwrap(),
+        IdempotencyState::Unfinished { di_id: None, sealed_operation: Some(op) } if op == b"sealed-op"
+    ));
+
+    store
+        .create_retry_later(id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    store
+        .operation_retry_later(team, "op", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(store
+        .pending_creates_due(Duration::ZERO)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(store
+        .unfinished_operations_due(Duration::ZERO)
+        .await
+        .unwrap()
+        .is_empty());
+    store.create_retry_later(id, Duration::ZERO).await.unwrap();
+    assert_eq!(
+        store.pending_creates_due(Duration::ZERO).await.unwrap()[0].attempts,
+        2
+    );
+
+    // Done operations are no longer due, and keep their first response.
+    store
+        .idempotency_complete(team, "op", 202, b"first")
+        .await
+        .unwrap();
+    store
+        .idempotency_complete(team, "op", 202, b"second")
+        .await
+        .unwrap();
+    store
+        .operation_retry_later(team, "op", Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(store
+        .unfinished_operations_due(Duration::ZERO)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(matches!(
+        store.idempotency_state(team, "op", b"fp").await.unwrap(),
+        IdempotencyState::Done { sealed_body, .. } if sealed_body == b"first"
     ));
 }
 

@@ -3,6 +3,7 @@
 //! idempotent replays can return the stored bytes unchanged.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use api_types::public::{
     AcceleratorInfo, AcceleratorList, AccessToken, CaResponse, CreateRequest, CreateResponse,
@@ -16,10 +17,14 @@ use api_types::regional::{
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
-use central_store::{CreateBegin, IdempotencyState, NewCreate, ReadModelUpdate, StoreError};
+use central_store::{
+    CreateBegin, CreateState, IdempotencyState, NewCreate, ReadModelUpdate, StoreError,
+};
 use reqwest::Method;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::auth::Principal;
@@ -72,6 +77,77 @@ struct CreateIntent {
     token_value: String,
 }
 
+/// A write to an existing DI as central sends it to the region. Under an Idempotency-Key it is
+/// sealed at rest with the key (it may carry a Hugging Face token or a minted token value), so
+/// that whoever finds the key unfinished (a retry, recovery after a restart) sends the very same
+/// operation again; its operation id makes the region apply it at most once.
+#[derive(Serialize, Deserialize)]
+struct Operation {
+    team_id: Uuid,
+    di_id: Uuid,
+    region: String,
+    kind: OperationKind,
+}
+
+#[derive(Serialize, Deserialize)]
+enum OperationKind {
+    Patch(regional::PatchRequest),
+    Delete {
+        operation_id: Uuid,
+    },
+    TokenCreate {
+        request: regional::TokenCreateRequest,
+        token_value: String,
+    },
+    TokenRevoke {
+        token_id: Uuid,
+        operation_id: Uuid,
+    },
+}
+
+impl Operation {
+    fn new(p: &Principal, owned: &central_store::Owned, kind: OperationKind) -> Operation {
+        Operation {
+            team_id: p.team_id,
+            di_id: owned.id,
+            region: owned.region.clone(),
+            kind,
+        }
+    }
+}
+
+/// Why an operation did not complete.
+enum OperationError {
+    /// It changed nothing (the region refused it, or central did before calling): a key is
+    /// released, so that a retry runs the request afresh.
+    Refused(ApiError),
+    /// Its outcome is unknown (the region was unreachable or slow, or central failed after the
+    /// call): a key keeps the operation, for a retry or recovery to drive again.
+    Unsettled(ApiError),
+}
+
+impl From<OperationError> for ApiError {
+    fn from(e: OperationError) -> ApiError {
+        match e {
+            OperationError::Refused(e) | OperationError::Unsettled(e) => e,
+        }
+    }
+}
+
+fn region_failure(e: RegionCallError) -> OperationError {
+    match e {
+        RegionCallError::Rejected { .. } => OperationError::Refused(region_error(e)),
+        _ => OperationError::Unsettled(region_error(e)),
+    }
+}
+
+fn store_failure(e: StoreError) -> OperationError {
+    match e {
+        StoreError::Database(_) => OperationError::Unsettled(store_error(e)),
+        _ => OperationError::Refused(store_error(e)),
+    }
+}
+
 /// Page parameters, already validated.
 #[derive(Debug, Clone, Copy)]
 pub struct Paging {
@@ -80,6 +156,9 @@ pub struct Paging {
 }
 
 const RETRY_AFTER_SECS: u64 = 5;
+/// How long a first response is replayed: for an Idempotency-Key, and for an identical create
+/// retried without one.
+pub const REPLAY_WINDOW: Duration = Duration::from_secs(24 * 3600);
 const MANAGED_TOKEN_NAME: &str = "managed";
 
 fn fingerprint(method: &str, path: &str, canonical: &str) -> Vec<u8> {
@@ -237,7 +316,7 @@ impl App {
             Ok(CreateBegin::Started) => self.drive_create(di_id, p.team_id).await,
             Ok(CreateBegin::KeyTaken) => match self
                 .store
-                .idempotency_begin(p.team_id, key.unwrap_or_default(), &fp)
+                .idempotency_state(p.team_id, key.unwrap_or_default(), &fp)
                 .await
                 .map_err(store_error)?
             {
@@ -246,19 +325,20 @@ impl App {
                     sealed_body,
                 } => self.replay(p.team_id, status_code, &sealed_body),
                 IdempotencyState::Mismatch => Err(key_mismatch()),
-                IdempotencyState::Unfinished { di_id: Some(id) } => {
-                    self.drive_create(id, p.team_id).await
-                }
-                IdempotencyState::Unfinished { di_id: None } | IdempotencyState::Fresh => {
+                IdempotencyState::Unfinished {
+                    di_id: Some(id), ..
+                } => self.drive_create(id, p.team_id).await,
+                IdempotencyState::Unfinished { di_id: None, .. } | IdempotencyState::Fresh => {
                     Err(key_in_progress())
                 }
             },
             Err(StoreError::NameTaken) => {
-                // A client retrying a create it never got an answer to (same body, no key): finish
-                // that create rather than refuse the retry.
+                // The same request again, from a client that may never have got the answer (a
+                // timeout, a 503 that recovery then settled): finish that create, or replay its
+                // response with the token, rather than refuse the retry.
                 match self
                     .store
-                    .pending_create_by_name(p.team_id, &intent.request.spec.name, &fp)
+                    .create_by_fingerprint(p.team_id, &intent.request.spec.name, &fp, REPLAY_WINDOW)
                     .await
                     .map_err(store_error)?
                 {
@@ -270,27 +350,37 @@ impl App {
         }
     }
 
-    /// Sends a pending create to its region (idempotent there) and settles it: confirmed with the
-    /// region's view, or aborted when the region refuses. Used by the request path, by retries, and
-    /// by recovery after a crash.
+    /// Settles a create and answers with its response. A pending create is sent to its region
+    /// (idempotent there) and confirmed with the region's view, or aborted when the region
+    /// refuses it or its intent cannot be read; a settled one replays its first response. Used by
+    /// the request path, by retries, and by recovery after a crash.
     pub async fn drive_create(&self, di_id: Uuid, team_id: Uuid) -> Result<Reply, ApiError> {
-        let Some(sealed) = self
-            .store
-            .pending_create(di_id)
-            .await
-            .map_err(store_error)?
-        else {
-            // Settled meanwhile by a concurrent retry or by recovery.
-            return Err(ApiError::Conflict("This create was already completed; retry with the same Idempotency-Key to get its response.".into()));
+        let sealed = match self.store.create_state(di_id).await.map_err(store_error)? {
+            Some(CreateState::Pending {
+                team_id: owner,
+                sealed_intent,
+            }) if owner == team_id => sealed_intent,
+            Some(CreateState::Settled {
+                team_id: owner,
+                status_code,
+                sealed_response,
+            }) if owner == team_id => return self.replay(team_id, status_code, &sealed_response),
+            Some(_) => return Err(ApiError::NotFound),
+            None => {
+                return Err(ApiError::Conflict(
+                    "The create this request repeats was refused meanwhile; send it again.".into(),
+                ))
+            }
         };
-        let plain = self
-            .sealer
-            .open(&sealed, intent_aad(di_id).as_bytes())
-            .map_err(ApiError::internal)?;
-        let intent: CreateIntent = serde_json::from_slice(&plain).map_err(ApiError::internal)?;
-        if intent.request.team_id != team_id {
-            return Err(ApiError::NotFound);
-        }
+        let intent: CreateIntent = match self.open_intent(&sealed, &intent_aad(di_id)) {
+            Ok(intent) => intent,
+            Err(problem) => {
+                // Nothing can ever send it: settle it as failed rather than retry it forever.
+                tracing::warn!(%di_id, "a pending create's intent {problem}; settling it as failed");
+                self.store.create_abort(di_id).await.map_err(store_error)?;
+                return Err(ApiError::internal(format!("create intent {problem}")));
+            }
+        };
         let answer: Result<RecordEnvelope, _> = self
             .regions
             .call(
@@ -346,35 +436,90 @@ impl App {
         })
     }
 
-    /// Runs `op` under an idempotency key: replays a stored response, refuses a reused key with
-    /// another body, and stores the response of a successful first run.
-    async fn idempotent<F, Fut>(
+    /// Opens and decodes a sealed intent. The error says what failed without quoting the
+    /// plaintext, which may hold secrets.
+    fn open_intent<T: DeserializeOwned>(&self, sealed: &[u8], aad: &str) -> Result<T, String> {
+        let plain = self
+            .sealer
+            .open(sealed, aad.as_bytes())
+            .map_err(|_| "cannot be opened".to_string())?;
+        serde_json::from_slice(&plain).map_err(|e| {
+            format!(
+                "cannot be decoded ({:?} error at line {} column {})",
+                e.classify(),
+                e.line(),
+                e.column()
+            )
+        })
+    }
+
+    /// Runs `operation`; under an Idempotency-Key at most once: a stored response is replayed, a
+    /// reused key with another body refused, and otherwise the key's operation (this one, or the
+    /// one a first request stored and did not finish) is driven to its end in a task of its own,
+    /// so that a client that disconnects cannot cut it off half-way.
+    async fn idempotent(
         &self,
-        team_id: Uuid,
         key: Option<&str>,
         fp: Vec<u8>,
-        op: F,
-    ) -> Result<Reply, ApiError>
-    where
-        F: FnOnce() -> Fut,
-        Fut: std::future::Future<Output = Result<Reply, ApiError>>,
-    {
-        let Some(key) = key else { return op().await };
-        match self
+        operation: Operation,
+    ) -> Result<Reply, ApiError> {
+        let Some(key) = key else {
+            return Ok(self.run_operation(&operation).await?);
+        };
+        let team_id = operation.team_id;
+        let sealed = self.sealer.seal(
+            &serde_json::to_vec(&operation).expect("operations serialise"),
+            operation_aad(team_id, key).as_bytes(),
+        );
+        let sealed = match self
             .store
-            .idempotency_begin(team_id, key, &fp)
+            .idempotency_begin(team_id, key, &fp, Some(&sealed))
             .await
             .map_err(store_error)?
         {
+            IdempotencyState::Fresh => sealed,
+            IdempotencyState::Unfinished {
+                sealed_operation: Some(first),
+                ..
+            } => first,
             IdempotencyState::Done {
                 status_code,
                 sealed_body,
             } => return self.replay(team_id, status_code, &sealed_body),
             IdempotencyState::Mismatch => return Err(key_mismatch()),
-            IdempotencyState::Unfinished { .. } => return Err(key_in_progress()),
-            IdempotencyState::Fresh => {}
-        }
-        match op().await {
+            IdempotencyState::Unfinished {
+                sealed_operation: None,
+                ..
+            } => return Err(key_in_progress()),
+        };
+        let (app, key) = (self.clone(), key.to_owned());
+        let drive = async move { app.drive_operation(team_id, &key, &sealed).await };
+        tokio::spawn(drive.instrument(tracing::Span::current()))
+            .await
+            .map_err(ApiError::internal)?
+    }
+
+    /// Drives a keyed operation to its end: its response is stored for the key, or the key is
+    /// released when the operation changed nothing. While its outcome is unknown (the region was
+    /// unreachable or slow) the key keeps it, for a retry or recovery to drive again.
+    pub async fn drive_operation(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        sealed: &[u8],
+    ) -> Result<Reply, ApiError> {
+        let operation: Operation = match self.open_intent(sealed, &operation_aad(team_id, key)) {
+            Ok(operation) => operation,
+            Err(problem) => {
+                tracing::warn!(%team_id, "a keyed operation {problem}; releasing its key");
+                self.store
+                    .idempotency_release(team_id, key)
+                    .await
+                    .map_err(store_error)?;
+                return Err(ApiError::internal(format!("keyed operation {problem}")));
+            }
+        };
+        match self.run_operation(&operation).await {
             Ok(reply) => {
                 let sealed = self
                     .sealer
@@ -385,12 +530,128 @@ impl App {
                     .map_err(store_error)?;
                 Ok(reply)
             }
-            Err(e) => {
+            Err(OperationError::Refused(e)) => {
                 self.store
                     .idempotency_release(team_id, key)
                     .await
                     .map_err(store_error)?;
                 Err(e)
+            }
+            Err(OperationError::Unsettled(e)) => Err(e),
+        }
+    }
+
+    /// Sends an operation to its region and answers with the public reply.
+    async fn run_operation(&self, op: &Operation) -> Result<Reply, OperationError> {
+        let path = format!("/internal/v1/dedicated-inferences/{}", op.di_id);
+        match &op.kind {
+            OperationKind::Patch(request) => self.run_patch(op, &path, request).await,
+            OperationKind::Delete { operation_id } => {
+                let answer: RecordEnvelope = self
+                    .regions
+                    .call::<(), _>(
+                        &op.region,
+                        Method::DELETE,
+                        &format!("{path}?team_id={}&operation_id={operation_id}", op.team_id),
+                        None,
+                    )
+                    .await
+                    .map_err(region_failure)?;
+                self.apply(&answer.record)
+                    .await
+                    .map_err(OperationError::Unsettled)?;
+                Ok(Reply::empty(StatusCode::ACCEPTED))
+            }
+            OperationKind::TokenCreate {
+                request,
+                token_value,
+            } => {
+                let token: Token = self
+                    .regions
+                    .call(
+                        &op.region,
+                        Method::POST,
+                        &format!("{path}/tokens"),
+                        Some(request),
+                    )
+                    .await
+                    .map_err(region_failure)?;
+                let mut public = AccessToken::from(&token);
+                public.value = Some(token_value.clone());
+                Ok(Reply::json(
+                    StatusCode::ACCEPTED,
+                    &TokenEnvelope { token: public },
+                ))
+            }
+            OperationKind::TokenRevoke {
+                token_id,
+                operation_id,
+            } => {
+                self.regions
+                    .call::<(), serde_json::Value>(
+                        &op.region,
+                        Method::DELETE,
+                        &format!(
+                            "{path}/tokens/{token_id}?team_id={}&operation_id={operation_id}",
+                            op.team_id
+                        ),
+                        None,
+                    )
+                    .await
+                    .map_err(region_failure)?;
+                Ok(Reply::empty(StatusCode::NO_CONTENT))
+            }
+        }
+    }
+
+    /// A patch that renames the DI reserves the new name in central before the region call, and
+    /// gives it back if the call fails (should the patch have landed after all, the change feed
+    /// renames again).
+    async fn run_patch(
+        &self,
+        op: &Operation,
+        path: &str,
+        request: &regional::PatchRequest,
+    ) -> Result<Reply, OperationError> {
+        let current = self
+            .store
+            .dedicated_inference(op.di_id, op.team_id)
+            .await
+            .map_err(store_failure)?
+            .ok_or(OperationError::Refused(ApiError::NotFound))?;
+        let new_name = request
+            .spec
+            .as_ref()
+            .map(|s| s.name.as_str())
+            .filter(|n| *n != current.name);
+        if let Some(name) = new_name {
+            self.store
+                .rename(op.di_id, op.team_id, name)
+                .await
+                .map_err(store_failure)?;
+        }
+        let answer: Result<RecordEnvelope, _> = self
+            .regions
+            .call(&op.region, Method::PATCH, path, Some(request))
+            .await;
+        match answer {
+            Ok(RecordEnvelope { record }) => {
+                let public = self
+                    .apply(&record)
+                    .await
+                    .map_err(OperationError::Unsettled)?;
+                Ok(Reply::json(
+                    StatusCode::ACCEPTED,
+                    &DedicatedInferenceEnvelope {
+                        dedicated_inference: public,
+                    },
+                ))
+            }
+            Err(e) => {
+                if new_name.is_some() {
+                    let _ = self.store.rename(op.di_id, op.team_id, &current.name).await;
+                }
+                Err(region_failure(e))
             }
         }
     }
@@ -423,54 +684,20 @@ impl App {
                 "The request must contain spec and/or access_tokens.".into(),
             ));
         }
-        let path = format!("/v2/dedicated-inferences/{id}");
-        let fp = fingerprint("PATCH", &path, &parsed.canonical);
-        self.idempotent(p.team_id, key, fp, || async {
-            let new_name = checked
-                .as_ref()
-                .map(|c| c.spec.name.clone())
-                .filter(|n| *n != owned.name);
-            if let Some(name) = &new_name {
-                self.store
-                    .rename(id, p.team_id, name)
-                    .await
-                    .map_err(store_error)?;
-            }
-            let request = regional::PatchRequest {
-                team_id: p.team_id,
-                requires_hugging_face_token: checked.as_ref().is_some_and(|c| c.gated),
-                spec: checked.map(|c| c.spec),
-                hugging_face_token: hf,
-            };
-            let answer: Result<RecordEnvelope, _> = self
-                .regions
-                .call(
-                    &owned.region,
-                    Method::PATCH,
-                    &format!("/internal/v1/dedicated-inferences/{id}"),
-                    Some(&request),
-                )
-                .await;
-            match answer {
-                Ok(RecordEnvelope { record }) => {
-                    let public = self.apply(&record).await?;
-                    Ok(Reply::json(
-                        StatusCode::ACCEPTED,
-                        &DedicatedInferenceEnvelope {
-                            dedicated_inference: public,
-                        },
-                    ))
-                }
-                Err(e) => {
-                    if new_name.is_some() {
-                        // Undo the reservation; if the patch did land, the change feed renames again.
-                        let _ = self.store.rename(id, p.team_id, &owned.name).await;
-                    }
-                    Err(region_error(e))
-                }
-            }
-        })
-        .await
+        let fp = fingerprint(
+            "PATCH",
+            &format!("/v2/dedicated-inferences/{id}"),
+            &parsed.canonical,
+        );
+        let request = regional::PatchRequest {
+            team_id: p.team_id,
+            operation_id: Some(Uuid::new_v4()),
+            requires_hugging_face_token: checked.as_ref().is_some_and(|c| c.gated),
+            spec: checked.map(|c| c.spec),
+            hugging_face_token: hf,
+        };
+        let operation = Operation::new(p, &owned, OperationKind::Patch(request));
+        self.idempotent(key, fp, operation).await
     }
 
     pub async fn delete(
@@ -482,24 +709,11 @@ impl App {
         p.require("dedicated_inference:delete")?;
         let owned = self.owned(p, id).await?;
         let fp = fingerprint("DELETE", &format!("/v2/dedicated-inferences/{id}"), "");
-        self.idempotent(p.team_id, key, fp, || async {
-            let answer: RecordEnvelope = self
-                .regions
-                .call::<(), _>(
-                    &owned.region,
-                    Method::DELETE,
-                    &format!(
-                        "/internal/v1/dedicated-inferences/{id}?team_id={}",
-                        p.team_id
-                    ),
-                    None,
-                )
-                .await
-                .map_err(region_error)?;
-            self.apply(&answer.record).await?;
-            Ok(Reply::empty(StatusCode::ACCEPTED))
-        })
-        .await
+        let kind = OperationKind::Delete {
+            operation_id: Uuid::new_v4(),
+        };
+        self.idempotent(key, fp, Operation::new(p, &owned, kind))
+            .await
     }
 
     pub async fn token_create(
@@ -517,34 +731,22 @@ impl App {
             &format!("/v2/dedicated-inferences/{id}/tokens"),
             &parsed.canonical,
         );
-        self.idempotent(p.team_id, key, fp, || async {
-            let value = common::tokens::mint(common::tokens::ENDPOINT_TOKEN_PREFIX);
-            let request = regional::TokenCreateRequest {
-                team_id: p.team_id,
-                token: NewToken {
-                    id: Uuid::new_v4(),
-                    name: parsed.value.name.clone(),
-                    sha256_hex: common::tokens::sha256_hex(&value),
-                },
-            };
-            let token: Token = self
-                .regions
-                .call(
-                    &owned.region,
-                    Method::POST,
-                    &format!("/internal/v1/dedicated-inferences/{id}/tokens"),
-                    Some(&request),
-                )
-                .await
-                .map_err(region_error)?;
-            let mut public = AccessToken::from(&token);
-            public.value = Some(value);
-            Ok(Reply::json(
-                StatusCode::ACCEPTED,
-                &TokenEnvelope { token: public },
-            ))
-        })
-        .await
+        let token_value = common::tokens::mint(common::tokens::ENDPOINT_TOKEN_PREFIX);
+        let request = regional::TokenCreateRequest {
+            team_id: p.team_id,
+            operation_id: Some(Uuid::new_v4()),
+            token: NewToken {
+                id: Uuid::new_v4(),
+                name: parsed.value.name,
+                sha256_hex: common::tokens::sha256_hex(&token_value),
+            },
+        };
+        let kind = OperationKind::TokenCreate {
+            request,
+            token_value,
+        };
+        self.idempotent(key, fp, Operation::new(p, &owned, kind))
+            .await
     }
 
     pub async fn token_revoke(
@@ -561,22 +763,12 @@ impl App {
             &format!("/v2/dedicated-inferences/{id}/tokens/{token_id}"),
             "",
         );
-        self.idempotent(p.team_id, key, fp, || async {
-            self.regions
-                .call::<(), serde_json::Value>(
-                    &owned.region,
-                    Method::DELETE,
-                    &format!(
-                        "/internal/v1/dedicated-inferences/{id}/tokens/{token_id}?team_id={}",
-                        p.team_id
-                    ),
-                    None,
-                )
-                .await
-                .map_err(region_error)?;
-            Ok(Reply::empty(StatusCode::NO_CONTENT))
-        })
-        .await
+        let kind = OperationKind::TokenRevoke {
+            token_id,
+            operation_id: Uuid::new_v4(),
+        };
+        self.idempotent(key, fp, Operation::new(p, &owned, kind))
+            .await
     }
 
     // -----------------------------------------------------------------------------------------
@@ -887,6 +1079,10 @@ impl App {
 
 fn intent_aad(di_id: Uuid) -> String {
     format!("create-intent:{di_id}")
+}
+
+fn operation_aad(team_id: Uuid, key: &str) -> String {
+    format!("keyed-operation:{team_id}:{key}")
 }
 
 fn key_mismatch() -> ApiError {

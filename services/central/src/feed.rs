@@ -1,10 +1,13 @@
 //! Background work of every central replica:
 //! - one change-feed consumer per region, long-polling the region's outbox and merging each DI's
 //!   latest state into the read model (so reads and lists survive a region outage);
-//! - create recovery, which re-drives creates that central accepted into `pending_creates` but
-//!   could not settle (central crashed, or the region timed out): the region's create is idempotent
-//!   on the DI id, so re-driving can only finish what was started, never duplicate it;
-//! - purging idempotency records older than 24 hours.
+//! - recovery, which re-drives creates that central accepted into `pending_creates` but could not
+//!   settle, and keyed operations whose key has no response yet (central crashed, or the region
+//!   timed out): the region applies a create once per DI id and an operation once per operation
+//!   id, so re-driving can only finish what was started, never duplicate it. A permanent failure
+//!   settles the create or releases the key at once; transient ones are tried again with a
+//!   backoff per create or operation;
+//! - purging idempotency records and replayable create responses older than 24 hours.
 //!
 //! Several replicas may run these at once: every step is idempotent and ordered by outbox `seq`.
 
@@ -12,10 +15,11 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
+use crate::app::REPLAY_WINDOW;
 use crate::App;
 
 pub const RECOVERY_AGE: Duration = Duration::from_secs(3);
-const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
+const MAX_BACKOFF: Duration = Duration::from_secs(300);
 
 pub fn spawn(app: App) -> Vec<JoinHandle<()>> {
     let mut tasks: Vec<JoinHandle<()>> = app
@@ -70,28 +74,64 @@ async fn recover(app: App) {
     loop {
         tick.tick().await;
         if let Err(error) = recover_once(&app).await {
-            tracing::warn!(%error, "create recovery pass failed");
+            tracing::warn!(%error, "recovery pass failed");
         }
         if purged_at.elapsed() > Duration::from_secs(600) {
             purged_at = tokio::time::Instant::now();
-            if let Err(error) = app.store.idempotency_purge(IDEMPOTENCY_TTL).await {
+            if let Err(error) = app.store.idempotency_purge(REPLAY_WINDOW).await {
                 tracing::warn!(%error, "idempotency purge failed");
             }
         }
     }
 }
 
-/// Re-drives every pending create older than `RECOVERY_AGE`; returns how many settled.
+/// Re-drives every pending create and unfinished keyed operation older than `RECOVERY_AGE` whose
+/// next attempt is due; returns how many completed.
 pub async fn recover_once(app: &App) -> anyhow::Result<usize> {
-    let mut settled = 0;
-    for di_id in app.store.pending_creates_older_than(RECOVERY_AGE).await? {
-        let Some(team_id) = app.store.pending_create_team(di_id).await? else {
-            continue;
-        };
-        match app.drive_create(di_id, team_id).await {
-            Ok(_) => settled += 1,
-            Err(error) => tracing::info!(%di_id, %error, "pending create not settled yet"),
+    let mut completed = 0;
+    for due in app.store.pending_creates_due(RECOVERY_AGE).await? {
+        match app.drive_create(due.di_id, due.team_id).await {
+            Ok(_) => completed += 1,
+            Err(error) => {
+                // A permanent failure settled the create already; this only delays one still pending.
+                tracing::info!(di_id = %due.di_id, %error, attempts = due.attempts, "pending create not settled yet");
+                app.store
+                    .create_retry_later(due.di_id, backoff(due.attempts))
+                    .await?;
+            }
         }
     }
-    Ok(settled)
+    for due in app.store.unfinished_operations_due(RECOVERY_AGE).await? {
+        match app
+            .drive_operation(due.team_id, &due.key, &due.sealed_operation)
+            .await
+        {
+            Ok(_) => completed += 1,
+            Err(error) => {
+                // A permanent failure released the key already; this only delays one still unfinished.
+                tracing::info!(team_id = %due.team_id, %error, attempts = due.attempts, "keyed operation not finished yet");
+                app.store
+                    .operation_retry_later(due.team_id, &due.key, backoff(due.attempts))
+                    .await?;
+            }
+        }
+    }
+    Ok(completed)
+}
+
+/// How long recovery waits after `attempts` failed tries before the next: one second, doubling
+/// up to five minutes, so that a region down for long is asked rarely, not every second.
+fn backoff(attempts: i32) -> Duration {
+    Duration::from_secs(1 << attempts.clamp(0, 16)).min(MAX_BACKOFF)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_five_minutes() {
+        let waits: Vec<u64> = [0, 1, 2, 8, 9, 1000].map(|n| backoff(n).as_secs()).to_vec();
+        assert_eq!(waits, vec![1, 2, 4, 256, 300, 300]);
+    }
 }

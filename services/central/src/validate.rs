@@ -11,6 +11,14 @@ use crate::error::ApiError;
 pub const ROLES: &[&str] = &["prefill_decode", "prefill", "decode"];
 pub const MAX_SCALE: i64 = 64;
 pub const MAX_DEPLOYMENTS: usize = 16;
+/// Bounds of a deployment's `workload_config`. The hints it carries are small and shallow; the
+/// bounds keep the documents that carry it (the sealed create intent, the region's records, the
+/// change feed) small and well inside serde_json's recursion limit.
+pub const MAX_WORKLOAD_CONFIG_BYTES: usize = 16 * 1024;
+pub const MAX_WORKLOAD_CONFIG_DEPTH: usize = 16;
+// The documents that carry a workload_config wrap it at most six levels deep (the change feed:
+// records[].spec.model_deployments[].workload_config): each always reads back.
+const _: () = assert!(MAX_WORKLOAD_CONFIG_DEPTH + 6 < 128);
 
 fn invalid(message: String) -> ApiError {
     ApiError::Unprocessable(message)
@@ -129,7 +137,7 @@ fn deployment(
     };
     let workload_config = match &d.workload_config {
         None | Some(serde_json::Value::Null) => serde_json::json!({}),
-        Some(v @ serde_json::Value::Object(_)) => v.clone(),
+        Some(v @ serde_json::Value::Object(_)) => bounded_workload_config(at, v)?,
         Some(_) => return Err(invalid(format!("{at}.workload_config must be an object."))),
     };
     if d.accelerators.is_empty() {
@@ -187,6 +195,33 @@ fn deployment(
         },
         model.is_gated_model,
     ))
+}
+
+fn bounded_workload_config(
+    at: &str,
+    config: &serde_json::Value,
+) -> Result<serde_json::Value, ApiError> {
+    if depth(config) > MAX_WORKLOAD_CONFIG_DEPTH {
+        return Err(invalid(format!(
+            "{at}.workload_config nests deeper than {MAX_WORKLOAD_CONFIG_DEPTH} levels."
+        )));
+    }
+    if config.to_string().len() > MAX_WORKLOAD_CONFIG_BYTES {
+        return Err(invalid(format!(
+            "{at}.workload_config must be at most {} KiB as JSON.",
+            MAX_WORKLOAD_CONFIG_BYTES / 1024
+        )));
+    }
+    Ok(config.clone())
+}
+
+/// How many objects or arrays deep a value nests (a scalar: 0).
+fn depth(value: &serde_json::Value) -> usize {
+    match value {
+        serde_json::Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+        serde_json::Value::Object(map) => 1 + map.values().map(depth).max().unwrap_or(0),
+        _ => 0,
+    }
 }
 
 #[cfg(test)]
@@ -252,6 +287,27 @@ mod tests {
         let mut s = base();
         s["model_deployments"][0]["accelerators"][0]["scale"] = 0.into();
         assert!(message(s).contains("scale"));
+    }
+
+    #[test]
+    fn workload_config_is_bounded() {
+        let nested = |levels: usize| {
+            (1..levels).fold(
+                serde_json::json!({}),
+                |inner, _| serde_json::json!({ "a": inner }),
+            )
+        };
+        let catalog = Catalog::parse(EMBEDDED).unwrap();
+        let mut s = base();
+        s["model_deployments"][0]["workload_config"] = nested(MAX_WORKLOAD_CONFIG_DEPTH);
+        assert!(super::spec(&catalog, &input(s)).is_ok());
+        let mut s = base();
+        s["model_deployments"][0]["workload_config"] = nested(MAX_WORKLOAD_CONFIG_DEPTH + 1);
+        assert!(message(s).starts_with("spec.model_deployments[0].workload_config nests deeper"));
+        let mut s = base();
+        s["model_deployments"][0]["workload_config"] =
+            serde_json::json!({ "padding": "x".repeat(MAX_WORKLOAD_CONFIG_BYTES) });
+        assert!(message(s).starts_with("spec.model_deployments[0].workload_config must be at most"));
     }
 
     #[test]

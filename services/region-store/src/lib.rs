@@ -77,13 +77,29 @@ pub struct NewCa {
 pub struct Store {
     pool: PgPool,
     sealer: Sealer,
+    /// Central's operation id for the lifecycle writes made through this store (see
+    /// [`Store::for_operation`]).
+    operation: Option<Uuid>,
 }
 
 const HF_TOKEN: &str = "hugging_face_token";
 
 impl Store {
     pub fn new(pool: PgPool, sealer: Sealer) -> Store {
-        Store { pool, sealer }
+        Store {
+            pool,
+            sealer,
+            operation: None,
+        }
+    }
+
+    /// This store, with the lifecycle writes central may send again (patch, delete, token create
+    /// and revoke) applied at most once for `operation`: a repeat answers with the current state.
+    pub fn for_operation(&self, operation: Option<Uuid>) -> Store {
+        Store {
+            operation,
+            ..self.clone()
+        }
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -190,6 +206,9 @@ impl Store {
         requires_hugging_face_token: bool,
     ) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
+        if !self.first_application(&mut tx, id).await? {
+            return self.record(id, Some(team_id), true).await;
+        }
         let row = lock_live(&mut tx, id, Some(team_id)).await?;
         if row.status == "deleting" {
             return Err(StoreError::Conflict(
@@ -293,6 +312,9 @@ impl Store {
     /// Moves the DI to `deleting`. Idempotent: deleting a DI that is already deleting changes nothing.
     pub async fn dedicated_inference_delete(&self, id: Uuid, team_id: Uuid) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
+        if !self.first_application(&mut tx, id).await? {
+            return self.record(id, Some(team_id), true).await;
+        }
         let row = lock_live(&mut tx, id, Some(team_id)).await?;
         if row.status != "deleting" {
             sqlx::query(
@@ -464,6 +486,9 @@ impl Store {
     /// Adds an access token (by hash). Idempotent on the token id.
     pub async fn token_create(&self, id: Uuid, team_id: Uuid, token: &NewToken) -> Result<Token> {
         let mut tx = self.pool.begin().await?;
+        if !self.first_application(&mut tx, id).await? {
+            return self.token(id, token.id).await;
+        }
         let row = lock_live(&mut tx, id, Some(team_id)).await?;
         if row.status == "deleting" {
             return Err(StoreError::Conflict(
@@ -491,15 +516,19 @@ impl Store {
             .await?;
         }
         tx.commit().await?;
+        self.token(id, token.id).await
+    }
+
+    async fn token(&self, id: Uuid, token_id: Uuid) -> Result<Token> {
         let (name, is_managed, created_at): (String, bool, chrono::DateTime<chrono::Utc>) =
             sqlx::query_as("SELECT name, is_managed, created_at FROM access_tokens WHERE id = $1 AND di_id = $2")
-                .bind(token.id)
+                .bind(token_id)
                 .bind(id)
                 .fetch_optional(&self.pool)
                 .await?
                 .ok_or_else(|| StoreError::Conflict("token id already in use".into()))?;
         Ok(Token {
-            id: token.id,
+            id: token_id,
             name,
             is_managed,
             created_at,
@@ -508,6 +537,9 @@ impl Store {
 
     pub async fn token_revoke(&self, id: Uuid, team_id: Uuid, token_id: Uuid) -> Result<()> {
         let mut tx = self.pool.begin().await?;
+        if !self.first_application(&mut tx, id).await? {
+            return Ok(());
+        }
         let row = lock_live(&mut tx, id, Some(team_id)).await?;
         if row.status == "deleting" {
             return Err(StoreError::Conflict(
@@ -534,6 +566,38 @@ impl Store {
         .await?;
         tx.commit().await?;
         Ok(())
+    }
+
+    /// Records this store's operation in `tx`, which applies it; false when the operation was
+    /// already applied (a repeat, or a concurrent copy that committed first), and always true
+    /// without an operation. A transaction that fails rolls the record back with the operation.
+    async fn first_application(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        id: Uuid,
+    ) -> Result<bool> {
+        let Some(operation) = self.operation else {
+            return Ok(true);
+        };
+        let recorded = sqlx::query(
+            "INSERT INTO applied_operations (operation_id, di_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+        )
+        .bind(operation)
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+        Ok(recorded.rows_affected() == 1)
+    }
+
+    /// Forgets operations applied more than `age` ago; central repeats one for at most a day.
+    pub async fn applied_operations_purge(&self, age: std::time::Duration) -> Result<u64> {
+        Ok(sqlx::query(
+            "DELETE FROM applied_operations WHERE created_at < now() - make_interval(secs => $1)",
+        )
+        .bind(age.as_secs_f64())
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
     }
 
     pub async fn events_list(

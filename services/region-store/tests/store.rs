@@ -349,6 +349,90 @@ async fn change_feed_resumes_and_includes_gone(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn an_operation_sent_again_is_applied_once(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let req = create_request(team, None);
+    store.dedicated_inference_create(&req, &ca()).await.unwrap();
+    let events = || async { store.events_list(req.id, team, 1, 200).await.unwrap().total };
+
+    // A patch whose answer central never got, sent again: without its operation id the repeat
+    // would be a stale version (or, with the next version, a second spec).
+    let patch = store.for_operation(Some(Uuid::new_v4()));
+    let first = patch
+        .dedicated_inference_patch(req.id, team, Some(&spec("di", 2)), None, false)
+        .await
+        .unwrap();
+    let before = events().await;
+    let again = patch
+        .dedicated_inference_patch(req.id, team, Some(&spec("di", 2)), None, false)
+        .await
+        .unwrap();
+    assert_eq!(again.pending_spec.as_ref().unwrap().version, 2);
+    assert_eq!(again.seq, first.seq, "nothing changed");
+    assert_eq!(events().await, before);
+    // A refused operation records nothing: sent again, it is refused again.
+    let stale = store.for_operation(Some(Uuid::new_v4()));
+    for _ in 0..2 {
+        assert!(matches!(
+            stale
+                .dedicated_inference_patch(req.id, team, Some(&spec("di", 3)), None, false)
+                .await,
+            Err(StoreError::Conflict(_))
+        ));
+    }
+
+    // A token revoked twice by one operation is not "not found" the second time.
+    let token = NewToken {
+        id: Uuid::new_v4(),
+        name: "ci".into(),
+        sha256_hex: common::tokens::sha256_hex("di_value"),
+    };
+    let mint = store.for_operation(Some(Uuid::new_v4()));
+    let made = mint.token_create(req.id, team, &token).await.unwrap();
+    let revoke = store.for_operation(Some(Uuid::new_v4()));
+    revoke.token_revoke(req.id, team, token.id).await.unwrap();
+    revoke.token_revoke(req.id, team, token.id).await.unwrap();
+    // A repeated create of a token answers with the token, even once the DI is being deleted.
+    let delete = store.for_operation(Some(Uuid::new_v4()));
+    delete
+        .dedicated_inference_delete(req.id, team)
+        .await
+        .unwrap();
+    assert_eq!(mint.token_create(req.id, team, &token).await.unwrap(), made);
+    let before = events().await;
+    let deleting = delete
+        .dedicated_inference_delete(req.id, team)
+        .await
+        .unwrap();
+    assert_eq!(deleting.status, "deleting");
+    assert_eq!(events().await, before);
+
+    // Concurrent copies of one operation: one applies it, the other answers with its result.
+    let other = create_request(team, None);
+    store
+        .dedicated_inference_create(&other, &ca())
+        .await
+        .unwrap();
+    let racing = store.for_operation(Some(Uuid::new_v4()));
+    let next = spec("di", 2);
+    let (a, b) = tokio::join!(
+        racing.dedicated_inference_patch(other.id, team, Some(&next), None, false),
+        racing.dedicated_inference_patch(other.id, team, Some(&next), None, false),
+    );
+    assert_eq!(a.unwrap().pending_spec, b.unwrap().pending_spec);
+
+    // Old operations are forgotten.
+    assert_eq!(
+        store
+            .applied_operations_purge(std::time::Duration::ZERO)
+            .await
+            .unwrap(),
+        5
+    );
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
 async fn tokens_and_accelerators(pool: PgPool) {
     let store = store(pool.clone());
     let team = Uuid::new_v4();

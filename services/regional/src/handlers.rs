@@ -152,6 +152,7 @@ async fn patch(
     let req = body(payload)?;
     let record = state
         .store
+        .for_operation(req.operation_id)
         .dedicated_inference_patch(
             id,
             req.team_id,
@@ -163,16 +164,17 @@ async fn patch(
     Ok(Json(RecordEnvelope { record }))
 }
 
-#[utoipa::path(delete, path = "/internal/v1/dedicated-inferences/{id}", params(("id" = Uuid, Path), TeamScopedQuery),
+#[utoipa::path(delete, path = "/internal/v1/dedicated-inferences/{id}", params(("id" = Uuid, Path), TeamScoped),
     responses((status = 200, body = RecordEnvelope), (status = 404, body = RegionError)))]
 async fn delete(
     State(state): State<AppState>,
     Path(id): Path<Uuid>,
-    Query(q): Query<TeamScopedQuery>,
+    Query(q): Query<TeamScoped>,
 ) -> ApiResult<RecordEnvelope> {
     Ok(Json(RecordEnvelope {
         record: state
             .store
+            .for_operation(q.operation_id)
             .dedicated_inference_delete(id, q.team_id)
             .await?,
     }))
@@ -282,19 +284,24 @@ async fn token_create(
     Ok(Json(
         state
             .store
+            .for_operation(req.operation_id)
             .token_create(id, req.team_id, &req.token)
             .await?,
     ))
 }
 
 #[utoipa::path(delete, path = "/internal/v1/dedicated-inferences/{id}/tokens/{token_id}",
-    params(("id" = Uuid, Path), ("token_id" = Uuid, Path), TeamScopedQuery), responses((status = 204)))]
+    params(("id" = Uuid, Path), ("token_id" = Uuid, Path), TeamScoped), responses((status = 204)))]
 async fn token_revoke(
     State(state): State<AppState>,
     Path((id, token_id)): Path<(Uuid, Uuid)>,
     Query(q): Query<TeamScoped>,
 ) -> Result<StatusCode, ApiError> {
-    state.store.token_revoke(id, q.team_id, token_id).await?;
+    state
+        .store
+        .for_operation(q.operation_id)
+        .token_revoke(id, q.team_id, token_id)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -57,14 +57,19 @@ pub struct AppState {
 pub struct Server {
     pub addr: SocketAddr,
     pub store: Store,
-    task: tokio::task::JoinHandle<()>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
-        self.task.abort();
+        for task in &self.tasks {
+            task.abort();
+        }
     }
 }
+
+/// How long the region remembers an applied operation: central repeats one for at most a day.
+const APPLIED_OPERATIONS_KEPT: Duration = Duration::from_secs(2 * 24 * 3600);
 
 impl Server {
     /// Connects, migrates, binds and serves in the background.
@@ -81,6 +86,7 @@ impl Server {
         store.migrate().await?;
         let changed = Arc::new(Notify::new());
         let listener_task = tokio::spawn(listen_for_changes(store.pool().clone(), changed.clone()));
+        let purge_task = tokio::spawn(purge_applied_operations(store.clone()));
         let state = AppState {
             store: store.clone(),
             secret_hash: Sha256::digest(config.region_secret.as_bytes()).into(),
@@ -89,14 +95,17 @@ impl Server {
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
         let app = router(state);
-        let task = tokio::spawn(async move {
+        let serve_task = tokio::spawn(async move {
             let serve = axum::serve(common::listener::no_delay(listener), app);
             if let Err(error) = serve.await {
                 tracing::error!(%error, "regional server stopped");
             }
-            listener_task.abort();
         });
-        Ok(Server { addr, store, task })
+        Ok(Server {
+            addr,
+            store,
+            tasks: vec![serve_task, listener_task, purge_task],
+        })
     }
 }
 
@@ -146,6 +155,19 @@ async fn listen_for_changes(pool: sqlx::PgPool, changed: Arc<Notify>) {
         // Wake any long-poller so it re-reads rather than waiting out a notification we missed.
         changed.notify_waiters();
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+async fn purge_applied_operations(store: Store) {
+    let mut hourly = tokio::time::interval(Duration::from_secs(3600));
+    loop {
+        hourly.tick().await;
+        if let Err(error) = store
+            .applied_operations_purge(APPLIED_OPERATIONS_KEPT)
+            .await
+        {
+            tracing::warn!(%error, "purging applied operations failed");
+        }
     }
 }
 
