@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+use crate::lifecycle::Status;
 use crate::regional::{Accelerator, Record, StoredSpec, Token};
 
 // ---------------------------------------------------------------------------------------------
@@ -296,15 +297,15 @@ impl DedicatedInference {
     /// region never produces for a live DI.
     pub fn from_record(record: &Record) -> Option<DedicatedInference> {
         let shown = record.spec.as_ref().or(record.pending_spec.as_ref())?;
-        let accelerator_status = match record.status.as_str() {
-            "active" | "updating" | "deleting" => "active",
-            "provisioning" => "provisioning",
-            _ => "new",
+        let accelerator_status = match record.status {
+            Status::Active | Status::Updating | Status::Deleting => "active",
+            Status::Provisioning => "provisioning",
+            Status::New | Status::Error => "new",
         };
         Some(DedicatedInference {
             id: record.id,
             name: shown.name.clone(),
-            status: record.status.clone(),
+            status: record.status.as_str().to_string(),
             region: record.region.clone(),
             vpc_uuid: record.vpc_uuid,
             spec: SpecOutput {

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+use crate::lifecycle::Status;
 use crate::spec::{ModelDeployment, Spec};
 
 pub const SECRET_HEADER: &str = "x-region-secret";
@@ -86,7 +87,7 @@ pub struct Record {
     pub region: String,
     pub vpc_uuid: Uuid,
     pub enable_public_endpoint: bool,
-    pub status: String,
+    pub status: Status,
     pub status_reason: Option<String>,
     pub spec: Option<StoredSpec>,
     pub pending_spec: Option<StoredSpec>,

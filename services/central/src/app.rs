@@ -250,7 +250,7 @@ fn read_model_update<'a>(
         team_id: record.team_id,
         region: &record.region,
         name: &public.name,
-        status: &record.status,
+        status: record.status.as_str(),
         body: Some(body),
         gone: record.gone,
         seq: record.seq,

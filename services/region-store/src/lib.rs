@@ -13,6 +13,7 @@ pub use work::{
     Claim, ClaimOptions, ClusterRelease, LedgerEntry, PassInputs, Stall, PROGRESS_IDLE,
 };
 
+use api_types::lifecycle::{Event as Transition, Status};
 use api_types::regional::{
     Accelerator, Changes, CreateRequest, Event, NewToken, Page, Record, Token,
 };
@@ -172,7 +173,7 @@ impl Store {
         requested_change(
             &mut tx,
             req.id,
-            "new",
+            Status::New,
             "Created",
             "Dedicated inference accepted; provisioning will start shortly.",
         )
@@ -210,7 +211,7 @@ impl Store {
             return self.record(id, Some(team_id), true).await;
         }
         let row = lock_live(&mut tx, id, Some(team_id)).await?;
-        if row.status == "deleting" {
+        if !row.status.accepts_changes() {
             return Err(StoreError::Conflict(
                 "the dedicated inference is being deleted".into(),
             ));
@@ -265,20 +266,19 @@ impl Store {
             let mut next = spec.clone();
             next.version = latest + 1;
             insert_spec_version(&mut tx, id, &next, &known).await?;
-            let status = if row.current_version.is_some() {
-                "updating"
-            } else if row.status == "error" {
-                "new"
-            } else {
-                row.status.as_str()
-            };
+            let status = row
+                .status
+                .after(Transition::SpecAccepted {
+                    rolled_out: row.current_version.is_some(),
+                })
+                .expect("a DI that accepts changes accepts a spec");
             sqlx::query(
                 "UPDATE dedicated_inferences SET pending_version = $2, status = $3, status_reason = NULL, updated_at = now()
                  WHERE id = $1",
             )
             .bind(id)
             .bind(next.version)
-            .bind(status)
+            .bind(status.as_str())
             .execute(&mut *tx)
             .await?;
             requested_change(
@@ -299,7 +299,7 @@ impl Store {
             requested_change(
                 &mut tx,
                 id,
-                &row.status,
+                row.status,
                 "ProviderTokenUpdated",
                 "Hugging Face token replaced.",
             )
@@ -316,17 +316,20 @@ impl Store {
             return self.record(id, Some(team_id), true).await;
         }
         let row = lock_live(&mut tx, id, Some(team_id)).await?;
-        if row.status != "deleting" {
+        let deleting = row.status.after(Transition::DeleteRequested);
+        if deleting != Some(row.status) {
+            let deleting = deleting.expect("a delete is always possible");
             sqlx::query(
-                "UPDATE dedicated_inferences SET status = 'deleting', status_reason = NULL, updated_at = now() WHERE id = $1",
+                "UPDATE dedicated_inferences SET status = $2, status_reason = NULL, updated_at = now() WHERE id = $1",
             )
             .bind(id)
+            .bind(deleting.as_str())
             .execute(&mut *tx)
             .await?;
             requested_change(
                 &mut tx,
                 id,
-                "deleting",
+                deleting,
                 "DeleteRequested",
                 "Deletion requested; tearing down.",
             )
@@ -490,7 +493,7 @@ impl Store {
             return self.token(id, token.id).await;
         }
         let row = lock_live(&mut tx, id, Some(team_id)).await?;
-        if row.status == "deleting" {
+        if !row.status.accepts_changes() {
             return Err(StoreError::Conflict(
                 "the dedicated inference is being deleted".into(),
             ));
@@ -509,7 +512,7 @@ impl Store {
             requested_change(
                 &mut tx,
                 id,
-                &row.status,
+                row.status,
                 "TokenCreated",
                 &format!("Access token {} created.", token.name),
             )
@@ -541,7 +544,7 @@ impl Store {
             return Ok(());
         }
         let row = lock_live(&mut tx, id, Some(team_id)).await?;
-        if row.status == "deleting" {
+        if !row.status.accepts_changes() {
             return Err(StoreError::Conflict(
                 "the dedicated inference is being deleted".into(),
             ));
@@ -559,7 +562,7 @@ impl Store {
         requested_change(
             &mut tx,
             id,
-            &row.status,
+            row.status,
             "TokenRevoked",
             &format!("Access token {token_id} revoked."),
         )
@@ -633,8 +636,7 @@ impl Store {
     pub async fn provisioning_begin(&self, id: Uuid) -> Result<Record> {
         self.transition(
             id,
-            &["new"],
-            "provisioning",
+            Transition::ProvisioningStarted,
             "ProvisioningStarted",
             "Provisioning cloud resources.",
         )
@@ -645,8 +647,7 @@ impl Store {
     pub async fn updating_begin(&self, id: Uuid) -> Result<Record> {
         self.transition(
             id,
-            &["active"],
-            "updating",
+            Transition::RolloutStarted,
             "RolloutStarted",
             "Rolling out a new spec.",
         )
@@ -664,18 +665,19 @@ impl Store {
     ) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
-        if row.status == "deleting" {
-            return Err(StoreError::Conflict(
-                "the dedicated inference is being deleted".into(),
-            ));
-        }
+        let Some(active) = row.status.after(Transition::RolloutComplete) else {
+            return Err(StoreError::Conflict(format!(
+                "a dedicated inference in status {} is not rolling out",
+                row.status
+            )));
+        };
         if row.pending_version != Some(version) {
             return Err(StoreError::Conflict(format!(
                 "version {version} is not the pending spec"
             )));
         }
         sqlx::query(
-            "UPDATE dedicated_inferences SET current_version = $2, pending_version = NULL, status = 'active',
+            "UPDATE dedicated_inferences SET current_version = $2, pending_version = NULL, status = $5,
                  status_reason = NULL, public_endpoint_fqdn = $3, private_endpoint_fqdn = $4, updated_at = now()
              WHERE id = $1",
         )
@@ -683,12 +685,13 @@ impl Store {
         .bind(version)
         .bind(&endpoints.public_fqdn)
         .bind(&endpoints.private_fqdn)
+        .bind(active.as_str())
         .execute(&mut *tx)
         .await?;
         final_change(
             &mut tx,
             id,
-            "active",
+            active,
             "RolloutComplete",
             &format!("Spec version {version} is serving."),
         )
@@ -722,28 +725,51 @@ impl Store {
                 shown(&endpoints.public_fqdn),
                 shown(&endpoints.private_fqdn)
             );
-            change(&mut tx, id, "active", "EndpointsChanged", &message, false).await?;
+            change(
+                &mut tx,
+                id,
+                Status::Active,
+                "EndpointsChanged",
+                &message,
+                false,
+            )
+            .await?;
         }
         tx.commit().await?;
         Ok(())
     }
 
-    /// A permanent failure: status `error` with a reason, until the spec changes. Not applied to
-    /// a DI being deleted (deletion wins).
-    pub async fn error_set(&self, id: Uuid, reason: &str, message: &str) -> Result<Record> {
+    /// A permanent failure: status `error` with a reason, until the spec changes. `version` is
+    /// the spec the failing pass was rolling out: when a newer one was accepted meanwhile, the
+    /// failure is about a spec nobody wants any more and nothing changes (the next pass tries
+    /// the newer one). `None` fails the DI whatever its spec (a stall). Not applied to a DI
+    /// being deleted (deletion wins), nor again for the same reason.
+    pub async fn error_set(
+        &self,
+        id: Uuid,
+        version: Option<i32>,
+        reason: &str,
+        message: &str,
+    ) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
-        if row.status != "deleting"
-            && !(row.status == "error" && row.status_reason.as_deref() == Some(reason))
+        let heading_for = row.pending_version.or(row.current_version);
+        let superseded = version.is_some_and(|v| Some(v) != heading_for);
+        let repeated = row.status == Status::Error && row.status_reason.as_deref() == Some(reason);
+        if let Some(failed) = row
+            .status
+            .after(Transition::Failed)
+            .filter(|_| !superseded && !repeated)
         {
             sqlx::query(
-                "UPDATE dedicated_inferences SET status = 'error', status_reason = $2, updated_at = now() WHERE id = $1",
+                "UPDATE dedicated_inferences SET status = $3, status_reason = $2, updated_at = now() WHERE id = $1",
             )
             .bind(id)
             .bind(reason)
+            .bind(failed.as_str())
             .execute(&mut *tx)
             .await?;
-            final_change(&mut tx, id, "error", reason, message).await?;
+            final_change(&mut tx, id, failed, reason, message).await?;
         }
         tx.commit().await?;
         self.record(id, None, true).await
@@ -753,11 +779,11 @@ impl Store {
     pub async fn gone(&self, id: Uuid) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
-        if row.status != "deleting" {
+        let Some(status) = row.status.after(Transition::Gone) else {
             return Err(StoreError::Conflict(
                 "only a dedicated inference being deleted can be gone".into(),
             ));
-        }
+        };
         sqlx::query(
             "UPDATE dedicated_inferences SET gone_at = now(), updated_at = now() WHERE id = $1",
         )
@@ -773,7 +799,7 @@ impl Store {
         final_change(
             &mut tx,
             id,
-            "deleting",
+            status,
             "Deleted",
             "Every cloud resource is gone.",
         )
@@ -786,7 +812,7 @@ impl Store {
     pub async fn event_append(&self, id: Uuid, reason: &str, message: &str) -> Result<()> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
-        change(&mut tx, id, &row.status, reason, message, false).await?;
+        change(&mut tx, id, row.status, reason, message, false).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -894,22 +920,22 @@ impl Store {
 
     // -----------------------------------------------------------------------------------------
 
+    /// Applies `event` when the table allows it from the DI's status (a no-op otherwise).
     async fn transition(
         &self,
         id: Uuid,
-        from: &[&str],
-        to: &str,
+        event: Transition,
         reason: &str,
         message: &str,
     ) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
-        if from.contains(&row.status.as_str()) {
+        if let Some(to) = row.status.after(event).filter(|to| *to != row.status) {
             sqlx::query(
                 "UPDATE dedicated_inferences SET status = $2, updated_at = now() WHERE id = $1",
             )
             .bind(id)
-            .bind(to)
+            .bind(to.as_str())
             .execute(&mut *tx)
             .await?;
             change(&mut tx, id, to, reason, message, false).await?;
@@ -992,7 +1018,7 @@ fn token_hash(token: &NewToken) -> Result<Vec<u8>> {
 }
 
 struct LockedRow {
-    status: String,
+    status: Status,
     status_reason: Option<String>,
     region: String,
     vpc_uuid: Uuid,
@@ -1025,7 +1051,7 @@ async fn lock_live(
         pending_version,
     ) = row.ok_or(StoreError::NotFound)?;
     Ok(LockedRow {
-        status,
+        status: records::parse_status(&status)?,
         status_reason,
         region,
         vpc_uuid,
@@ -1153,7 +1179,7 @@ fn deployment_ids(deployments: &[ModelDeployment], known: &[KnownDeployment]) ->
 async fn requested_change(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
-    phase: &str,
+    phase: Status,
     reason: &str,
     message: &str,
 ) -> Result<()> {
@@ -1167,7 +1193,7 @@ async fn requested_change(
 async fn final_change(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
-    phase: &str,
+    phase: Status,
     reason: &str,
     message: &str,
 ) -> Result<()> {
@@ -1197,14 +1223,14 @@ async fn work_trace(
 async fn change(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
-    phase: &str,
+    phase: Status,
     reason: &str,
     message: &str,
     requested: bool,
 ) -> Result<()> {
     sqlx::query("INSERT INTO events (di_id, phase, reason, message) VALUES ($1, $2, $3, $4)")
         .bind(id)
-        .bind(phase)
+        .bind(phase.as_str())
         .bind(reason)
         .bind(message)
         .execute(&mut **tx)

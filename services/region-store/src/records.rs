@@ -1,5 +1,6 @@
 //! Assembling a `Record` (a DI with its current and pending spec versions) from its rows.
 
+use api_types::lifecycle::Status;
 use api_types::regional::{Accelerator, Record, StoredSpec};
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgPool;
@@ -109,7 +110,7 @@ pub(crate) async fn load(
         region: row.region,
         vpc_uuid: row.vpc_uuid,
         enable_public_endpoint: row.enable_public_endpoint,
-        status: row.status,
+        status: parse_status(&row.status)?,
         status_reason: row.status_reason,
         spec,
         pending_spec,
@@ -120,4 +121,10 @@ pub(crate) async fn load(
         gone: row.gone,
         seq: row.seq,
     })
+}
+
+/// A status column read back: always one of the lifecycle's, since only this crate writes it.
+pub(crate) fn parse_status(text: &str) -> Result<Status> {
+    text.parse()
+        .map_err(|e| StoreError::Database(sqlx::Error::Decode(Box::new(e))))
 }

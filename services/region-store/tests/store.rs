@@ -1,5 +1,6 @@
 //! The regional store on real Postgres (`#[sqlx::test]` gives each test a fresh database).
 
+use api_types::lifecycle::Status;
 use api_types::regional::{CreateRequest, NewToken};
 use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
 use common::seal::Sealer;
@@ -66,7 +67,7 @@ async fn create_is_idempotent_on_id(pool: PgPool) {
     let team = Uuid::new_v4();
     let req = create_request(team, Some("hf_secret_value"));
     let first = store.dedicated_inference_create(&req, &ca()).await.unwrap();
-    assert_eq!(first.status, "new");
+    assert_eq!(first.status, Status::New);
     assert_eq!(first.pending_spec.as_ref().unwrap().version, 1);
     assert!(first.spec.is_none());
     let again = store.dedicated_inference_create(&req, &ca()).await.unwrap();
@@ -140,7 +141,7 @@ async fn patch_versions_supersede_and_check_staleness(pool: PgPool) {
         model_id,
         "model ids are kept"
     );
-    assert_eq!(v2.status, "new", "never provisioned: still new");
+    assert_eq!(v2.status, Status::New, "never provisioned: still new");
 
     // Stale: version 1 again.
     let err = store
@@ -208,7 +209,7 @@ async fn worker_transitions_write_events_and_outbox(pool: PgPool) {
     store.dedicated_inference_create(&req, &ca()).await.unwrap();
 
     let r = store.provisioning_begin(req.id).await.unwrap();
-    assert_eq!(r.status, "provisioning");
+    assert_eq!(r.status, Status::Provisioning);
     let again = store.provisioning_begin(req.id).await.unwrap();
     assert_eq!(again.seq, r.seq, "a repeated transition writes nothing");
 
@@ -224,7 +225,7 @@ async fn worker_transitions_write_events_and_outbox(pool: PgPool) {
         "not the pending version"
     );
     let active = store.rollout_complete(req.id, 1, &ends).await.unwrap();
-    assert_eq!(active.status, "active");
+    assert_eq!(active.status, Status::Active);
     assert!(active.pending_spec.is_none());
     assert_eq!(active.spec.as_ref().unwrap().version, 1);
     assert_eq!(active.public_endpoint_fqdn.as_deref(), Some("https://pub"));
@@ -236,7 +237,7 @@ async fn worker_transitions_write_events_and_outbox(pool: PgPool) {
         .dedicated_inference_patch(req.id, team, Some(&v2), None, false)
         .await
         .unwrap();
-    assert_eq!(updating.status, "updating");
+    assert_eq!(updating.status, Status::Updating);
     let mut v3 = v2.clone();
     v3.version = 2;
     v3.model_deployments[0].accelerators[0].scale = 3;
@@ -253,29 +254,43 @@ async fn worker_transitions_write_events_and_outbox(pool: PgPool) {
     );
     let done = store.rollout_complete(req.id, 3, &ends).await.unwrap();
     assert_eq!(
-        (done.status.as_str(), done.spec.as_ref().unwrap().version),
-        ("active", 3)
+        (done.status, done.spec.as_ref().unwrap().version),
+        (Status::Active, 3)
     );
 
+    // A failure of a spec that a newer one superseded while the pass worked on it changes
+    // nothing: the newer one is tried next.
+    let mut v4 = v3.clone();
+    v4.version = 3;
+    v4.model_deployments[0].accelerators[0].scale = 50;
+    store
+        .dedicated_inference_patch(req.id, team, Some(&v4), None, false)
+        .await
+        .unwrap();
+    let superseded = store
+        .error_set(req.id, Some(3), "CapacityExhausted", "no GPUs left")
+        .await
+        .unwrap();
+    assert_eq!(superseded.status, Status::Updating);
     let failed = store
-        .error_set(req.id, "CapacityExhausted", "no GPUs left")
+        .error_set(req.id, Some(4), "CapacityExhausted", "no GPUs left")
         .await
         .unwrap();
     assert_eq!(
-        (failed.status.as_str(), failed.status_reason.as_deref()),
-        ("error", Some("CapacityExhausted"))
+        (failed.status, failed.status_reason.as_deref()),
+        (Status::Error, Some("CapacityExhausted"))
     );
 
     let deleting = store
         .dedicated_inference_delete(req.id, team)
         .await
         .unwrap();
-    assert_eq!(deleting.status, "deleting");
+    assert_eq!(deleting.status, Status::Deleting);
     let still = store
-        .error_set(req.id, "Late", "a late failure")
+        .error_set(req.id, None, "Late", "a late failure")
         .await
         .unwrap();
-    assert_eq!(still.status, "deleting", "deletion wins over errors");
+    assert_eq!(still.status, Status::Deleting, "deletion wins over errors");
     let gone = store.gone(req.id).await.unwrap();
     assert!(gone.gone);
     assert!(matches!(
@@ -307,6 +322,7 @@ async fn worker_transitions_write_events_and_outbox(pool: PgPool) {
             "SpecAccepted",
             "SpecAccepted",
             "RolloutComplete",
+            "SpecAccepted",
             "CapacityExhausted",
             "DeleteRequested",
             "Deleted"
@@ -405,7 +421,7 @@ async fn an_operation_sent_again_is_applied_once(pool: PgPool) {
         .dedicated_inference_delete(req.id, team)
         .await
         .unwrap();
-    assert_eq!(deleting.status, "deleting");
+    assert_eq!(deleting.status, Status::Deleting);
     assert_eq!(events().await, before);
 
     // Concurrent copies of one operation: one applies it, the other answers with its result.
@@ -538,5 +554,5 @@ async fn change_feed_never_skips_a_change_committed_while_it_loads(pool: PgPool)
         first.last_seq
     );
     let b_now = next.records.iter().find(|r| r.id == b.id).unwrap();
-    assert_eq!(b_now.status, "provisioning");
+    assert_eq!(b_now.status, Status::Provisioning);
 }

@@ -56,6 +56,9 @@ struct Args {
     /// No progress for this long in a phase turns the DI to error.
     #[arg(long, env = "WORKER_STALL_TIMEOUT_SECS", default_value_t = 1800)]
     stall_timeout_secs: u64,
+    /// A pass that takes longer is abandoned and tried again.
+    #[arg(long, env = "WORKER_PASS_TIMEOUT_SECS", default_value_t = 120)]
+    pass_timeout_secs: u64,
     #[arg(long, env = "GATEWAY_CLASS", default_value = "inference-gateway")]
     gateway_class: String,
     /// Size and node count of the CPU pool of new clusters.
@@ -105,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
     config.lease = Duration::from_secs(args.lease_secs.max(1));
     config.tick = Duration::from_millis(args.tick_ms.max(10));
     config.stall_timeout = Duration::from_secs(args.stall_timeout_secs.max(1));
+    config.pass_timeout = Duration::from_secs(args.pass_timeout_secs.max(1));
     config.settings.poll = Duration::from_millis(args.poll_ms.max(10));
     config.poll_min = Duration::from_millis(args.poll_min_ms.max(1));
     config.settings.resync = Duration::from_secs(args.resync_secs.max(1));

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use api_types::lifecycle::Status;
 use axum::http::StatusCode;
 use axum::routing::get;
 use tokio::net::TcpListener;
@@ -47,14 +48,14 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub fn of(status: &str, pending_spec: bool) -> Phase {
+    pub fn of(status: Status, pending_spec: bool) -> Phase {
         match status {
-            "new" | "provisioning" => Phase::Provisioning,
-            "updating" => Phase::Updating,
-            "active" if pending_spec => Phase::Updating,
-            "active" => Phase::Resync,
-            "deleting" => Phase::Deleting,
-            _ => Phase::Idle,
+            Status::New | Status::Provisioning => Phase::Provisioning,
+            Status::Updating => Phase::Updating,
+            Status::Active if pending_spec => Phase::Updating,
+            Status::Active => Phase::Resync,
+            Status::Deleting => Phase::Deleting,
+            Status::Error => Phase::Idle,
         }
     }
 
@@ -193,12 +194,12 @@ mod tests {
 
     #[test]
     fn phases_follow_status_and_pending_spec() {
-        assert_eq!(Phase::of("new", true), Phase::Provisioning);
-        assert_eq!(Phase::of("provisioning", true), Phase::Provisioning);
-        assert_eq!(Phase::of("active", true), Phase::Updating);
-        assert_eq!(Phase::of("updating", true), Phase::Updating);
-        assert_eq!(Phase::of("active", false), Phase::Resync);
-        assert_eq!(Phase::of("deleting", false), Phase::Deleting);
-        assert_eq!(Phase::of("error", true), Phase::Idle);
+        assert_eq!(Phase::of(Status::New, true), Phase::Provisioning);
+        assert_eq!(Phase::of(Status::Provisioning, true), Phase::Provisioning);
+        assert_eq!(Phase::of(Status::Active, true), Phase::Updating);
+        assert_eq!(Phase::of(Status::Updating, true), Phase::Updating);
+        assert_eq!(Phase::of(Status::Active, false), Phase::Resync);
+        assert_eq!(Phase::of(Status::Deleting, false), Phase::Deleting);
+        assert_eq!(Phase::of(Status::Error, true), Phase::Idle);
     }
 }

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+use api_types::lifecycle::Status;
 use api_types::regional::{Record, StoredSpec};
 use base64::Engine;
 use cloud_clients::digitalocean::{
@@ -109,7 +110,13 @@ pub enum ReconcileError {
     #[error("transient: {0}")]
     Transient(String),
     #[error("{reason}: {message}")]
-    Permanent { reason: String, message: String },
+    Permanent {
+        reason: String,
+        message: String,
+        /// The spec version the pass was rolling out, when it was about one (see
+        /// [`Store::error_set`]).
+        version: Option<i32>,
+    },
 }
 
 impl ReconcileError {
@@ -121,6 +128,21 @@ impl ReconcileError {
         ReconcileError::Permanent {
             reason: reason.to_string(),
             message: message.into(),
+            version: None,
+        }
+    }
+
+    /// A permanent failure while rolling out spec `version`.
+    fn during(self, version: Option<i32>) -> Self {
+        match self {
+            ReconcileError::Permanent {
+                reason, message, ..
+            } => ReconcileError::Permanent {
+                reason,
+                message,
+                version,
+            },
+            e => e,
         }
     }
 }
@@ -187,8 +209,8 @@ impl From<plan::PlanError> for ReconcileError {
 /// The result of a successful pass.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pass {
-    /// The DI's status when the pass began.
-    pub status: String,
+    /// The DI's status as the pass left it; `None` once the DI exists no more.
+    pub status: Option<Status>,
     /// What the DI still waits for; `None` when it is converged (or there is nothing to do).
     pub waiting: Option<String>,
     /// When to look again (sooner if the DI changes).
@@ -200,13 +222,21 @@ pub struct Pass {
 }
 
 impl Pass {
-    fn new(status: &str, next_check: Duration) -> Self {
+    fn new(status: Status, next_check: Duration) -> Self {
         Pass {
-            status: status.to_string(),
+            status: Some(status),
             waiting: None,
             next_check,
             do_writes: 0,
             kube_writes: 0,
+        }
+    }
+
+    /// A pass over a DI that exists no more.
+    fn gone(next_check: Duration) -> Self {
+        Pass {
+            status: None,
+            ..Pass::new(Status::Deleting, next_check)
         }
     }
 
@@ -443,11 +473,11 @@ impl Reconciler {
                 let phase = if rec.gone {
                     Phase::Idle
                 } else {
-                    Phase::of(&rec.status, rec.pending_spec.is_some())
+                    Phase::of(rec.status, rec.pending_spec.is_some())
                 };
                 (phase, self.reconcile_record(&rec).await)
             }
-            Err(StoreError::NotFound) => (Phase::Idle, Ok(Pass::new("gone", self.settings.resync))),
+            Err(StoreError::NotFound) => (Phase::Idle, Ok(Pass::gone(self.settings.resync))),
             Err(e) => (Phase::Unknown, Err(e.into())),
         };
         let outcome = match &result {
@@ -458,7 +488,7 @@ impl Reconciler {
         };
         metrics::pass(phase, outcome, started.elapsed());
         if let Ok(pass) = &result {
-            span.record("status", pass.status.as_str());
+            span.record("status", pass.status.map_or("gone", Status::as_str));
         }
         span.record("outcome", outcome.as_str());
         result
@@ -466,21 +496,24 @@ impl Reconciler {
 
     async fn reconcile_record(&self, rec: &Record) -> Result<Pass> {
         if rec.gone {
-            return Ok(Pass::new("gone", self.settings.resync));
+            return Ok(Pass::gone(self.settings.resync));
         }
         let kube_before = self.kube_writes();
         let do_before = self.cloud.mutating_calls();
-        let mut pass = match rec.status.as_str() {
+        let mut pass = match rec.status {
             // Deletion wins over everything: a refusal while tearing down is retried, never
             // parked in `error` (the store would not apply it to a deleting DI anyway).
-            "deleting" => self.teardown(rec).await.map_err(|e| match e {
-                ReconcileError::Permanent { reason, message } => {
-                    ReconcileError::Transient(format!("{reason}: {message}"))
-                }
+            Status::Deleting => self.teardown(rec).await.map_err(|e| match e {
+                ReconcileError::Permanent {
+                    reason, message, ..
+                } => ReconcileError::Transient(format!("{reason}: {message}")),
                 e => e,
             })?,
-            "error" => self.refresh_credentials(rec).await?,
-            _ => self.converge(rec).await?,
+            Status::Error => self.refresh_credentials(rec).await?,
+            Status::New | Status::Provisioning | Status::Active | Status::Updating => {
+                let version = rec.pending_spec.as_ref().or(rec.spec.as_ref()).map(|s| s.version);
+                self.converge(rec).await.map_err(|e| e.during(version))?
+            }
         };
         pass.kube_writes = self.kube_writes() - kube_before;
         pass.do_writes = self.cloud.mutating_calls() - do_before;
@@ -494,16 +527,16 @@ impl Reconciler {
         let id = rec.id;
         let s = &self.settings;
         let Some(spec) = rec.pending_spec.as_ref().or(rec.spec.as_ref()) else {
-            return Ok(Pass::new(&rec.status, s.resync));
+            return Ok(Pass::new(rec.status, s.resync));
         };
         let pending = rec.pending_spec.as_ref().map(|p| p.version);
-        let mut status = rec.status.clone();
-        if status == "new" {
+        let mut status = rec.status;
+        if status == Status::New {
             status = self.store.provisioning_begin(id).await?.status;
-        } else if status == "active" && pending.is_some() {
+        } else if status == Status::Active && pending.is_some() {
             status = self.store.updating_begin(id).await?.status;
         }
-        let pass = Pass::new(&status, s.poll);
+        let pass = Pass::new(status, s.poll);
         let models = plan::models(&spec.model_deployments)?;
         let inputs = self.store.pass_inputs(id).await?;
         let mut ledger = Ledger {
@@ -517,7 +550,7 @@ impl Reconciler {
         // A resync of a converged DI reaches the cluster it reached last time without asking
         // DigitalOcean: at 1,000 DIs, two reads per resync would exceed the API's hourly budget
         // several times over. When the cluster does not answer, the next pass asks again.
-        let resync = status == "active" && pending.is_none();
+        let resync = status == Status::Active && pending.is_none();
         let trusted = if resync {
             self.trusted_cluster(&cluster_name)
         } else {
@@ -636,14 +669,14 @@ impl Reconciler {
         let Some(version) = pending else {
             // Converged and nothing to roll out: a resync. Endpoints that moved since the rollout
             // (a load balancer replaced, the cluster rebuilt) are recorded.
-            if status == "active"
+            if status == Status::Active
                 && (rec.public_endpoint_fqdn != endpoints.public_fqdn
                     || rec.private_endpoint_fqdn != endpoints.private_fqdn)
             {
                 self.store.endpoints_update(id, &endpoints).await?;
                 tracing::info!(di = %id, ?endpoints, "endpoints moved");
             }
-            return Ok(Pass::new(&status, s.resync));
+            return Ok(Pass::new(status, s.resync));
         };
         let Some(url) = assessment
             .public_endpoint
@@ -659,7 +692,7 @@ impl Reconciler {
             // The pass leaves the DI active (its span says so): no later pass is needed to see it.
             Ok(done) => {
                 tracing::info!(di = %id, version, "rollout complete");
-                Ok(Pass::new(&done.status, s.resync))
+                Ok(Pass::new(done.status, s.resync))
             }
             // Superseded by a newer spec (or deleted) meanwhile: the next pass converges on it.
             Err(StoreError::Conflict(why)) => Ok(pass.wait(why, Duration::ZERO)),
@@ -683,7 +716,7 @@ impl Reconciler {
     /// spec — its access tokens — must still reach the gateway: a revoked token is refused
     /// within seconds whatever the status.
     async fn refresh_credentials(&self, rec: &Record) -> Result<Pass> {
-        let done = Pass::new(&rec.status, self.settings.resync);
+        let done = Pass::new(rec.status, self.settings.resync);
         let name = names::cluster(&rec.vpc_uuid);
         let (cluster_id, kube) = match self.trusted_cluster(&name) {
             Some(reached) => reached,
@@ -1039,7 +1072,7 @@ impl Reconciler {
     async fn teardown(&self, rec: &Record) -> Result<Pass> {
         let id = rec.id;
         let s = &self.settings;
-        let pass = Pass::new("deleting", s.poll);
+        let pass = Pass::new(Status::Deleting, s.poll);
         let clusters = self.cloud.cluster_list().await?;
         let entries = self.store.ledger_entries(id).await?;
         for e in entries.iter().rev() {
@@ -1142,7 +1175,7 @@ impl Reconciler {
         match self.store.gone(id).await {
             Ok(_) | Err(StoreError::NotFound) => {
                 tracing::info!(di = %id, "gone");
-                Ok(Pass::new("deleting", s.resync))
+                Ok(Pass::gone(s.resync))
             }
             Err(e) => Err(e.into()),
         }

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use api_types::lifecycle::Status;
 use cloud_clients::{DoClient, DoClientOptions};
 use common::seal::Sealer;
 use region_store::{Claim, Store};
@@ -49,6 +50,9 @@ pub struct Config {
     pub backoff_max: Duration,
     /// No progress for this long in a phase: an event at half of it, `error` at all of it.
     pub stall_timeout: Duration,
+    /// A pass that takes longer is abandoned as a transient failure (and tried again): a cloud
+    /// API that accepts a connection and never answers must not hold a DI for ever.
+    pub pass_timeout: Duration,
     pub db_max_connections: u32,
     /// Where `/metrics` and `/healthz` are served; port 0 picks a free port (see
     /// [`WorkerHandle::metrics_addr`]).
@@ -66,6 +70,7 @@ impl std::fmt::Debug for Config {
             .field("tick", &self.tick)
             .field("poll_min", &self.poll_min)
             .field("stall_timeout", &self.stall_timeout)
+            .field("pass_timeout", &self.pass_timeout)
             .field("metrics_listen", &self.metrics_listen)
             .finish_non_exhaustive()
     }
@@ -97,6 +102,7 @@ impl Config {
             backoff_base: Duration::from_secs(1),
             backoff_max: Duration::from_secs(60),
             stall_timeout: Duration::from_secs(30 * 60),
+            pass_timeout: Duration::from_secs(120),
             db_max_connections: 10,
             metrics_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
         }
@@ -342,8 +348,11 @@ async fn run_pass(shared: &Shared, claim: Claim) {
     let id = claim.di_id;
     let lost = Arc::new(Notify::new());
     let keep = shared.queue.keep_alive(claim.clone(), lost.clone());
+    let deadline = shared.config.pass_timeout;
     let outcome = tokio::select! {
-        r = shared.reconciler.reconcile(id) => Some(r),
+        r = tokio::time::timeout(deadline, shared.reconciler.reconcile(id)) => Some(r.unwrap_or_else(|_| {
+            Err(ReconcileError::Transient(format!("the pass took longer than {deadline:?}")))
+        })),
         _ = lost.notified() => None,
     };
     drop(keep);
@@ -357,7 +366,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
         Some(Ok(pass)) => {
             shared.attempts.lock().expect("attempts").remove(&id);
             shared.stats.lock().expect("stats").passes += 1;
-            tracing::debug!(di = %id, status = %pass.status, waiting = ?pass.waiting,
+            tracing::debug!(di = %id, status = ?pass.status, waiting = ?pass.waiting,
                 do_writes = pass.do_writes, kube_writes = pass.kube_writes, "pass");
             let unchanged_for = watch_progress(shared, id, &pass).await;
             match (&pass.waiting, unchanged_for) {
@@ -378,8 +387,9 @@ async fn run_pass(shared: &Shared, claim: Claim) {
                 .store
                 .dedicated_inference_any(id)
                 .await
-                .map(|r| r.status)
-                .unwrap_or_default();
+                .ok()
+                .filter(|r| !r.gone)
+                .map(|r| r.status);
             let pass = Pass {
                 status,
                 waiting: Some(RETRYING.into()),
@@ -390,11 +400,15 @@ async fn run_pass(shared: &Shared, claim: Claim) {
             watch_progress(shared, id, &pass).await;
             queue::backoff(attempt, cfg.backoff_base, cfg.backoff_max)
         }
-        Some(Err(ReconcileError::Permanent { reason, message })) => {
+        Some(Err(ReconcileError::Permanent {
+            reason,
+            message,
+            version,
+        })) => {
             shared.attempts.lock().expect("attempts").remove(&id);
             shared.stats.lock().expect("stats").permanent_failures += 1;
             tracing::warn!(di = %id, %reason, %message, "permanent failure");
-            if let Err(e) = shared.store.error_set(id, &reason, &message).await {
+            if let Err(e) = shared.store.error_set(id, version, &reason, &message).await {
                 tracing::warn!(di = %id, error = %e, "recording the error failed");
             }
             cfg.settings.resync
@@ -440,13 +454,13 @@ const RETRYING: &str = "retrying after transient failures";
 /// otherwise, or when it could not be recorded).
 async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Duration> {
     let moving = matches!(
-        pass.status.as_str(),
-        "new" | "provisioning" | "updating" | "deleting"
+        pass.status,
+        Some(Status::New | Status::Provisioning | Status::Updating | Status::Deleting)
     );
-    let repairing =
-        pass.status == "active" && pass.waiting.as_deref().is_some_and(|w| w != RETRYING);
-    let key = match &pass.waiting {
-        Some(w) if moving || repairing => format!("{}|{w}", pass.status),
+    let repairing = pass.status == Some(Status::Active)
+        && pass.waiting.as_deref().is_some_and(|w| w != RETRYING);
+    let key = match (&pass.waiting, pass.status) {
+        (Some(w), Some(status)) if moving || repairing => progress_key(status, w),
         _ => region_store::PROGRESS_IDLE.to_string(),
     };
     let stall = match shared.store.work_progress(id, &key).await {
@@ -456,15 +470,13 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
             return None;
         }
     };
-    let was_repairing = stall
-        .previous
-        .as_deref()
-        .is_some_and(|k| k.starts_with("active|"));
+    let was_repairing =
+        stall.previous.as_deref().and_then(progress_status) == Some(Status::Active);
     let waiting = pass.waiting.as_deref().unwrap_or("");
     if repairing && !was_repairing {
         let msg = format!("Out of step with its spec; repairing: {waiting}");
         let _ = shared.store.event_append(id, "Repairing", &msg).await;
-    } else if was_repairing && pass.status == "active" && pass.waiting.is_none() {
+    } else if was_repairing && pass.status == Some(Status::Active) && pass.waiting.is_none() {
         let msg = "Back in step with its spec.";
         let _ = shared.store.event_append(id, "Repaired", msg).await;
     }
@@ -479,9 +491,9 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
         let msg = format!(
             "No progress for {}s while {}: {waiting}",
             stall.unchanged_for.as_secs(),
-            pass.status
+            pass.status.map_or("gone", Status::as_str)
         );
-        if let Err(e) = shared.store.error_set(id, "Stalled", &msg).await {
+        if let Err(e) = shared.store.error_set(id, None, "Stalled", &msg).await {
             tracing::warn!(di = %id, error = %e, "recording the stall failed");
         }
     } else if stall.unchanged_for >= timeout / 2 && !stall.reported {
@@ -496,9 +508,29 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
     Some(stall.unchanged_for)
 }
 
+/// The progress fingerprint of a pass: its status and what it waits for.
+fn progress_key(status: Status, waiting: &str) -> String {
+    format!("{status}|{waiting}")
+}
+
+/// The status a progress fingerprint was recorded in (`None` for [`region_store::PROGRESS_IDLE`]).
+fn progress_status(key: &str) -> Option<Status> {
+    key.split_once('|')?.0.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::poll_delay;
+    use super::{poll_delay, progress_key, progress_status};
+    use api_types::lifecycle::Status;
+
+    #[test]
+    fn progress_keys_name_their_status() {
+        let key = progress_key(Status::Active, "a Service | missing");
+        assert_eq!(progress_status(&key), Some(Status::Active));
+        assert_eq!(progress_status(region_store::PROGRESS_IDLE), None);
+        assert_eq!(progress_status("activeish|x"), None);
+    }
+
     use std::time::Duration;
 
     #[test]

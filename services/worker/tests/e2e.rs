@@ -122,7 +122,7 @@ async fn a_second_pass_over_an_active_di_writes_nothing() {
     assert_eq!(r.kube_writes(), 0);
     assert_eq!(r.do_mutations(), 0);
     let after = env.store.dedicated_inference_any(rec.id).await.unwrap();
-    assert_eq!(after.status, "active");
+    assert_eq!(after.status, Status::Active);
     env.sim.shutdown().await;
 }
 
@@ -171,7 +171,7 @@ async fn an_endpoint_that_moved_is_recorded_by_the_next_resync() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let after = env.store.dedicated_inference_any(rec.id).await.unwrap();
-    assert_eq!(after.status, "active");
+    assert_eq!(after.status, Status::Active);
     assert_eq!(after.public_endpoint_fqdn, before.public_endpoint_fqdn);
     assert_ne!(after.private_endpoint_fqdn, before.private_endpoint_fqdn);
     let ca = env.store.certificate_authority(rec.id).await.unwrap();
@@ -234,7 +234,7 @@ async fn a_repair_of_an_active_di_is_told_in_its_events() {
         "{reasons:?}"
     );
     let after = env.store.dedicated_inference_any(rec.id).await.unwrap();
-    assert_eq!(after.status, "active");
+    assert_eq!(after.status, Status::Active);
     w.shutdown().await;
     env.sim.shutdown().await;
 }
@@ -300,7 +300,7 @@ async fn no_gpu_capacity_is_an_error_with_a_reason_until_the_spec_changes() {
     let (rec, _token) = env.create(2).await;
     let failed = env
         .wait_for(rec.id, "error", Duration::from_secs(30), |r| {
-            r.status == "error"
+            r.status == Status::Error
         })
         .await;
     assert_eq!(failed.status_reason.as_deref(), Some("CapacityExhausted"));
@@ -338,7 +338,7 @@ async fn a_killed_workers_lease_expires_and_another_finishes() {
     let (rec, token) = env.create(1).await;
     // Let w1 start provisioning, then kill it mid-way.
     env.wait_for(rec.id, "provisioning", Duration::from_secs(20), |r| {
-        r.status == "provisioning"
+        r.status == Status::Provisioning
     })
     .await;
     w1.kill();
@@ -378,7 +378,7 @@ async fn delete_during_provisioning_leaves_nothing() {
     let w = env.worker().await;
     let (rec, _token) = env.create(1).await;
     env.wait_for(rec.id, "provisioning", Duration::from_secs(20), |r| {
-        r.status == "provisioning"
+        r.status == Status::Provisioning
     })
     .await;
     env.store
@@ -514,7 +514,7 @@ async fn a_phase_without_progress_becomes_an_event_then_an_error() {
     let (rec, _token) = env.create(1).await;
     let failed = env
         .wait_for(rec.id, "stalled", Duration::from_secs(30), |r| {
-            r.status == "error"
+            r.status == Status::Error
         })
         .await;
     assert_eq!(failed.status_reason.as_deref(), Some("Stalled"));

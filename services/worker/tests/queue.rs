@@ -158,7 +158,7 @@ async fn depth_counts_what_is_claimable_and_what_is_leased(pool: PgPool) {
         .copied()
         .find(|id| !claimed.iter().any(|c| c.di_id == *id))
         .unwrap();
-    s.error_set(free, "CapacityExhausted", "no GPUs")
+    s.error_set(free, None, "CapacityExhausted", "no GPUs")
         .await
         .unwrap();
     let depth = s.work_depth().await.unwrap();
@@ -193,7 +193,7 @@ async fn error_dis_wait_for_a_new_spec(pool: PgPool) {
     let team = Uuid::new_v4();
     let id = create(&s, team).await;
     let c = s.work_claim("a", LEASE, 10).await.unwrap().remove(0);
-    s.error_set(id, "CapacityExhausted", "no GPUs")
+    s.error_set(id, None, "CapacityExhausted", "no GPUs")
         .await
         .unwrap();
     s.work_release(id, c.lease_token, c.seq, Duration::ZERO)

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+pub use api_types::lifecycle::Status;
 use api_types::regional::{CreateRequest, NewToken, Record};
 use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
 use common::seal::Sealer;
@@ -243,7 +244,7 @@ impl Env {
             &format!("active v{version}"),
             Duration::from_secs(60),
             |r| {
-                r.status == "active"
+                r.status == Status::Active
                     && r.pending_spec.is_none()
                     && r.spec.as_ref().map(|s| s.version) == Some(version)
             },
