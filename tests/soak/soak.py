@@ -1,0 +1,960 @@
+"""The soak: drives the whole system (as `scripts/run` starts it) like many customers at once,
+while a chaos loop breaks the simulated cloud and the control plane; checks invariants while it
+runs and at the end; prints a report; exits 1 on any violation.
+
+Customers: several teams, each with VPCs of its own in two regions, create DIs (with pydo and
+its default retries, in godo's request shape, with and without an Idempotency-Key, from clients
+that give up mid-request), patch them (scale, GPU size, model, name, a deployment added or
+removed, with and without model ids), create and revoke tokens, and delete them. A probe calls
+every DI that has served, throughout its updates. Chaos: DigitalOcean and Kubernetes 5xx, 429
+and latency; SIGKILLed workers (two per region, restarted by their supervisor); a regional
+service stalled (SIGSTOP) and resumed; central killed and restarted.
+
+Seeded: each actor draws its choices from its own generator, so a seed replays the same choices
+(their timing, and so their interleaving, still varies). Run it through `tests/soak/run`.
+"""
+
+import argparse
+import base64
+import collections
+import json
+import os
+import random
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+import httpx
+
+MODELS = ["qwen/qwen2.5-7b-instruct", "openai/gpt-oss-20b"]
+GPUS = ["gpu-h100x1-80gb", "gpu-h200x1-141gb"]
+REGIONS = ["atl1", "nyc2"]
+# How long after an induced outage ends a 503 from central is still expected (its region call
+# times out after 5 s; a request that started in the outage ends after it).
+OUTAGE_GRACE = 8.0
+REVOKE_DEADLINE = 5.0
+
+
+def now():
+    return time.monotonic()
+
+
+class Soak:
+    def __init__(self, args):
+        self.args = args
+        self.api = args.api.rstrip("/")
+        self.state = args.state
+        self.stop = threading.Event()
+        self.lock = threading.RLock()
+        self.violations = []
+        self.counts = collections.Counter()
+        self.faults = collections.Counter()
+        self.dis = {}  # id -> dict: what customers were told
+        self.secrets = set()  # every secret value a log line must never hold
+        self.outages = []  # (region or None for all, start, end or None)
+        self.started = now()
+        self.secrets_env = self.read_secrets_env()
+        # The lifecycle's transition table, as the Rust code applies it (api_types::lifecycle).
+        with open(os.path.join(os.path.dirname(__file__), "..", "..", "openapi", "lifecycle.json")) as f:
+            self.lifecycle = json.load(f)
+        self.secrets.update(v for v in self.secrets_env.values() if len(v) >= 12)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def violate(self, invariant, detail):
+        with self.lock:
+            self.violations.append((round(now() - self.started, 1), invariant, detail))
+        print(f"[{now() - self.started:7.1f}s] VIOLATION {invariant}: {detail}", flush=True)
+
+    def note(self, di_id, what):
+        """Appends to the DI's story, which violations about it quote."""
+        with self.lock:
+            di = self.dis.get(di_id)
+            if di is not None:
+                di["story"].append(f"{now() - self.started:.1f}s {what}")
+
+    def story(self, di_id, last=8):
+        with self.lock:
+            di = self.dis.get(di_id)
+            return "; ".join(di["story"][-last:]) if di else ""
+
+    def count(self, what):
+        with self.lock:
+            self.counts[what] += 1
+
+    def log(self, msg):
+        if self.args.verbose:
+            print(f"[{now() - self.started:7.1f}s] {msg}", flush=True)
+
+    def read_secrets_env(self):
+        out = {}
+        with open(os.path.join(self.state, "secrets.env")) as f:
+            for line in f:
+                if "=" in line:
+                    k, v = line.strip().split("=", 1)
+                    out[k] = v
+        return out
+
+    def outage_begin(self, region):
+        with self.lock:
+            self.outages.append([region, now(), None])
+            return len(self.outages) - 1
+
+    def outage_end(self, i):
+        with self.lock:
+            self.outages[i][2] = now()
+
+    def in_outage(self, region, t0, t1):
+        """Whether an induced outage touching `region` overlapped [t0, t1] (with grace)."""
+        with self.lock:
+            for r, s, e in self.outages:
+                end = (e if e is not None else now()) + OUTAGE_GRACE
+                if (r is None or region is None or r == region) and s <= t1 and t0 <= end:
+                    return True
+        return False
+
+    def check_5xx(self, resp, region, t0, what):
+        """Invariant: no 5xx except 503 with Retry-After during an induced outage."""
+        if resp.status_code < 500:
+            return
+        if resp.status_code == 503 and resp.headers.get("retry-after"):
+            if self.in_outage(region, t0, now()):
+                return
+            self.violate("no-unexpected-5xx", f"{what}: 503 outside any induced outage: {resp.text[:200]}")
+        else:
+            self.violate("no-unexpected-5xx", f"{what}: {resp.status_code} {resp.text[:200]}")
+
+    # ------------------------------------------------------------------ set-up
+
+    def mint_team(self):
+        team = str(uuid.uuid4())
+        out = subprocess.run(
+            [os.path.join(self.args.bin, "central"), "mint-token", "--database-url", self.args.central_db,
+             "--team", team, "--name", "soak", "--rate-limit-per-hour", "10000000"],
+            check=True, capture_output=True, text=True)
+        token = out.stdout.strip()
+        self.secrets.add(token)
+        return team, token
+
+    def sim(self, region):
+        return self.args.sims[region]
+
+    def sim_token(self, region):
+        return self.secrets_env[f"SIM_TOKEN_{region}"]
+
+    def make_vpc(self, region, name):
+        r = httpx.post(f"{self.sim(region)}/v2/vpcs", json={"name": name, "region": region},
+                       headers={"Authorization": f"Bearer {self.sim_token(region)}"}, timeout=10)
+        r.raise_for_status()
+        return r.json()["vpc"]["id"]
+
+    # ------------------------------------------------------------------ requests
+
+    def request(self, client, method, path, region=None, what=None, **kw):
+        """One request; returns the response or None when no answer came (connection error or
+        the client's timeout). Checks the 5xx invariant."""
+        t0 = now()
+        try:
+            resp = client.request(method, self.api + path, **kw)
+        except httpx.HTTPError as e:
+            self.count(f"no-answer {what or method}")
+            self.log(f"{what or method} {path}: no answer ({type(e).__name__})")
+            return None
+        self.count(f"{what or method} -> {resp.status_code}")
+        self.check_5xx(resp, region, t0, f"{what or method} {path}")
+        return resp
+
+    def retry_after(self, resp):
+        try:
+            return min(float(resp.headers.get("retry-after", "1")), 5.0)
+        except ValueError:
+            return 1.0
+
+
+class Customer(threading.Thread):
+    """One customer of a team: owns the DIs it creates and does everything to them in turn."""
+
+    def __init__(self, soak, team, token, vpcs, index):
+        super().__init__(daemon=True, name=f"customer-{index}")
+        self.soak = soak
+        self.team = team
+        self.token = token
+        self.vpcs = vpcs  # region -> [vpc ids]
+        self.rng = random.Random(soak.args.seed * 1000 + index)
+        self.client = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        self.mine = []  # ids of live DIs this customer owns
+
+    # ------------------------------------------------------------------ helpers
+
+    def di(self, di_id):
+        return self.soak.dis[di_id]
+
+    def get(self, di_id):
+        while not self.soak.stop.is_set() or True:
+            resp = self.soak.request(self.client, "GET", f"/v2/dedicated-inferences/{di_id}", what="get")
+            if resp is not None and resp.status_code in (200, 404):
+                return resp
+            time.sleep(1)
+
+    def spec_of(self, body):
+        d = body["dedicated_inference"]
+        return d.get("pending_deployment_spec") or d["spec"]
+
+    def new_name(self):
+        return f"soak-{self.rng.randrange(16**8):08x}"
+
+    # ------------------------------------------------------------------ operations
+
+    def run(self):
+        try:
+            while not self.soak.stop.is_set():
+                self.step()
+                time.sleep(self.rng.uniform(0.2, 1.5))
+        except Exception as e:  # a bug in the soak itself must not pass silently
+            self.soak.violate("soak-driver", f"{self.name} crashed: {e!r}")
+            raise
+
+    def step(self):
+        live = [i for i in self.mine if not self.di(i)["deleted"]]
+        choices = [("create", 3 if len(live) < self.soak.args.dis_per_customer else 0)]
+        if live:
+            choices += [("patch", 4), ("token", 2), ("delete", 1 if len(live) > 1 else 0.3)]
+        op = self.rng.choices([c for c, _ in choices], [w for _, w in choices])[0]
+        if op == "create":
+            self.create()
+        elif op == "patch":
+            self.patch(self.rng.choice(live))
+        elif op == "token":
+            self.tokens(self.rng.choice(live))
+        elif op == "delete":
+            self.delete(self.rng.choice(live))
+
+    def create_body(self, godo):
+        region = self.rng.choice(REGIONS)
+        vpc = self.rng.choice(self.vpcs[region])
+        model = self.rng.choice(MODELS)
+        gpu = self.rng.choice(GPUS)
+        deployment = {"model_slug": model, "model_provider": "hugging_face",
+                      "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": gpu}]}
+        spec = {"version": 1, "name": self.new_name(), "region": region,
+                "enable_public_endpoint": self.rng.random() < 0.8}
+        if godo:
+            # godo's shape: provider_model_id always sent, the HF token under `secrets`.
+            deployment["provider_model_id"] = ""
+        else:
+            deployment["workload_config"] = {}
+        spec["vpc"] = {"uuid": vpc}
+        spec["model_deployments"] = [deployment]
+        body = {"spec": spec}
+        if self.rng.random() < 0.3:
+            hf = f"hf_soak_{uuid.uuid4().hex}"
+            self.soak.secrets.add(hf)
+            body["secrets" if godo else "access_tokens"] = {"hugging_face_token": hf}
+        return region, body
+
+    def create(self):
+        style = self.rng.choice(["pydo", "godo", "keyed", "impatient"])
+        region, body = self.create_body(godo=(style == "godo"))
+        name = body["spec"]["name"]
+        self.soak.count(f"create[{style}]")
+        if style == "pydo":
+            created = self.create_with_pydo(body, region)
+        else:
+            created = self.create_with_retries(body, region, style)
+        if created is None:
+            return
+        di = created["dedicated_inference"]
+        token = created["token"]["value"]
+        self.soak.secrets.add(token)
+        with self.soak.lock:
+            self.soak.dis[di["id"]] = {
+                "id": di["id"], "team": self.team, "region": region, "name": name, "token": token,
+                "api_token": self.token,
+                "accepted_version": 1, "expected": body["spec"], "deleted": False, "served": False,
+                "tokens": {}, "created_at": now(), "story": [],
+            }
+        self.soak.note(di["id"], f"created ({style}) {json.dumps(body['spec']['model_deployments'])}")
+        self.mine.append(di["id"])
+        self.soak.log(f"created {di['id']} ({style}) in {region}")
+
+    def create_with_pydo(self, body, region):
+        import pydo
+        from azure.core.exceptions import HttpResponseError, ServiceRequestError
+        from azure.core.pipeline.policies import HeadersPolicy
+        client = pydo.Client(self.token, endpoint=self.soak.api,
+                             authentication_policy=HeadersPolicy(
+                                 base_headers={"Authorization": f"Bearer {self.token}"}))
+        t0 = now()
+        try:
+            return client.dedicated_inferences.create(body=body)
+        except HttpResponseError as e:
+            status = e.status_code
+            self.soak.count(f"pydo create -> {status}")
+            if status == 409:
+                # pydo only retries 5xx and lost connections: a 409 for a name this customer
+                # picked fresh means an earlier attempt of this very call made the DI.
+                self.soak.violate("retries-find-their-create",
+                                  f"pydo create {body['spec']['name']}: 409 after its own retries: {e.message}")
+            elif status >= 500 and not (status == 503 and self.soak.in_outage(region, t0, now())):
+                self.soak.violate("no-unexpected-5xx", f"pydo create: {status} {e.message}")
+            elif status < 500:
+                self.soak.violate("no-unexpected-4xx", f"pydo create: {status} {e.message}")
+            return None
+        except ServiceRequestError as e:
+            self.soak.count("pydo create -> no answer")
+            return self.create_with_retries(body, region, "after-pydo")
+
+    def create_with_retries(self, body, region, style):
+        """godo's retry policy (5xx and 429, honouring Retry-After), as a plain loop: the same body
+        again, with the same key when there is one. The impatient client gives up after 0.3 s on
+        its first try, as a client with a short timeout or a dropped connection does."""
+        headers = {}
+        if style == "keyed":
+            headers["Idempotency-Key"] = f"soak-{uuid.uuid4()}"
+        unanswered = style == "after-pydo"  # pydo's own attempts got no answer
+        deadline = now() + 120
+        first = True
+        while now() < deadline:
+            timeout = 0.3 if (style == "impatient" and first) else 30
+            first = False
+            resp = self.soak.request(self.client, "POST", "/v2/dedicated-inferences", region=region,
+                                     what="create", json=body, headers=headers, timeout=timeout)
+            if resp is None:
+                unanswered = True
+                time.sleep(1)
+                continue
+            if resp.status_code == 202:
+                return resp.json()
+            if resp.status_code in (429,) or resp.status_code >= 500:
+                unanswered = True
+                time.sleep(self.soak.retry_after(resp))
+                continue
+            if resp.status_code == 409 and "in progress" in resp.text:
+                time.sleep(1)
+                continue
+            if resp.status_code == 409 and unanswered:
+                self.soak.violate("retries-find-their-create",
+                                  f"create {body['spec']['name']} ({style}): retried after no answer, got 409: {resp.text[:200]}")
+                return None
+            self.soak.violate("no-unexpected-4xx", f"create ({style}): {resp.status_code} {resp.text[:200]}")
+            return None
+        self.soak.violate("retries-find-their-create", f"create {body['spec']['name']} ({style}): no 202 within 120 s")
+        return None
+
+    def patch(self, di_id):
+        resp = self.get(di_id)
+        if resp.status_code == 404:
+            self.soak.violate("one-effect-per-2xx", f"DI {di_id} created with 202 is 404 before any delete")
+            self.di(di_id)["deleted"] = True
+            return
+        body = resp.json()
+        spec = json.loads(json.dumps(self.spec_of(body)))
+        deployments = spec["model_deployments"]
+        kind = self.rng.choice(["scale", "scale", "gpu", "model", "name", "add" if len(deployments) == 1 else "remove"])
+        if kind == "scale":
+            acc = deployments[0]["accelerators"][0]
+            acc["scale"] = 1 if acc["scale"] >= 2 else 2
+        elif kind == "gpu":
+            acc = deployments[0]["accelerators"][0]
+            acc["accelerator_slug"] = GPUS[1] if acc["accelerator_slug"] == GPUS[0] else GPUS[0]
+        elif kind == "model":
+            deployments[0]["model_slug"] = MODELS[1] if deployments[0]["model_slug"] == MODELS[0] else MODELS[0]
+        elif kind == "name":
+            spec["name"] = self.new_name()
+        elif kind == "add":
+            other = MODELS[1] if deployments[0]["model_slug"] == MODELS[0] else MODELS[0]
+            deployments.append({"model_slug": other, "model_provider": "hugging_face",
+                                "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": GPUS[0]}]})
+        else:
+            deployments.pop()
+        keep_ids = self.rng.random() < 0.5
+        out_deployments = []
+        for d in deployments:
+            o = {"model_slug": d["model_slug"], "model_provider": d.get("model_provider", "hugging_face"),
+                 "accelerators": [{"scale": a["scale"], "type": a.get("type", "prefill_decode"),
+                                   "accelerator_slug": a["accelerator_slug"]} for a in d["accelerators"]]}
+            if keep_ids and d.get("model_id"):
+                o["model_id"] = d["model_id"]
+            out_deployments.append(o)
+        di = self.di(di_id)
+        out = {"version": spec["version"], "name": spec.get("name") or body["dedicated_inference"]["name"],
+               "region": di["region"], "enable_public_endpoint": spec["enable_public_endpoint"],
+               "vpc": {"uuid": body["dedicated_inference"]["vpc_uuid"]}, "model_deployments": out_deployments}
+        headers = {}
+        keyed = self.rng.random() < 0.4
+        if keyed:
+            headers["Idempotency-Key"] = f"soak-{uuid.uuid4()}"
+        impatient = self.rng.random() < 0.2
+        self.soak.count(f"patch[{kind}{',keyed' if keyed else ''}{',impatient' if impatient else ''}]")
+        deadline = now() + 90
+        first = True
+        unanswered = False
+        while now() < deadline:
+            timeout = 0.3 if (impatient and first) else 30
+            first = False
+            resp = self.soak.request(self.client, "PATCH", f"/v2/dedicated-inferences/{di_id}", region=di["region"],
+                                     what="patch", json={"spec": out}, headers=headers, timeout=timeout)
+            if resp is None or resp.status_code == 429 or resp.status_code >= 500:
+                unanswered = True
+                if not keyed:
+                    # Without a key a client cannot tell whether its PATCH landed: read it back.
+                    back = self.get(di_id)
+                    if back.status_code == 200 and self.spec_of(back.json())["version"] == out["version"] + 1:
+                        self.accept(di_id, out)
+                        return
+                time.sleep(self.soak.retry_after(resp) if resp is not None else 1)
+                continue
+            if resp.status_code == 202:
+                got = resp.json()["dedicated_inference"]
+                pending = got.get("pending_deployment_spec") or got["spec"]
+                if pending["version"] != out["version"] + 1:
+                    self.soak.violate("one-effect-per-2xx", f"patch {di_id} v{out['version']} answered version {pending['version']}")
+                self.accept(di_id, out)
+                return
+            if resp.status_code == 409 and "in progress" in resp.text:
+                time.sleep(1)
+                continue
+            if resp.status_code == 409 and "stale" in resp.text:
+                if unanswered and not keyed:
+                    return  # landed meanwhile or superseded: the read-back above decides next time
+                self.soak.violate("one-effect-per-2xx", f"patch {di_id}: stale version though this customer is its only writer: {resp.text[:200]}")
+                return
+            self.soak.violate("no-unexpected-4xx", f"patch {di_id} ({kind}): {resp.status_code} {resp.text[:300]}")
+            return
+        self.soak.violate("keys-finish", f"patch {di_id} ({kind}, keyed={keyed}): no answer within 90 s")
+
+    def accept(self, di_id, spec):
+        self.soak.note(di_id, f"patch accepted v{spec['version'] + 1}: {spec['name']} "
+                       + json.dumps([(d['model_slug'], d['accelerators'][0]['accelerator_slug'], d['accelerators'][0]['scale'],
+                                      'id' if d.get('model_id') else 'no id') for d in spec['model_deployments']]))
+        with self.soak.lock:
+            di = self.di(di_id)
+            di["accepted_version"] = spec["version"] + 1
+            di["expected"] = spec
+            di["name"] = spec["name"]
+
+    def tokens(self, di_id):
+        di = self.di(di_id)
+        live = [t for t, v in di["tokens"].items() if v["revoked_at"] is None]
+        if live and self.rng.random() < 0.6:
+            self.revoke(di_id, self.rng.choice(live))
+            return
+        self.soak.count("token create")
+        deadline = now() + 60
+        key = f"soak-{uuid.uuid4()}"
+        while now() < deadline:
+            resp = self.soak.request(self.client, "POST", f"/v2/dedicated-inferences/{di_id}/tokens",
+                                     region=di["region"], what="token-create", json={"name": "soak"},
+                                     headers={"Idempotency-Key": key})
+            if resp is None or resp.status_code == 429 or resp.status_code >= 500:
+                time.sleep(self.soak.retry_after(resp) if resp is not None else 1)
+                continue
+            if resp.status_code == 409 and "in progress" in resp.text:
+                time.sleep(1)
+                continue
+            if resp.status_code != 202:
+                self.soak.violate("no-unexpected-4xx", f"token create {di_id}: {resp.status_code} {resp.text[:200]}")
+                return
+            t = resp.json()["token"]
+            self.soak.secrets.add(t["value"])
+            with self.soak.lock:
+                di["tokens"][t["id"]] = {"value": t["value"], "created_at": now(), "revoked_at": None}
+            return
+
+    def revoke(self, di_id, token_id):
+        di = self.di(di_id)
+        self.soak.count("token revoke")
+        deadline = now() + 60
+        while now() < deadline:
+            resp = self.soak.request(self.client, "DELETE", f"/v2/dedicated-inferences/{di_id}/tokens/{token_id}",
+                                     region=di["region"], what="token-revoke")
+            if resp is None or resp.status_code == 429 or resp.status_code >= 500:
+                time.sleep(self.soak.retry_after(resp) if resp is not None else 1)
+                continue
+            if resp.status_code in (204, 404):
+                # 404: an earlier attempt whose answer was lost revoked it.
+                with self.soak.lock:
+                    di["tokens"][token_id]["revoked_at"] = now()
+                return
+            self.soak.violate("no-unexpected-4xx", f"revoke {di_id}: {resp.status_code} {resp.text[:200]}")
+            return
+
+    def delete(self, di_id):
+        di = self.di(di_id)
+        with self.soak.lock:
+            di["deleted"] = True  # the probe stops calling it from now on
+        self.soak.count("delete")
+        delete_di(self.soak, self.client, di)
+
+
+def delete_di(soak, client, di):
+    deadline = now() + 90
+    while now() < deadline:
+        resp = soak.request(client, "DELETE", f"/v2/dedicated-inferences/{di['id']}", region=di["region"], what="delete")
+        if resp is not None and resp.status_code in (202, 404):
+            di["deleted_at"] = now()
+            return
+        time.sleep(soak.retry_after(resp) if resp is not None else 1)
+    soak.violate("one-effect-per-2xx", f"delete {di['id']}: no 202 within 90 s")
+
+
+class Watcher(threading.Thread):
+    """Follows every DI as its customer sees it (GET), and probes the endpoints of those that
+    have served: every call must succeed through updates, a revoked token must be refused within
+    5 s, a created one accepted within 10 s."""
+
+    def __init__(self, soak):
+        super().__init__(daemon=True, name="watcher")
+        self.soak = soak
+        self.clients = {}  # team token -> httpx client
+        self.endpoint_clients = {}  # di id -> httpx client trusting its CA
+        self.seen = {}  # di id -> last GET body
+
+    def api(self, di):
+        c = self.clients.get(di["api_token"])
+        if c is None:
+            c = self.clients[di["api_token"]] = httpx.Client(
+                headers={"Authorization": f"Bearer {di['api_token']}"}, timeout=10)
+        return c
+
+    def endpoint_client(self, di):
+        c = self.endpoint_clients.get(di["id"])
+        if c is None:
+            resp = self.soak.request(self.api(di), "GET", f"/v2/dedicated-inferences/{di['id']}/ca",
+                                     region=di["region"], what="ca")
+            if resp is None or resp.status_code != 200:
+                return None
+            pem = base64.b64decode(resp.json()["cert"]).decode()
+            f = tempfile.NamedTemporaryFile("w", suffix=".pem", delete=False)
+            f.write(pem)
+            f.close()
+            c = self.endpoint_clients[di["id"]] = httpx.Client(
+                verify=ssl.create_default_context(cafile=f.name), timeout=5)
+        return c
+
+    def run(self):
+        while not self.soak.stop.is_set():
+            with self.soak.lock:
+                dis = [d for d in self.soak.dis.values() if not d["deleted"]]
+            for di in dis:
+                if self.soak.stop.is_set():
+                    break
+                self.watch(di)
+            time.sleep(0.1)
+
+    def watch(self, di):
+        resp = self.soak.request(self.api(di), "GET", f"/v2/dedicated-inferences/{di['id']}", what="watch")
+        if resp is None or resp.status_code != 200 or di["deleted"]:
+            return
+        d = resp.json()["dedicated_inference"]
+        self.seen[di["id"]] = d
+        if d["status"] != di.get("last_status"):
+            self.soak.note(di["id"], f"seen {d['status']}")
+            previous = di.get("last_status")
+            if previous is not None and d["status"] not in self.soak.lifecycle[previous]["reachable"]:
+                self.soak.violate("lifecycle", f"{di['id']}: {previous} → {d['status']}, which the transition "
+                                  f"table does not allow; story: {self.soak.story(di['id'])}")
+            di["last_status"] = d["status"]
+        if d["status"] == "active" and not di["served"]:
+            di["served"] = True
+        if not di["served"]:
+            return
+        endpoint = (d.get("endpoints") or {}).get("public_endpoint_fqdn") or (d.get("endpoints") or {}).get("private_endpoint_fqdn")
+        client = self.endpoint_client(di)
+        if not endpoint or client is None:
+            return
+        models = [d["spec"]["model_deployments"][0]["model_slug"]] if d.get("spec") else []
+        pending = d.get("pending_deployment_spec")
+        if pending:
+            models.append(pending["model_deployments"][0]["model_slug"])
+        self.probe(di, client, endpoint, models)
+        for token_id, t in list(di["tokens"].items()):
+            self.check_token(di, client, endpoint, models, token_id, t)
+
+    def chat(self, client, endpoint, token, model):
+        try:
+            r = client.post(endpoint + "/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
+                            json={"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+            return r.status_code, r.text[:200]
+        except httpx.HTTPError as e:
+            return None, repr(e)[:200]
+
+    def probe(self, di, client, endpoint, models):
+        answers = []
+        for model in models:
+            status, text = self.chat(client, endpoint, di["token"], model)
+            answers.append((model, status, text))
+            if status == 200:
+                self.soak.count("probe ok")
+                return
+            if not (status == 404 and "does not exist" in text):
+                break  # only an unknown model may be tried with the other name
+        if di["deleted"]:
+            return  # deleted while this probe ran
+        self.soak.count("probe failed")
+        self.soak.violate("serving-through-updates", f"{di['id']} ({self.seen[di['id']]['status']}): {answers}; "
+                          f"story: {self.soak.story(di['id'])}")
+
+    def check_token(self, di, client, endpoint, models, token_id, t):
+        if t.get("settled"):
+            return
+        status, _ = self.chat(client, endpoint, t["value"], models[-1])
+        if t["revoked_at"] is not None:
+            if status == 401:
+                t["settled"] = True
+                self.soak.count("revoked token refused")
+            elif now() - t["revoked_at"] > REVOKE_DEADLINE:
+                t["settled"] = True
+                self.soak.violate("revocation-within-5s", f"{di['id']}: token {token_id} still answered {status} "
+                                  f"{now() - t['revoked_at']:.1f}s after its revoke returned (status {self.seen[di['id']]['status']})")
+        elif status == 200:
+            t["accepted"] = True
+        elif not t.get("accepted") and now() - t["created_at"] > 10 and status == 401:
+            t["settled"] = True
+            self.soak.violate("one-effect-per-2xx", f"{di['id']}: token {token_id} created (202) still refused after 10 s")
+
+
+class Chaos(threading.Thread):
+    """Breaks one thing at a time, at random, and puts it right again."""
+
+    def __init__(self, soak):
+        super().__init__(daemon=True, name="chaos")
+        self.soak = soak
+        self.rng = random.Random(soak.args.seed)
+
+    def pids(self, name):
+        """Live pids of the service binaries called `name` (from the run's pid file)."""
+        out = []
+        with open(os.path.join(self.soak.state, "run.pids")) as f:
+            for line in f:
+                pid, n = line.split()
+                if n == name and os.path.exists(f"/proc/{pid}"):
+                    out.append(int(pid))
+        return out
+
+    def regional_pid(self, region):
+        for pid in self.pids("regional"):
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if f"REGION={region}".encode() in env:
+                return pid
+        return None
+
+    def set_faults(self, region, faults):
+        httpx.put(f"{self.soak.sim(region)}/_sim/faults", json=faults, timeout=10).raise_for_status()
+
+    def run(self):
+        while not self.soak.stop.wait(self.rng.uniform(4, 10)):
+            kind = self.rng.choice(["do", "kube", "do-429", "kube-429", "latency", "kill-worker", "kill-worker",
+                                    "stall-region", "restart-central"])
+            region = self.rng.choice(REGIONS)
+            self.soak.faults[kind] += 1
+            self.soak.log(f"chaos: {kind} in {region}")
+            try:
+                self.inject(kind, region)
+            except Exception as e:
+                self.soak.violate("soak-driver", f"chaos {kind}: {e!r}")
+
+    def inject(self, kind, region):
+        if kind in ("do", "kube", "do-429", "kube-429", "latency"):
+            api = "kube" if kind.startswith("kube") else "do"
+            f = {"error_rate": 0.3, "rate_limit_rate": 0.0, "latency_ms": 0, "retry_after_secs": 1}
+            if kind.endswith("-429"):
+                f = {"error_rate": 0.0, "rate_limit_rate": 0.4, "latency_ms": 0, "retry_after_secs": 1}
+            if kind == "latency":
+                f = {"error_rate": 0.0, "rate_limit_rate": 0.0, "latency_ms": 800, "retry_after_secs": 1}
+                api = self.rng.choice(["do", "kube"])
+            self.set_faults(region, {api: f})
+            self.soak.stop.wait(self.rng.uniform(5, 12))
+            self.set_faults(region, {})
+        elif kind == "kill-worker":
+            pids = self.pids("worker")
+            if pids:
+                os.kill(self.rng.choice(pids), signal.SIGKILL)
+        elif kind == "stall-region":
+            pid = self.regional_pid(region)
+            if pid:
+                outage = self.soak.outage_begin(region)
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    self.soak.stop.wait(7)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                    self.soak.outage_end(outage)
+        elif kind == "restart-central":
+            pids = self.pids("central")
+            if pids:
+                outage = self.soak.outage_begin(None)
+                os.kill(pids[0], signal.SIGKILL)
+                for _ in range(100):
+                    try:
+                        if httpx.get(self.soak.api + "/healthz", timeout=1).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    time.sleep(0.2)
+                self.soak.outage_end(outage)
+
+    def heal(self):
+        for region in REGIONS:
+            try:
+                self.set_faults(region, {})
+            except httpx.HTTPError:
+                pass
+            pid = self.regional_pid(region)
+            if pid:
+                os.kill(pid, signal.SIGCONT)
+
+
+# ---------------------------------------------------------------------- the end checks
+
+def converge(soak, watcher):
+    """Every DI not deleted reaches its newest accepted spec (active, nothing pending) or error
+    with a reason; every deleted one reaches 404."""
+    deadline = now() + soak.args.settle
+    pending = {d["id"]: d for d in soak.dis.values()}
+    while pending and now() < deadline:
+        for di_id, di in list(pending.items()):
+            resp = soak.request(watcher.api(di), "GET", f"/v2/dedicated-inferences/{di_id}", what="settle")
+            if resp is None:
+                continue
+            if di["deleted"]:
+                if resp.status_code == 404:
+                    del pending[di_id]
+                continue
+            if resp.status_code != 200:
+                continue
+            d = resp.json()["dedicated_inference"]
+            if d["status"] == "error":
+                ev = soak.request(watcher.api(di), "GET", f"/v2/dedicated-inferences/{di_id}/events?per_page=200", what="settle")
+                reasons = [e["reason"] for e in ev.json()["events"]] if ev is not None and ev.status_code == 200 else []
+                di["outcome"] = f"error ({reasons[-1] if reasons else '?'})"
+                if not reasons:
+                    soak.violate("converges", f"{di_id} in error without a reason")
+                del pending[di_id]
+            elif d["status"] == "active" and d.get("pending_deployment_spec") is None:
+                if d["spec"]["version"] != di["accepted_version"]:
+                    soak.violate("converges", f"{di_id}: active on v{d['spec']['version']}, newest accepted v{di['accepted_version']}")
+                else:
+                    check_spec(soak, di, d)
+                di["outcome"] = "active"
+                del pending[di_id]
+        time.sleep(1)
+    for di_id, di in pending.items():
+        soak.violate("converges", f"{di_id} (deleted={di['deleted']}) did not settle within {soak.args.settle}s: "
+                     f"{json.dumps(watcher.seen.get(di_id, {}).get('status'))}; story: {soak.story(di_id)}")
+
+
+def check_spec(soak, di, d):
+    want = [(m["model_slug"], m["accelerators"][0]["accelerator_slug"], m["accelerators"][0]["scale"])
+            for m in di["expected"]["model_deployments"]]
+    got = [(m["model_slug"], m["accelerators"][0]["accelerator_slug"], m["accelerators"][0]["scale"])
+           for m in d["spec"]["model_deployments"]]
+    if want != got or d["name"] != di["expected"]["name"]:
+        soak.violate("converges", f"{di['id']}: serves {d['name']} {got}, accepted {di['expected']['name']} {want}")
+
+
+def region_records(soak, region):
+    secret = soak.secrets_env[f"SECRET_{region}"]
+    out, after = {}, 0
+    while True:
+        r = httpx.get(f"{soak.args.regionals[region]}/internal/v1/changes", params={"after": after, "limit": 1000},
+                      headers={"x-region-secret": secret}, timeout=30)
+        r.raise_for_status()
+        body = r.json()
+        for rec in body["records"]:
+            out[rec["id"]] = rec
+        if not body["records"] or body["last_seq"] <= after:
+            return out
+        after = body["last_seq"]
+
+
+def compare_views(soak, teams):
+    """Central's view (each team's list) equals each region's records; no DI on one side only."""
+    central = {}
+    for team, token in teams:
+        page = 1
+        while True:
+            r = httpx.get(f"{soak.api}/v2/dedicated-inferences", params={"per_page": 200, "page": page},
+                          headers={"Authorization": f"Bearer {token}"}, timeout=30)
+            r.raise_for_status()
+            body = r.json()
+            for d in body["dedicated_inferences"]:
+                central[d["id"]] = d
+                d["_token"] = token
+            if "next" not in body["links"]["pages"]:
+                break
+            page += 1
+    region = {}
+    for name in REGIONS:
+        for rid, rec in region_records(soak, name).items():
+            if not rec.get("gone"):
+                region[rid] = rec
+    for rid in region.keys() - central.keys():
+        soak.violate("no-one-sided-di", f"{rid} exists in region {region[rid]['region']} but not in central's list")
+    for cid in central.keys() - region.keys():
+        soak.violate("no-one-sided-di", f"{cid} is in central's list but not in its region")
+    for did in central.keys() & region.keys():
+        c, r = central[did], region[did]
+        cv = (c.get("pending_deployment_spec") or c.get("spec") or {}).get("version")
+        rv = (r.get("pending_spec") or r.get("spec") or {}).get("version")
+        if c["status"] != r["status"] or cv != rv:
+            soak.violate("central-equals-region", f"{did}: central {c['status']} v{cv}, region {r['status']} v{rv}")
+    known = set(soak.dis)
+    for did in central.keys() - known:
+        soak.violate("one-effect-per-2xx", f"{did} exists though no customer got a 202 for it")
+        # Torn down with the rest, so that what it leaves behind is judged like everything else.
+        with soak.lock:
+            soak.dis[did] = {"id": did, "region": central[did]["region"], "api_token": central[did]["_token"],
+                             "deleted": False, "story": [], "tokens": {}}
+    return len(central), len(region)
+
+
+def teardown(soak, watcher):
+    """Deletes every DI at once, as `terraform destroy` does, and waits for 404 each."""
+    threads = []
+    for di in soak.dis.values():
+        if not di["deleted"]:
+            di["deleted"] = True
+            t = threading.Thread(target=delete_di, args=(soak, watcher.api(di), di), daemon=True)
+            t.start()
+            threads.append(t)
+    for t in threads:
+        t.join()
+    deadline = now() + soak.args.settle
+    left = [d for d in soak.dis.values()]
+    while left and now() < deadline:
+        left = [d for d in left if (r := soak.request(watcher.api(d), "GET", f"/v2/dedicated-inferences/{d['id']}", what="teardown")) is None
+                or r.status_code != 404]
+        time.sleep(1)
+    for d in left:
+        soak.violate("nothing-left", f"{d['id']} not gone {soak.args.settle}s after its delete")
+
+
+def leftovers(soak):
+    out = []
+    for region in REGIONS:
+        deadline = now() + 60
+        while True:
+            inv = httpx.get(f"{soak.sim(region)}/_sim/inventory", timeout=30).json()
+            items = [f"cluster {c['name']}" for c in inv["cloud"]["clusters"]] + \
+                    [f"node pool {p['name']}" for p in inv["cloud"]["node_pools"]] + \
+                    [f"node {n['name']}" for n in inv["cloud"]["nodes"]] + \
+                    [f"load balancer {lb['name']}" for lb in inv["cloud"]["load_balancers"]] + \
+                    [f"endpoint {e['url']}" for e in inv["endpoints"]] + \
+                    [f"namespace {o['metadata']['name']}" for objs in inv["kubernetes"].values() for o in objs
+                     if o["kind"] == "Namespace" and o["metadata"]["name"].startswith("di-")]
+            if not items or now() > deadline:
+                break
+            time.sleep(1)
+        for item in items:
+            soak.violate("nothing-left", f"{region}: {item}")
+        out += items
+    return out
+
+
+def scan_logs(soak):
+    logs = os.path.join(soak.state, "logs")
+    lines = 0
+    found = 0
+    secrets = [s for s in soak.secrets if len(s) >= 12]
+    for name in sorted(os.listdir(logs)):
+        with open(os.path.join(logs, name), errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                lines += 1
+                for s in secrets:
+                    if s in line:
+                        found += 1
+                        soak.violate("no-secret-in-logs", f"{name}:{number} holds a secret ({s[:6]}…)")
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--api", required=True)
+    p.add_argument("--state", required=True, help="the run's state directory (secrets.env, run.pids, logs/)")
+    p.add_argument("--bin", required=True, help="directory of the service binaries")
+    p.add_argument("--central-db", required=True)
+    p.add_argument("--sim", action="append", default=[], help="REGION=URL of a region simulator")
+    p.add_argument("--regional", action="append", default=[], help="REGION=URL of a regional service")
+    p.add_argument("--seconds", type=float, default=120)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--teams", type=int, default=3)
+    p.add_argument("--customers-per-team", type=int, default=2)
+    p.add_argument("--dis-per-customer", type=int, default=2)
+    p.add_argument("--settle", type=float, default=240, help="seconds allowed to converge, and to tear down")
+    p.add_argument("--no-chaos", action="store_true")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args()
+    args.sims = dict(s.split("=", 1) for s in args.sim)
+    args.regionals = dict(s.split("=", 1) for s in args.regional)
+
+    soak = Soak(args)
+    print(f"soak: seed {args.seed}, {args.seconds:.0f} s, {args.teams} teams × {args.customers_per_team} customers", flush=True)
+    teams, customers = [], []
+    for t in range(args.teams):
+        team, token = soak.mint_team()
+        teams.append((team, token))
+        vpcs = {r: [soak.make_vpc(r, f"soak-{t}-{r}-{i}") for i in range(2)] for r in REGIONS}
+        for c in range(args.customers_per_team):
+            customers.append(Customer(soak, team, token, vpcs, t * args.customers_per_team + c))
+    watcher = Watcher(soak)
+    chaos = Chaos(soak)
+    for c in customers:
+        c.start()
+    watcher.start()
+    if not args.no_chaos:
+        chaos.start()
+    soak.stop.wait(args.seconds)
+    soak.stop.set()
+    print("soak: stopping the customers and the chaos", flush=True)
+    for c in customers:
+        c.join(timeout=180)
+    chaos.join(timeout=60)
+    chaos.heal()
+    watcher.join(timeout=60)
+
+    print("soak: waiting for every DI to settle", flush=True)
+    converge(soak, watcher)
+    n_central, n_region = compare_views(soak, teams)
+    print("soak: deleting everything at once", flush=True)
+    teardown(soak, watcher)
+    left = leftovers(soak)
+    log_lines = scan_logs(soak)
+
+    # The report.
+    elapsed = now() - soak.started
+    by_invariant = collections.Counter(v[1] for v in soak.violations)
+    invariants = ["converges", "lifecycle", "one-effect-per-2xx", "retries-find-their-create", "keys-finish", "no-one-sided-di",
+                  "central-equals-region", "revocation-within-5s", "serving-through-updates",
+                  "no-unexpected-5xx", "no-unexpected-4xx", "no-secret-in-logs", "nothing-left", "soak-driver"]
+    outcomes = collections.Counter(d.get("outcome", "deleted" if d["deleted"] else "?") for d in soak.dis.values())
+    print()
+    print(f"=== soak report: seed {args.seed}, {elapsed:.0f} s in all ({args.seconds:.0f} s of load) ===")
+    print(f"DIs created: {len(soak.dis)}; at the end before teardown: central {n_central}, regions {n_region}; outcomes {dict(outcomes)}")
+    print("requests:")
+    for k, v in sorted(soak.counts.items()):
+        print(f"  {k:48} {v}")
+    print("faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(soak.faults.items())) or "none"))
+    print(f"log lines scanned for {len(soak.secrets)} secrets: {log_lines}; leftovers after teardown: {len(left)}")
+    print("invariants:")
+    for inv in invariants:
+        n = by_invariant.get(inv, 0)
+        print(f"  {'ok  ' if n == 0 else 'FAIL'} {inv}" + (f" ({n} violations)" if n else ""))
+    if soak.violations:
+        print("violations (first 30):")
+        for t, inv, detail in soak.violations[:30]:
+            print(f"  [{t:7.1f}s] {inv}: {detail}")
+        sys.exit(1)
+    print("no violations")
+
+
+if __name__ == "__main__":
+    main()
