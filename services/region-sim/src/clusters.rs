@@ -122,7 +122,7 @@ mod proxy {
     use serde_json::json;
     use tokio::sync::watch;
 
-    use crate::faults::{Api, Faults, Verdict};
+    use crate::faults::{Api, CallVerdict, Faults, Verdict};
     use crate::Stats;
 
     struct Proxy {
@@ -156,7 +156,7 @@ mod proxy {
             return status(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized");
         }
         // Counted once authenticated, faulted or not (the client did send it).
-        p.stats.record_kube(
+        let kind = p.stats.record_kube(
             req.method(),
             req.uri().path(),
             req.uri().query().unwrap_or(""),
@@ -165,16 +165,18 @@ mod proxy {
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or(""),
         );
-        match p.faults.apply(Api::Kube).await {
-            Verdict::Pass => {}
-            Verdict::Error => {
+        let is_write = crate::is_mutating(req.method());
+        let lose_response = match p.faults.apply_call(Api::Kube, is_write, &kind).await {
+            CallVerdict::Now(Verdict::Pass) => false,
+            CallVerdict::LoseResponse => true,
+            CallVerdict::Now(Verdict::Error) => {
                 return status(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "InternalError",
                     "Internal error occurred: injected fault",
                 )
             }
-            Verdict::RateLimited(secs) => {
+            CallVerdict::Now(Verdict::RateLimited(secs)) => {
                 let mut r = status(
                     StatusCode::TOO_MANY_REQUESTS,
                     "TooManyRequests",
@@ -184,7 +186,7 @@ mod proxy {
                     .insert(header::RETRY_AFTER, HeaderValue::from(secs));
                 return r;
             }
-        }
+        };
         let (parts, body) = req.into_parts();
         let Ok(body) = axum::body::to_bytes(body, 64 * 1024 * 1024).await else {
             return status(
@@ -217,6 +219,15 @@ mod proxy {
                 )
             }
         };
+        if lose_response {
+            // The API server has answered, so the call took effect; the client never learns
+            // how. The body is not read: a watch's would never end.
+            return status(
+                StatusCode::GATEWAY_TIMEOUT,
+                "Timeout",
+                "Timeout: the server did not answer in time",
+            );
+        }
         let mut out = Response::builder().status(resp.status().as_u16());
         for (k, v) in resp.headers() {
             if k != header::TRANSFER_ENCODING

@@ -19,7 +19,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::faults::{Api, FaultConfig, Verdict};
+use crate::faults::{Api, ArmedKind, CallVerdict, Counting, FaultConfig, Verdict};
 use crate::world::{ClusterCreate, Delays, PoolSpec, VpcCreate, WorldError};
 use crate::Shared;
 
@@ -182,16 +182,27 @@ async fn guard(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Respon
         .into_response();
     }
     let line = format!("{} {}", req.method(), req.uri().path());
-    s.stats.record_do(req.method(), req.uri().path());
-    let resp = match s.faults.apply(Api::Do).await {
-        Verdict::Pass => next.run(req).await,
-        Verdict::Error => ApiError::new(
+    let kind = s.stats.record_do(req.method(), req.uri().path());
+    let is_write = crate::is_mutating(req.method());
+    let resp = match s.faults.apply_call(Api::Do, is_write, &kind).await {
+        CallVerdict::Now(Verdict::Pass) => next.run(req).await,
+        CallVerdict::LoseResponse => {
+            // The handler has run (whatever it created exists); only its answer is lost.
+            drop(next.run(req).await);
+            ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "gateway_timeout",
+                "The server did not answer in time.",
+            )
+            .into_response()
+        }
+        CallVerdict::Now(Verdict::Error) => ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "server_error",
             "Unexpected server-side error",
         )
         .into_response(),
-        Verdict::RateLimited(secs) => ApiError {
+        CallVerdict::Now(Verdict::RateLimited(secs)) => ApiError {
             retry_after: Some(secs),
             ..ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,
@@ -413,6 +424,48 @@ async fn admin_faults_put(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResul
     reply(StatusCode::OK, json!(f))
 }
 
+/// Calls counted so far, armed faults and those that fired.
+async fn admin_armed_get(State(s): State<Arc<Shared>>) -> Response {
+    let counts = |api| {
+        json!({
+            "calls": s.faults.calls(api, Counting::Calls).unwrap_or(0),
+            "writes": s.faults.calls(api, Counting::Writes).unwrap_or(0),
+        })
+    };
+    Json(json!({
+        "counts": {"do": counts(Api::Do), "kube": counts(Api::Kube)},
+        "armed": s.faults.armed(),
+        "fired": s.faults.fired(),
+    }))
+    .into_response()
+}
+
+/// `{"api": "do" | "kube", "nth": N, "kind": "refuse" | "lose_response" | "outage",
+/// "counting": "calls" | "writes"}`: the Nth call (or write) from now (0: the next one).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ArmRequest {
+    api: Api,
+    #[serde(default)]
+    nth: u64,
+    kind: ArmedKind,
+    #[serde(default)]
+    counting: Counting,
+}
+
+async fn admin_armed_arm(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let req: ArmRequest = parse_json(&body)?;
+    let armed = s
+        .faults
+        .arm(req.api, req.counting, req.nth, req.kind)
+        .map_err(|m| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unprocessable_entity", m))?;
+    reply(StatusCode::CREATED, json!(armed))
+}
+
+async fn admin_armed_disarm(State(s): State<Arc<Shared>>) -> Response {
+    Json(json!({"disarmed": s.faults.disarm()})).into_response()
+}
+
 async fn admin_delays_get(State(s): State<Arc<Shared>>) -> Response {
     Json(s.world.delays()).into_response()
 }
@@ -492,6 +545,12 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
     let admin = Router::new()
         .route("/_sim/inventory", get(admin_inventory))
         .route("/_sim/faults", get(admin_faults_get).put(admin_faults_put))
+        .route(
+            "/_sim/faults/armed",
+            get(admin_armed_get)
+                .post(admin_armed_arm)
+                .delete(admin_armed_disarm),
+        )
         .route("/_sim/delays", get(admin_delays_get).put(admin_delays_put))
         .route(
             "/_sim/capacity",

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 pub use data_plane::ModelTiming;
-pub use faults::{ApiFaults, FaultConfig};
+pub use faults::{Api, ApiFaults, ArmedFault, ArmedKind, Counting, FaultConfig, FiredFault};
 pub use inventory::Inventory;
 pub use world::Delays;
 
@@ -203,26 +203,30 @@ impl Stats {
             .or_insert(0) += 1;
     }
 
-    /// An authenticated DigitalOcean API call (before faults are applied).
-    pub(crate) fn record_do(&self, method: &http::Method, path: &str) {
+    /// An authenticated DigitalOcean API call (before faults are applied); returns its kind.
+    pub(crate) fn record_do(&self, method: &http::Method, path: &str) -> String {
         if is_mutating(method) {
             self.record_mutation(format!("{method} {path}"));
         }
-        self.count("do", do_kind(method, path));
+        let kind = do_kind(method, path);
+        self.count("do", kind.clone());
+        kind
     }
 
-    /// An authenticated Kubernetes API call (before faults are applied).
+    /// An authenticated Kubernetes API call (before faults are applied); returns its kind.
     pub(crate) fn record_kube(
         &self,
         method: &http::Method,
         path: &str,
         query: &str,
         content_type: &str,
-    ) {
+    ) -> String {
         if is_mutating(method) {
             self.kube_mutations.fetch_add(1, Ordering::SeqCst);
         }
-        self.count("kube", kube_kind(method, path, query, content_type));
+        let kind = kube_kind(method, path, query, content_type);
+        self.count("kube", kind.clone());
+        kind
     }
 
     fn snapshot(&self) -> StatsSnapshot {
@@ -397,6 +401,60 @@ impl RegionSim {
 
     pub fn set_faults(&self, f: FaultConfig) {
         self.shared.faults.set(f);
+    }
+
+    /// Arms a fault for the `nth` call to `api` (DigitalOcean or Kubernetes) from now; 0 is
+    /// the next call. See [`ArmedKind`] for what it does to that call.
+    pub fn arm_fault(&self, api: Api, nth: u64, kind: ArmedKind) -> anyhow::Result<ArmedFault> {
+        self.arm(api, Counting::Calls, nth, kind)
+    }
+
+    /// As [`RegionSim::arm_fault`] for the `nth` write (POST, PUT, PATCH, DELETE) from now.
+    pub fn arm_fault_on_write(
+        &self,
+        api: Api,
+        nth: u64,
+        kind: ArmedKind,
+    ) -> anyhow::Result<ArmedFault> {
+        self.arm(api, Counting::Writes, nth, kind)
+    }
+
+    fn arm(
+        &self,
+        api: Api,
+        counting: Counting,
+        nth: u64,
+        kind: ArmedKind,
+    ) -> anyhow::Result<ArmedFault> {
+        let armed = self.shared.faults.arm(api, counting, nth, kind);
+        armed.map_err(anyhow::Error::msg)
+    }
+
+    /// Armed faults still waiting for their call, and outages.
+    pub fn armed_faults(&self) -> Vec<ArmedFault> {
+        self.shared.faults.armed()
+    }
+
+    /// Removes every armed fault and ends every outage; returns them.
+    pub fn disarm_faults(&self) -> Vec<ArmedFault> {
+        self.shared.faults.disarm()
+    }
+
+    /// Armed faults that hit their call, oldest first (the last thousand).
+    pub fn fired_faults(&self) -> Vec<FiredFault> {
+        self.shared.faults.fired()
+    }
+
+    /// Authenticated calls to `api` (DigitalOcean or Kubernetes) since the simulator started,
+    /// faulted ones included: the numbering armed faults use. Not cleared by
+    /// [`RegionSim::reset_stats`]; 0 for the data plane.
+    pub fn calls(&self, api: Api) -> u64 {
+        self.shared.faults.calls(api, Counting::Calls).unwrap_or(0)
+    }
+
+    /// As [`RegionSim::calls`], writes only.
+    pub fn writes(&self, api: Api) -> u64 {
+        self.shared.faults.calls(api, Counting::Writes).unwrap_or(0)
     }
 
     pub fn delays(&self) -> Delays {

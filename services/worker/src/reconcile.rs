@@ -15,7 +15,7 @@ use base64::Engine;
 use cloud_clients::digitalocean::{
     Cluster, ClusterCreateRequest, ClusterState, NodePoolCreateRequest, NodePoolUpdateRequest,
 };
-use cloud_clients::{Deleted, DoClient, DoError, KubeClient, KubeError};
+use cloud_clients::{Deleted, DoClient, DoError, KubeClient, KubeClientOptions, KubeError};
 use hmac::{Hmac, Mac};
 use region_store::{
     ClusterRelease, Endpoints, LedgerEntry, NewCa, ObservedAccelerator, Store, StoreError,
@@ -253,6 +253,8 @@ pub struct Reconciler {
     cloud: DoClient,
     settings: Settings,
     kube: Mutex<HashMap<String, KubeClient>>,
+    /// Transport settings of the cluster clients made from kubeconfigs.
+    kube_options: KubeClientOptions,
     /// Cluster ids by name, so that a pass reads its one cluster instead of listing them all.
     cluster_ids: Mutex<HashMap<String, String>>,
     kube_writes_total: AtomicU64,
@@ -439,9 +441,17 @@ impl Reconciler {
             cloud,
             settings,
             kube: Mutex::new(HashMap::new()),
+            kube_options: KubeClientOptions::default(),
             cluster_ids: Mutex::new(HashMap::new()),
             kube_writes_total: AtomicU64::new(0),
         }
+    }
+
+    /// The same reconciler, making its cluster clients with `options` (the DigitalOcean client
+    /// comes configured; tests that drive passes one by one want few or quick retries).
+    pub fn with_kube_options(mut self, options: KubeClientOptions) -> Self {
+        self.kube_options = options;
+        self
     }
 
     pub fn settings(&self) -> &Settings {
@@ -978,9 +988,13 @@ impl Reconciler {
             return Ok(k.clone());
         }
         let yaml = self.cloud.kubeconfig(&cluster.id).await?;
-        let client = KubeClient::from_kubeconfig_yaml(&yaml, &self.settings.field_manager)
-            .await
-            .map_err(|e| ReconcileError::Transient(e.to_string()))?;
+        let client = KubeClient::from_kubeconfig_yaml_with(
+            &yaml,
+            &self.settings.field_manager,
+            self.kube_options.clone(),
+        )
+        .await
+        .map_err(|e| ReconcileError::Transient(e.to_string()))?;
         self.kube
             .lock()
             .expect("kube cache")

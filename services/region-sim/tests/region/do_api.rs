@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use region_sim::{ApiFaults, Delays, FaultConfig, RegionSim, SimConfig};
+use region_sim::{Api, ApiFaults, ArmedKind, Delays, FaultConfig, RegionSim, SimConfig};
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 
@@ -643,6 +643,120 @@ async fn injected_faults_hit_at_the_configured_rate() {
     let t = std::time::Instant::now();
     assert_eq!(api.get("/v2/vpcs").await.0, StatusCode::OK);
     assert!(t.elapsed() >= Duration::from_millis(150));
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_armed_fault_refuses_or_loses_the_nth_call_from_now() {
+    let sim = start().await;
+    let api = Do::new(&sim);
+    let pools = json!([{"name": "cpu", "size": "s-2vcpu-4gb", "count": 1}]);
+    api.get("/v2/vpcs").await;
+    assert_eq!(sim.calls(Api::Do), 1);
+
+    // Refused: the second call from now fails before it has any effect.
+    sim.arm_fault(Api::Do, 1, ArmedKind::Refuse).unwrap();
+    assert_eq!(api.get("/v2/kubernetes/clusters").await.0, StatusCode::OK);
+    let (s, v) = api
+        .post("/v2/kubernetes/clusters", cluster_body("c1", pools.clone()))
+        .await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_error(&v, "server_error");
+    assert!(
+        sim.inventory().cloud.clusters.is_empty(),
+        "refused: no cluster"
+    );
+    assert!(sim.armed_faults().is_empty(), "an armed fault fires once");
+
+    // Lost: the cluster is created, the client gets a 504, and sending the create again finds
+    // the name taken.
+    sim.arm_fault(Api::Do, 0, ArmedKind::LoseResponse).unwrap();
+    let (s, v) = api
+        .post("/v2/kubernetes/clusters", cluster_body("c1", pools.clone()))
+        .await;
+    assert_eq!(s, StatusCode::GATEWAY_TIMEOUT);
+    assert_error(&v, "gateway_timeout");
+    assert_eq!(sim.inventory().cloud.clusters.len(), 1, "lost: created");
+    let (s, _) = api
+        .post("/v2/kubernetes/clusters", cluster_body("c1", pools))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    let fired = sim.fired_faults();
+    assert_eq!(
+        fired
+            .iter()
+            .map(|f| (f.fault.kind, f.fault.call, f.request.as_str()))
+            .collect::<Vec<_>>(),
+        [
+            (ArmedKind::Refuse, 2, "POST /v2/kubernetes/clusters"),
+            (ArmedKind::LoseResponse, 3, "POST /v2/kubernetes/clusters"),
+        ]
+    );
+    // Every call counts, faulted or not; a stats reset does not renumber them.
+    sim.reset_stats();
+    assert_eq!(sim.calls(Api::Do), 5);
+    assert_eq!(sim.calls(Api::Kube), 0);
+
+    // A fault whose call never comes is given back when disarmed.
+    sim.arm_fault(Api::Do, 10, ArmedKind::Refuse).unwrap();
+    let left = sim.disarm_faults();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].call, 15);
+    assert!(sim.arm_fault(Api::DataPlane, 0, ArmedKind::Refuse).is_err());
+
+    // The same over the admin endpoints (which are not DigitalOcean calls).
+    const ADMIN: &str = "/_sim/faults/armed";
+    let (s, armed) = api
+        .post(ADMIN, json!({"api": "do", "nth": 0, "kind": "refuse"}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert_eq!(
+        armed,
+        json!({"api": "do", "counting": "calls", "call": 5, "kind": "refuse"})
+    );
+    let (_, state) = api.get(ADMIN).await;
+    assert_eq!(
+        state["counts"],
+        json!({"do": {"calls": 5, "writes": 3}, "kube": {"calls": 0, "writes": 0}})
+    );
+    assert_eq!(state["armed"], json!([armed]));
+    assert_eq!(state["fired"][1]["request"], "POST /v2/kubernetes/clusters");
+    assert_eq!(
+        api.get("/v2/vpcs").await.0,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    let (s, _) = api
+        .post(ADMIN, json!({"api": "data_plane", "kind": "refuse"}))
+        .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    // Counting writes only: the next write loses its answer, whatever reads come first.
+    sim.arm_fault_on_write(Api::Do, 0, ArmedKind::LoseResponse)
+        .unwrap();
+    assert_eq!(api.get("/v2/vpcs").await.0, StatusCode::OK);
+    let (s, _) = api
+        .post("/v2/vpcs", json!({"name": "lost", "region": "atl1"}))
+        .await;
+    assert_eq!(s, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(sim.inventory().cloud.vpcs.len(), 2, "lost: created");
+    assert_eq!(sim.writes(Api::Do), 4);
+
+    // An outage: down from its call on, until disarmed.
+    sim.arm_fault(Api::Do, 1, ArmedKind::Outage).unwrap();
+    assert_eq!(api.get("/v2/vpcs").await.0, StatusCode::OK);
+    for _ in 0..2 {
+        assert_eq!(
+            api.get("/v2/vpcs").await.0,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+    assert_eq!(sim.disarm_faults().len(), 1);
+    assert_eq!(api.get("/v2/vpcs").await.0, StatusCode::OK);
+
+    sim.arm_fault(Api::Kube, 0, ArmedKind::LoseResponse)
+        .unwrap();
+    let (_, disarmed) = api.delete(ADMIN).await;
+    assert_eq!(disarmed["disarmed"][0]["api"], "kube");
+    assert!(sim.armed_faults().is_empty());
     sim.shutdown().await;
 }
 

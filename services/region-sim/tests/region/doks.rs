@@ -6,7 +6,7 @@ use std::time::Duration;
 use base64::Engine;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use region_sim::data_plane::token_hash;
-use region_sim::{ApiFaults, Delays, FaultConfig, RegionSim, SimConfig};
+use region_sim::{Api, ApiFaults, ArmedKind, Delays, FaultConfig, RegionSim, SimConfig};
 use reqwest::{Client, Method, StatusCode};
 use serde_json::{json, Value};
 
@@ -145,6 +145,17 @@ async fn running_cluster(sim: &RegionSim, pools: Value) -> String {
     id
 }
 
+/// A running cluster with one CPU node, and a client for its API.
+async fn cpu_cluster(sim: &RegionSim) -> (String, Kube) {
+    let id = running_cluster(
+        sim,
+        json!([{"name": "cpu", "size": "s-2vcpu-4gb", "count": 1}]),
+    )
+    .await;
+    let kube = Kube::for_cluster(sim, &id).await;
+    (id, kube)
+}
+
 fn items(v: &Value) -> Vec<Value> {
     v["items"].as_array().cloned().unwrap_or_default()
 }
@@ -152,12 +163,7 @@ fn items(v: &Value) -> Vec<Value> {
 #[tokio::test]
 async fn kubeconfig_reaches_the_cluster_api_with_its_token_and_faults() {
     let sim = start().await;
-    let id = running_cluster(
-        &sim,
-        json!([{"name": "cpu", "size": "s-2vcpu-4gb", "count": 1}]),
-    )
-    .await;
-    let kube = Kube::for_cluster(&sim, &id).await;
+    let (id, kube) = cpu_cluster(&sim).await;
     let (s, v) = kube.get("/version").await;
     assert_eq!(s, 200);
     assert!(v["gitVersion"].as_str().is_some(), "{v}");
@@ -222,6 +228,60 @@ async fn kubeconfig_reaches_the_cluster_api_with_its_token_and_faults() {
     .await;
     assert_eq!(s, 404);
     assert_eq!(v["id"], "not_found");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_armed_fault_on_the_kube_api_refuses_or_loses_a_write() {
+    let sim = start().await;
+    let (_, kube) = cpu_cluster(&sim).await;
+    let do_calls = sim.calls(Api::Do);
+    let namespace =
+        |name: &str| json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}});
+
+    sim.arm_fault(Api::Kube, 0, ArmedKind::Refuse).unwrap();
+    let (s, v) = kube
+        .call(
+            Method::POST,
+            "/api/v1/namespaces",
+            Some(namespace("refused")),
+        )
+        .await;
+    assert_eq!(s, 500);
+    assert_eq!(v["kind"], "Status");
+    assert_eq!(kube.get("/api/v1/namespaces/refused").await.0, 404);
+
+    sim.arm_fault(Api::Kube, 0, ArmedKind::LoseResponse)
+        .unwrap();
+    let (s, v) = kube
+        .call(Method::POST, "/api/v1/namespaces", Some(namespace("lost")))
+        .await;
+    assert_eq!(s, 504);
+    assert_eq!(v["reason"], "Timeout");
+    assert_eq!(
+        kube.get("/api/v1/namespaces/lost").await.0,
+        200,
+        "lost: created"
+    );
+    let (s, _) = kube
+        .call(Method::POST, "/api/v1/namespaces", Some(namespace("lost")))
+        .await;
+    assert_eq!(s, 409, "sent again: it exists");
+
+    assert_eq!(sim.calls(Api::Kube), 5);
+    assert_eq!(sim.calls(Api::Do), do_calls, "the APIs are counted apart");
+    let fired: Vec<(u64, String)> = sim
+        .fired_faults()
+        .into_iter()
+        .map(|f| (f.fault.call, f.request))
+        .collect();
+    assert_eq!(
+        fired,
+        [
+            (0, "POST namespaces".to_string()),
+            (2, "POST namespaces".to_string())
+        ]
+    );
     sim.shutdown().await;
 }
 
@@ -559,12 +619,7 @@ async fn load_balancer_services_are_mirrored_and_serve_the_model() {
 #[tokio::test]
 async fn kubernetes_and_do_calls_are_counted_by_kind() {
     let sim = start().await;
-    let id = running_cluster(
-        &sim,
-        json!([{"name": "cpu", "size": "s-2vcpu-4gb", "count": 1}]),
-    )
-    .await;
-    let kube = Kube::for_cluster(&sim, &id).await;
+    let (id, kube) = cpu_cluster(&sim).await;
     sim.reset_stats();
     assert_eq!(sim.kube_mutations(), 0);
 
@@ -743,12 +798,7 @@ async fn a_settled_cluster_idles_but_still_sees_changes() {
     };
     cfg.cloud_controller_idle_ms = 600_000;
     let sim = RegionSim::start(cfg).await.expect("start");
-    let id = running_cluster(
-        &sim,
-        json!([{"name": "cpu", "size": "s-2vcpu-4gb", "count": 1}]),
-    )
-    .await;
-    let kube = Kube::for_cluster(&sim, &id).await;
+    let (_, kube) = cpu_cluster(&sim).await;
     let service = |name: &str| {
         json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
                "spec": {"type": "LoadBalancer", "selector": {"gateway.networking.k8s.io/gateway-name": "gw"},

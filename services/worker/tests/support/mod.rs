@@ -11,10 +11,12 @@ use std::time::{Duration, Instant};
 pub use api_types::lifecycle::Status;
 use api_types::regional::{CreateRequest, NewToken, Record};
 use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
+use cloud_clients::{DoClient, DoClientOptions, KubeClientOptions, RetryConfig};
 use common::seal::Sealer;
 use region_sim::{Delays, RegionSim, SimConfig};
 use region_store::{sqlx, Store};
 use uuid::Uuid;
+use worker::reconcile::Reconciler;
 use worker::runtime::{Config, Worker, WorkerHandle};
 
 pub const MODEL: &str = "qwen/qwen2.5-7b-instruct";
@@ -23,10 +25,14 @@ pub const SIM_TOKEN: &str = "sim-token";
 pub const PROBE_SECRET: &[u8] = b"probe-secret-for-tests";
 
 pub fn init_logs() {
+    init_logs_with("worker=info,warn");
+}
+
+/// As [`init_logs`] with another filter when `RUST_LOG` is not set; the first call in a test
+/// binary decides.
+pub fn init_logs_with(default_filter: &str) {
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            std::env::var("RUST_LOG").unwrap_or_else(|_| "worker=info,warn".to_string()),
-        )
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| default_filter.to_string()))
         .with_test_writer()
         .try_init();
 }
@@ -68,6 +74,10 @@ pub fn small_delays() -> Delays {
 }
 
 pub async fn env_with(capacity: Option<BTreeMap<String, u32>>) -> Env {
+    env_with_delays(capacity, small_delays()).await
+}
+
+pub async fn env_with_delays(capacity: Option<BTreeMap<String, u32>>, delays: Delays) -> Env {
     init_logs();
     let database_url = fresh_database().await;
     let seal_key = Sealer::generate_key();
@@ -79,7 +89,7 @@ pub async fn env_with(capacity: Option<BTreeMap<String, u32>>) -> Env {
     let store = Store::new(pool, Sealer::from_base64(&seal_key).unwrap());
     store.migrate().await.unwrap();
     let mut cfg = SimConfig::new("atl1", SIM_TOKEN);
-    cfg.delays = small_delays();
+    cfg.delays = delays;
     if let Some(c) = capacity {
         cfg.gpu_capacity = c;
     }
@@ -153,6 +163,22 @@ impl Env {
         .unwrap();
     }
 
+    /// A reconciler of its own, as a worker builds it, whose DigitalOcean and Kubernetes
+    /// clients retry as `retry` says: for tests that drive passes one by one.
+    pub fn reconciler(&self, retry: RetryConfig) -> Reconciler {
+        let options = DoClientOptions {
+            retry: retry.clone(),
+            ..DoClientOptions::default()
+        };
+        let cloud = DoClient::with_options(&self.sim.base_url(), SIM_TOKEN, options).unwrap();
+        Reconciler::new(self.store.clone(), cloud, self.config().settings).with_kube_options(
+            KubeClientOptions {
+                retry,
+                ..KubeClientOptions::default()
+            },
+        )
+    }
+
     pub async fn worker(&self) -> WorkerHandle {
         Worker::start(self.config()).await.unwrap()
     }
@@ -199,6 +225,14 @@ impl Env {
             .await
             .unwrap();
         (rec, token)
+    }
+
+    /// Stores `spec` as DI `id`'s next spec (`spec.version` is the latest one, as in a PATCH).
+    pub async fn patch(&self, id: Uuid, spec: &Spec) -> Record {
+        self.store
+            .dedicated_inference_patch(id, self.team, Some(spec), None, false)
+            .await
+            .unwrap()
     }
 
     pub async fn wait_for(
