@@ -578,7 +578,7 @@ async fn settle(sim: &RegionSim, api: Api) {
 }
 
 fn active_at(rec: &Record, version: i32) -> bool {
-    rec.status == "active"
+    rec.status == Status::Active
         && rec.pending_spec.is_none()
         && rec.spec.as_ref().map(|s| s.version) == Some(version)
 }
