@@ -1122,11 +1122,13 @@ async fn insert_spec_version(
 }
 
 /// The `model_id` of each deployment of a new spec. One that names an id keeps it (it must be a
-/// deployment of the version replaced, named once). One without — what curl users, doctl spec
-/// files and a first Terraform apply send — is the same deployment as an unclaimed one of the
-/// version replaced with the same model and GPU, else the same model, else the same position;
-/// only then is it new. So a scale or GPU change written without ids updates the deployment in
-/// place (its serving replicas stay) rather than replacing it with one that starts from zero.
+/// deployment of the version replaced, named once). Those without — what curl users, doctl spec
+/// files and a first Terraform apply send — are matched to the unnamed deployments of the version
+/// replaced so that as little as possible changes: the assignment of least cost, where a kept
+/// deployment costs what differs (model 2, GPU 1, position ½) and a deployment added or removed
+/// costs 2½ each. So a scale, GPU or model change updates a deployment in place (its serving
+/// replicas stay until new ones are ready), a reorder or a removal keeps the others as they are,
+/// and only what no longer corresponds to anything is new.
 fn deployment_ids(deployments: &[ModelDeployment], known: &[KnownDeployment]) -> Result<Vec<Uuid>> {
     let mut ids: Vec<Option<Uuid>> = vec![None; deployments.len()];
     for (position, deployment) in deployments.iter().enumerate() {
@@ -1145,33 +1147,104 @@ fn deployment_ids(deployments: &[ModelDeployment], known: &[KnownDeployment]) ->
         }
         ids[position] = Some(id);
     }
-    let gpu = |d: &ModelDeployment| d.accelerators.first().map(|g| g.accelerator_slug.clone());
-    let same_model_and_gpu = |d: &ModelDeployment, _: usize, k: &KnownDeployment, _: usize| {
-        k.model_slug == d.model_slug && k.accelerator_slug == gpu(d)
+    let unnamed: Vec<usize> = (0..deployments.len())
+        .filter(|i| ids[*i].is_none())
+        .collect();
+    let free: Vec<usize> = (0..known.len())
+        .filter(|q| !ids.contains(&Some(known[*q].model_id)))
+        .collect();
+    // Costs in halves, to stay in integers.
+    let keep = |p: usize, q: usize| {
+        let (d, k) = (&deployments[p], &known[q]);
+        let gpu = d.accelerators.first().map(|g| g.accelerator_slug.as_str());
+        4 * u32::from(k.model_slug != d.model_slug)
+            + 2 * u32::from(k.accelerator_slug.as_deref() != gpu)
+            + u32::from(p != q)
     };
-    let same_model =
-        |d: &ModelDeployment, _: usize, k: &KnownDeployment, _: usize| k.model_slug == d.model_slug;
-    let same_position = |_: &ModelDeployment, p: usize, _: &KnownDeployment, q: usize| p == q;
-    let rules: [&dyn Fn(&ModelDeployment, usize, &KnownDeployment, usize) -> bool; 3] =
-        [&same_model_and_gpu, &same_model, &same_position];
-    for rule in rules {
-        for (position, deployment) in deployments.iter().enumerate() {
-            if ids[position].is_some() {
-                continue;
-            }
-            ids[position] = known
-                .iter()
-                .enumerate()
-                .find(|(q, k)| {
-                    !ids.contains(&Some(k.model_id)) && rule(deployment, position, k, *q)
-                })
-                .map(|(_, k)| k.model_id);
-        }
+    const ADDED_OR_REMOVED: u32 = 5;
+    let assignment = least_cost_assignment(&unnamed, &free, &keep, ADDED_OR_REMOVED);
+    for (p, q) in unnamed.iter().zip(assignment) {
+        ids[*p] = Some(q.map_or_else(Uuid::new_v4, |q| known[q].model_id));
     }
     Ok(ids
         .into_iter()
-        .map(|id| id.unwrap_or_else(Uuid::new_v4))
+        .map(|id| id.expect("every deployment has an id"))
         .collect())
+}
+
+/// For each of `new`, one of `old` (each used at most once) or none, minimising the sum of
+/// `keep(new, old)` over the pairs plus `unmatched` for each of either side left alone. An
+/// exhaustive search: specs hold a handful of deployments. Beyond eight on a side, each new one
+/// simply takes the cheapest old one still free.
+fn least_cost_assignment(
+    new: &[usize],
+    old: &[usize],
+    keep: &dyn Fn(usize, usize) -> u32,
+    unmatched: u32,
+) -> Vec<Option<usize>> {
+    if new.len() > 8 || old.len() > 8 {
+        let mut used = vec![false; old.len()];
+        return new
+            .iter()
+            .map(|p| {
+                let (j, q) = old
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| !used[*j])
+                    .min_by_key(|(_, q)| keep(*p, **q))?;
+                (keep(*p, *q) < 2 * unmatched).then(|| {
+                    used[j] = true;
+                    *q
+                })
+            })
+            .collect();
+    }
+    struct Search<'a> {
+        new: &'a [usize],
+        old: &'a [usize],
+        keep: &'a dyn Fn(usize, usize) -> u32,
+        unmatched: u32,
+        used: Vec<bool>,
+        current: Vec<Option<usize>>,
+        best: (u32, Vec<Option<usize>>),
+    }
+    impl Search<'_> {
+        fn from(&mut self, i: usize, cost: u32) {
+            if cost >= self.best.0 {
+                return;
+            }
+            if i == self.new.len() {
+                let removed = self.used.iter().filter(|u| !**u).count() as u32 * self.unmatched;
+                if cost + removed < self.best.0 {
+                    self.best = (cost + removed, self.current.clone());
+                }
+                return;
+            }
+            for j in 0..self.old.len() {
+                if !self.used[j] {
+                    self.used[j] = true;
+                    self.current.push(Some(self.old[j]));
+                    self.from(i + 1, cost + (self.keep)(self.new[i], self.old[j]));
+                    self.current.pop();
+                    self.used[j] = false;
+                }
+            }
+            self.current.push(None);
+            self.from(i + 1, cost + self.unmatched);
+            self.current.pop();
+        }
+    }
+    let mut search = Search {
+        new,
+        old,
+        keep,
+        unmatched,
+        used: vec![false; old.len()],
+        current: Vec::new(),
+        best: (u32::MAX, Vec::new()),
+    };
+    search.from(0, 0);
+    search.best.1
 }
 
 /// A change a customer asked for: as [`change`], and the work it creates for the workers carries
@@ -1278,14 +1351,14 @@ mod tests {
     fn a_deployment_without_an_id_is_the_one_it_updates() {
         let old = [known("a", "h100"), known("b", "l40s")];
         let (a, b) = (old[0].model_id, old[1].model_id);
-        // Same models, another GPU for one, reordered: matched by model.
+        // Reordered, with another GPU for one: each keeps its id.
         let ids = deployment_ids(
             &[deployment("b", "l40s", None), deployment("a", "h200", None)],
             &old,
         )
         .unwrap();
         assert_eq!(ids, [b, a]);
-        // Another model in the first place: the same deployment by position; an added one is new.
+        // Another model in the first place, and one added: changed in place, the added one new.
         let ids = deployment_ids(
             &[
                 deployment("c", "h100", None),
@@ -1297,11 +1370,26 @@ mod tests {
         .unwrap();
         assert_eq!(&ids[..2], [a, b]);
         assert!(![a, b].contains(&ids[2]));
-        // A removed deployment: the other keeps its id.
+        // The first removed: the other keeps its id (and keeps serving as it was).
         assert_eq!(
             deployment_ids(&[deployment("b", "l40s", None)], &old).unwrap(),
             [b]
         );
+        // The first turned into a copy of the second: changed in place, the second kept, rather
+        // than the second's id taken by the first and the first replaced from zero.
+        let ids = deployment_ids(
+            &[deployment("b", "l40s", None), deployment("b", "l40s", None)],
+            &old,
+        )
+        .unwrap();
+        assert_eq!(ids, [a, b]);
+        // [a, b] → [b, c]: b keeps its id, a becomes c in place.
+        let ids = deployment_ids(
+            &[deployment("b", "l40s", None), deployment("c", "h100", None)],
+            &old,
+        )
+        .unwrap();
+        assert_eq!(ids, [b, a]);
     }
 
     #[test]
