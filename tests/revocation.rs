@@ -210,6 +210,74 @@ async fn a_revocation_reaches_a_di_while_it_updates() {
     assert_eq!(status(&sys, &api, &di.id).await, "updating");
 }
 
+/// While DigitalOcean fails every call (its passes retry and back off), a revocation still
+/// reaches the gateway: it does not wait for the cloud API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_does_not_wait_for_a_failing_cloud_api() {
+    let sys = start(CloudOptions {
+        delays: Delays {
+            node_provision_ms: 20_000,
+            ..CloudOptions::quick_delays()
+        },
+        ..CloudOptions::default()
+    })
+    .await;
+    let region = "atl1";
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    let di = create(&sys, &api, region, "cloudy", MODEL, 1).await;
+    let (active, _) = wait_for(
+        &sys,
+        &api,
+        region,
+        &di.id,
+        "active on version 1",
+        Duration::from_secs(60),
+        |d| d["status"] == "active" && d["pending_deployment_spec"].is_null(),
+    )
+    .await;
+    let endpoint = active["endpoints"]["public_endpoint_fqdn"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let client = ca_client(&fetch_ca(&sys, &api, &di.id).await);
+    let second = second_token(&sys, &api, &di, &client, &endpoint).await;
+
+    // An update is under way (its nodes take 20 s), and then DigitalOcean fails every call.
+    let mut bigger = spec(&sys, region, "cloudy", MODEL, 2);
+    bigger["model_deployments"][0]["model_id"] = json!(di.model_id);
+    let patched = sys
+        .call(
+            Method::PATCH,
+            &di_path(&di.id, ""),
+            &api,
+            Some(json!({ "spec": bigger })),
+        )
+        .await;
+    assert_eq!(patched.status, 202, "{}", patched.body);
+    wait_for(&sys, &api, region, &di.id, "updating", Duration::from_secs(30), |d| {
+        d["status"] == "updating"
+    })
+    .await;
+    sys.cloud(region).sim.set_faults(region_sim::FaultConfig {
+        do_api: region_sim::ApiFaults {
+            error_rate: 1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    revoke_and_expect_refusal(
+        &sys,
+        &api,
+        &di,
+        &client,
+        &endpoint,
+        (&second.0, &second.1),
+        &di.token,
+    )
+    .await;
+    sys.cloud(region).sim.set_faults(region_sim::FaultConfig::default());
+}
+
 /// Polls until the DI is in `error`; returns it.
 async fn wait_error(sys: &System, api: &str, id: &str) -> serde_json::Value {
     for _ in 0..600 {

@@ -521,7 +521,11 @@ impl Reconciler {
             })?,
             Status::Error => self.refresh_credentials(rec).await?,
             Status::New | Status::Provisioning | Status::Active | Status::Updating => {
-                let version = rec.pending_spec.as_ref().or(rec.spec.as_ref()).map(|s| s.version);
+                let version = rec
+                    .pending_spec
+                    .as_ref()
+                    .or(rec.spec.as_ref())
+                    .map(|s| s.version);
                 self.converge(rec).await.map_err(|e| e.during(version))?
             }
         };
@@ -567,6 +571,16 @@ impl Reconciler {
             None
         };
         let trusting = trusted.is_some();
+        let tokens = self.access_tokens(id, inputs.token_hashes)?;
+        if !resync {
+            // A token created or revoked reaches the gateway before anything in this pass that
+            // may wait on DigitalOcean (a slow or failing API must not delay a revocation).
+            if let Some((_, kube)) = self.trusted_cluster(&cluster_name) {
+                if let Err(e) = self.apply_tokens(&kube, id, &tokens).await {
+                    tracing::debug!(di = %id, error = %e, "early token sync failed; the pass retries it");
+                }
+            }
+        }
         let (cluster_id, kube) = match trusted {
             Some((cluster_id, kube)) => {
                 if !ledger.use_cluster(&cluster_name, &cluster_id).await? {
@@ -602,7 +616,6 @@ impl Reconciler {
 
         // Desired objects.
         let tls = tls(&inputs.ca, &observed)?;
-        let tokens = self.access_tokens(id, inputs.token_hashes)?;
         let (_, probe_value) = probe_token(&s.probe_secret, id);
         let input = ManifestInput {
             di_id: id,
@@ -739,22 +752,35 @@ impl Reconciler {
             },
         };
         let hashes = self.store.token_hashes(rec.id).await?;
-        let secret =
-            plan::manifests::access_tokens_secret(&rec.id, &self.access_tokens(rec.id, hashes)?);
+        if let Err(e) = self
+            .apply_tokens(&kube, rec.id, &self.access_tokens(rec.id, hashes)?)
+            .await
+        {
+            self.distrust_cluster(&name, &cluster_id);
+            return Err(e.into());
+        }
+        Ok(done)
+    }
+
+    /// Writes the DI's access-token Secret (what the gateway checks) on its own. A missing
+    /// namespace means nothing serves yet: nothing to do.
+    async fn apply_tokens(
+        &self,
+        kube: &KubeClient,
+        id: Uuid,
+        tokens: &[AccessTokenHash],
+    ) -> std::result::Result<(), KubeError> {
+        let secret = plan::manifests::access_tokens_secret(&id, tokens);
         match kube.apply(&secret).await {
             Ok(applied) => {
                 if applied.changed {
                     self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
                 }
+                Ok(())
             }
-            // No namespace: nothing serves.
-            Err(e) if e.is_not_found() => {}
-            Err(e) => {
-                self.distrust_cluster(&name, &cluster_id);
-                return Err(e.into());
-            }
+            Err(e) if e.is_not_found() => Ok(()),
+            Err(e) => Err(e),
         }
-        Ok(done)
     }
 
     /// Compares the DI's node pools in DigitalOcean with the plan and applies the difference;

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use api_types::lifecycle::Status;
-use cloud_clients::{DoClient, DoClientOptions};
+use cloud_clients::{DoClient, DoClientOptions, KubeClientOptions, RetryConfig};
 use common::seal::Sealer;
 use region_store::{Claim, Store};
 use sqlx::postgres::PgPoolOptions;
@@ -53,6 +53,10 @@ pub struct Config {
     /// A pass that takes longer is abandoned as a transient failure (and tried again): a cloud
     /// API that accepts a connection and never answers must not hold a DI for ever.
     pub pass_timeout: Duration,
+    /// How the DigitalOcean and Kubernetes clients retry a failing call within a pass: briefly.
+    /// A longer outage ends the pass and the queue's backoff takes over, so that a customer's
+    /// change (a revoked token) is never stuck behind a pass sleeping in retries.
+    pub cloud_retry: RetryConfig,
     pub db_max_connections: u32,
     /// Where `/metrics` and `/healthz` are served; port 0 picks a free port (see
     /// [`WorkerHandle::metrics_addr`]).
@@ -103,6 +107,12 @@ impl Config {
             backoff_max: Duration::from_secs(60),
             stall_timeout: Duration::from_secs(30 * 60),
             pass_timeout: Duration::from_secs(120),
+            cloud_retry: RetryConfig {
+                max_attempts: 3,
+                max_elapsed: Duration::from_secs(2),
+                max_retry_after: Duration::from_secs(2),
+                ..RetryConfig::default()
+            },
             db_max_connections: 10,
             metrics_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
         }
@@ -165,9 +175,16 @@ impl Worker {
         let cloud = DoClient::with_options(
             &config.do_api_url,
             &config.do_token,
-            DoClientOptions::default(),
+            DoClientOptions {
+                retry: config.cloud_retry.clone(),
+                ..DoClientOptions::default()
+            },
         )?;
-        let reconciler = Reconciler::new(store.clone(), cloud, config.settings.clone());
+        let reconciler = Reconciler::new(store.clone(), cloud, config.settings.clone())
+            .with_kube_options(KubeClientOptions {
+                retry: config.cloud_retry.clone(),
+                ..KubeClientOptions::default()
+            });
         let metrics_listener = tokio::net::TcpListener::bind(config.metrics_listen)
             .await
             .map_err(|e| anyhow::anyhow!("metrics listener on {}: {e}", config.metrics_listen))?;
@@ -470,8 +487,7 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
             return None;
         }
     };
-    let was_repairing =
-        stall.previous.as_deref().and_then(progress_status) == Some(Status::Active);
+    let was_repairing = stall.previous.as_deref().and_then(progress_status) == Some(Status::Active);
     let waiting = pass.waiting.as_deref().unwrap_or("");
     if repairing && !was_repairing {
         let msg = format!("Out of step with its spec; repairing: {waiting}");
