@@ -221,12 +221,14 @@ class Customer(threading.Thread):
 
     def step(self):
         live = [i for i in self.mine if not self.di(i)["deleted"]]
-        choices = [("create", 3 if len(live) < self.soak.args.dis_per_customer else 0)]
+        choices = [("create", 3 if len(live) < self.soak.args.dis_per_customer else 0), ("bad-input", 0.5)]
         if live:
             choices += [("patch", 4), ("token", 2), ("delete", 1 if len(live) > 1 else 0.3)]
         op = self.rng.choices([c for c, _ in choices], [w for _, w in choices])[0]
         if op == "create":
             self.create()
+        elif op == "bad-input":
+            self.bad_input()
         elif op == "patch":
             self.patch(self.rng.choice(live))
         elif op == "token":
@@ -281,6 +283,31 @@ class Customer(threading.Thread):
         self.soak.note(di["id"], f"created ({style}) {json.dumps(body['spec']['model_deployments'])}")
         self.mine.append(di["id"])
         self.soak.log(f"created {di['id']} ({style}) in {region}")
+
+    def bad_input(self):
+        """A request no client should send: it must get a clear 4xx at once, never a 5xx, and
+        create nothing (a create of it that the region accepted would show up as a DI no
+        customer got a 202 for)."""
+        region, body = self.create_body(godo=False)
+        kind = self.rng.choice(["deep", "wide", "type", "nul", "huge"])
+        if kind == "deep":
+            nested = {}
+            for _ in range(self.rng.randrange(20, 140)):
+                nested = {"a": nested}
+            body["spec"]["model_deployments"][0]["workload_config"] = nested
+        elif kind == "wide":
+            body["spec"]["model_deployments"][0]["workload_config"] = {f"k{i}": "x" * 100 for i in range(300)}
+        elif kind == "type":
+            body["spec"]["model_deployments"][0]["accelerators"][0]["scale"] = "two"
+        elif kind == "nul":
+            body["spec"]["name"] = "bad\u0000name"
+        else:
+            body["spec"]["model_deployments"][0]["workload_config"] = {"blob": "x" * 70000}
+        self.soak.count(f"bad-input[{kind}]")
+        resp = self.soak.request(self.client, "POST", "/v2/dedicated-inferences", region=region,
+                                 what="bad-input", json=body)
+        if resp is not None and resp.status_code < 400:
+            self.soak.violate("bad-input-refused", f"{kind}: {resp.status_code} {resp.text[:200]}")
 
     def create_with_pydo(self, body, region):
         import pydo
@@ -434,6 +461,9 @@ class Customer(threading.Thread):
                                       'id' if d.get('model_id') else 'no id') for d in spec['model_deployments']]))
         with self.soak.lock:
             di = self.di(di_id)
+            # A superseded spec may have started to roll out: its model may answer until the
+            # newest one has rolled out.
+            di.setdefault("in_flight", []).append(spec["model_deployments"][0]["model_slug"])
             di["accepted_version"] = spec["version"] + 1
             di["expected"] = spec
             di["name"] = spec["name"]
@@ -572,6 +602,10 @@ class Watcher(threading.Thread):
         pending = d.get("pending_deployment_spec")
         if pending:
             models.append(pending["model_deployments"][0]["model_slug"])
+            models += di.get("in_flight", [])
+        elif d["status"] == "active":
+            di["in_flight"] = []  # everything accepted has rolled out
+        models = list(dict.fromkeys(models))
         self.probe(di, client, endpoint, models)
         for token_id, t in list(di["tokens"].items()):
             self.check_token(di, client, endpoint, models, token_id, t)
@@ -932,7 +966,7 @@ def main():
     # The report.
     elapsed = now() - soak.started
     by_invariant = collections.Counter(v[1] for v in soak.violations)
-    invariants = ["converges", "lifecycle", "one-effect-per-2xx", "retries-find-their-create", "keys-finish", "no-one-sided-di",
+    invariants = ["converges", "lifecycle", "bad-input-refused", "one-effect-per-2xx", "retries-find-their-create", "keys-finish", "no-one-sided-di",
                   "central-equals-region", "revocation-within-5s", "serving-through-updates",
                   "no-unexpected-5xx", "no-unexpected-4xx", "no-secret-in-logs", "nothing-left", "soak-driver"]
     outcomes = collections.Counter(d.get("outcome", "deleted" if d["deleted"] else "?") for d in soak.dis.values())
