@@ -100,7 +100,8 @@ impl Store {
     /// due when a customer changed it since a worker last looked at it (the workers' own changes
     /// do not count: the pass that made them knows), or, unless it is in `error`, when its
     /// `next_check_after` has passed. An `error` DI is thus not retried on a timer, but a
-    /// change such as a revoked token still reaches its cluster.
+    /// change such as a revoked token still reaches its cluster: when that pass fails
+    /// transiently, [`Store::work_release_to_retry`] has it tried again.
     /// `SKIP LOCKED` keeps concurrent claimers apart; an expired lease is free to take.
     pub async fn work_claim(
         &self,
@@ -115,7 +116,7 @@ impl Store {
                  FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
                  WHERE d.gone_at IS NULL
                    AND (w.expires_at IS NULL OR w.expires_at <= now())
-                   AND ((d.status <> 'error' AND w.next_check_after <= now())
+                   AND (((d.status <> 'error' OR w.retrying) AND w.next_check_after <= now())
                         OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)
                  ORDER BY w.next_check_after
                  LIMIT $3
@@ -154,7 +155,7 @@ impl Store {
             "SELECT
                  count(*) FILTER (
                      WHERE (w.expires_at IS NULL OR w.expires_at <= now())
-                       AND ((d.status <> 'error' AND w.next_check_after <= now())
+                       AND (((d.status <> 'error' OR w.retrying) AND w.next_check_after <= now())
                             OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)),
                  count(*) FILTER (WHERE w.expires_at > now())
              FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
@@ -193,16 +194,42 @@ impl Store {
         seen_seq: i64,
         next_check_after: Duration,
     ) -> Result<bool> {
+        self.release(di_id, lease_token, seen_seq, next_check_after, false)
+            .await
+    }
+
+    /// As [`Store::work_release`] after a pass that failed transiently: the DI is tried again
+    /// after `next_check_after` whatever its status, `error` included.
+    pub async fn work_release_to_retry(
+        &self,
+        di_id: Uuid,
+        lease_token: Uuid,
+        seen_seq: i64,
+        next_check_after: Duration,
+    ) -> Result<bool> {
+        self.release(di_id, lease_token, seen_seq, next_check_after, true)
+            .await
+    }
+
+    async fn release(
+        &self,
+        di_id: Uuid,
+        lease_token: Uuid,
+        seen_seq: i64,
+        next_check_after: Duration,
+        retrying: bool,
+    ) -> Result<bool> {
         let done = sqlx::query(
             "UPDATE work_items SET holder = NULL, lease_token = NULL, expires_at = NULL,
                  next_check_after = now() + $4 * interval '1 millisecond',
-                 seen_seq = greatest(seen_seq, $3), checked_at = now()
+                 seen_seq = greatest(seen_seq, $3), checked_at = now(), retrying = $5
              WHERE di_id = $1 AND lease_token = $2",
         )
         .bind(di_id)
         .bind(lease_token)
         .bind(seen_seq)
         .bind(millis(next_check_after) as f64)
+        .bind(retrying)
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected() == 1)

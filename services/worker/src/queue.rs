@@ -70,6 +70,18 @@ impl Queue {
             .await
     }
 
+    /// As [`Queue::release`] after a transient failure: tried again after `next_check`,
+    /// whatever the DI's status.
+    pub async fn release_to_retry(
+        &self,
+        claim: &Claim,
+        next_check: Duration,
+    ) -> region_store::Result<bool> {
+        self.store
+            .work_release_to_retry(claim.di_id, claim.lease_token, claim.seq, next_check)
+            .await
+    }
+
     /// Renews `claim` every third of the lease until the returned guard is dropped; `lost` is
     /// notified if the lease could not be renewed (another worker may now hold the DI, so the
     /// pass must stop).

@@ -211,6 +211,8 @@ impl From<plan::PlanError> for ReconcileError {
 pub struct Pass {
     /// The DI's status as the pass left it; `None` once the DI exists no more.
     pub status: Option<Status>,
+    /// The spec version the pass worked towards (pending, else current), if any.
+    pub version: Option<i32>,
     /// What the DI still waits for; `None` when it is converged (or there is nothing to do).
     pub waiting: Option<String>,
     /// When to look again (sooner if the DI changes).
@@ -225,6 +227,7 @@ impl Pass {
     fn new(status: Status, next_check: Duration) -> Self {
         Pass {
             status: Some(status),
+            version: None,
             waiting: None,
             next_check,
             do_writes: 0,
@@ -510,6 +513,11 @@ impl Reconciler {
         }
         let kube_before = self.kube_writes();
         let do_before = self.cloud.mutating_calls();
+        let version = rec
+            .pending_spec
+            .as_ref()
+            .or(rec.spec.as_ref())
+            .map(|s| s.version);
         let mut pass = match rec.status {
             // Deletion wins over everything: a refusal while tearing down is retried, never
             // parked in `error` (the store would not apply it to a deleting DI anyway).
@@ -519,16 +527,15 @@ impl Reconciler {
                 } => ReconcileError::Transient(format!("{reason}: {message}")),
                 e => e,
             })?,
-            Status::Error => self.refresh_credentials(rec).await?,
+            Status::Error => self
+                .refresh_credentials(rec)
+                .await
+                .map_err(|e| e.during(version))?,
             Status::New | Status::Provisioning | Status::Active | Status::Updating => {
-                let version = rec
-                    .pending_spec
-                    .as_ref()
-                    .or(rec.spec.as_ref())
-                    .map(|s| s.version);
                 self.converge(rec).await.map_err(|e| e.during(version))?
             }
         };
+        pass.version = version;
         pass.kube_writes = self.kube_writes() - kube_before;
         pass.do_writes = self.cloud.mutating_calls() - do_before;
         Ok(pass)

@@ -374,6 +374,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
     };
     drop(keep);
     let cfg = &shared.config;
+    let retry = matches!(outcome, Some(Err(ReconcileError::Transient(_))));
     let next = match outcome {
         None => {
             shared.stats.lock().expect("stats").leases_lost += 1;
@@ -400,15 +401,18 @@ async fn run_pass(shared: &Shared, claim: Claim) {
             };
             shared.stats.lock().expect("stats").transient_failures += 1;
             tracing::warn!(di = %id, attempt, error = %why, "transient failure; will retry");
-            let status = shared
+            let rec = shared
                 .store
                 .dedicated_inference_any(id)
                 .await
                 .ok()
-                .filter(|r| !r.gone)
-                .map(|r| r.status);
+                .filter(|r| !r.gone);
             let pass = Pass {
-                status,
+                status: rec.as_ref().map(|r| r.status),
+                version: rec
+                    .as_ref()
+                    .and_then(|r| r.pending_spec.as_ref().or(r.spec.as_ref()))
+                    .map(|s| s.version),
                 waiting: Some(RETRYING.into()),
                 next_check: Duration::ZERO,
                 do_writes: 0,
@@ -431,7 +435,12 @@ async fn run_pass(shared: &Shared, claim: Claim) {
             cfg.settings.resync
         }
     };
-    match shared.queue.release(&claim, next).await {
+    let released = if retry {
+        shared.queue.release_to_retry(&claim, next).await
+    } else {
+        shared.queue.release(&claim, next).await
+    };
+    match released {
         Ok(_) => shared.schedule(next),
         Err(e) => {
             tracing::warn!(di = %id, error = %e, "releasing the lease failed; it will expire")
@@ -509,7 +518,12 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
             stall.unchanged_for.as_secs(),
             pass.status.map_or("gone", Status::as_str)
         );
-        if let Err(e) = shared.store.error_set(id, None, "Stalled", &msg).await {
+        // The stall is about the spec the pass worked towards: one accepted since is tried.
+        if let Err(e) = shared
+            .store
+            .error_set(id, pass.version, "Stalled", &msg)
+            .await
+        {
             tracing::warn!(di = %id, error = %e, "recording the stall failed");
         }
     } else if stall.unchanged_for >= timeout / 2 && !stall.reported {

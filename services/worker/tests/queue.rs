@@ -216,6 +216,43 @@ async fn error_dis_wait_for_a_new_spec(pool: PgPool) {
     assert_eq!(s.work_claim("a", LEASE, 10).await.unwrap().len(), 1);
 }
 
+/// A customer's change to an `error` DI (a revoked token) whose pass fails transiently is tried
+/// again after the backoff; once a pass for it succeeds, the DI waits again.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn an_error_dis_failed_pass_is_tried_again(pool: PgPool) {
+    let s = store(pool);
+    let team = Uuid::new_v4();
+    let id = create(&s, team).await;
+    let c = s.work_claim("a", LEASE, 10).await.unwrap().remove(0);
+    s.error_set(id, None, "CapacityExhausted", "no GPUs")
+        .await
+        .unwrap();
+    s.work_release(id, c.lease_token, c.seq, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(s.work_claim("a", LEASE, 10).await.unwrap().is_empty());
+
+    // A token is revoked: the DI is due for it, and that pass fails transiently.
+    let token = s.tokens_list(id, team, 1, 10).await.unwrap().items[0].id;
+    s.token_revoke(id, team, token).await.unwrap();
+    let c = s.work_claim("a", LEASE, 10).await.unwrap().remove(0);
+    s.work_release_to_retry(id, c.lease_token, c.seq, Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert!(
+        s.work_claim("a", LEASE, 10).await.unwrap().is_empty(),
+        "not before its backoff"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = s.work_claim("a", LEASE, 10).await.unwrap();
+    assert_eq!(c.len(), 1, "tried again after its backoff");
+    // This time it succeeds: the DI waits for the next change.
+    s.work_release(id, c[0].lease_token, c[0].seq, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(s.work_claim("a", LEASE, 10).await.unwrap().is_empty());
+}
+
 /// Two DIs of one cluster released at once (`terraform destroy` deletes in parallel): exactly
 /// one of them is its last user, whatever the interleaving.
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
