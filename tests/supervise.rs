@@ -26,10 +26,10 @@ fn alive(pid: u32) -> bool {
 }
 
 fn signal(pid: u32, sig: &str) {
-    Command::new("kill")
+    let _ = Command::new("kill")
         .args([sig, &pid.to_string()])
-        .status()
-        .unwrap();
+        .stderr(Stdio::null())
+        .status();
 }
 
 /// The pids the supervisor recorded, oldest first.
@@ -39,6 +39,30 @@ fn started(pidfile: &Path) -> Vec<u32> {
         .lines()
         .filter_map(|l| l.split_whitespace().next()?.parse().ok())
         .collect()
+}
+
+/// Stops what a test started even when it fails: the supervisor, then every service it started
+/// (each in a session of its own), so that no process outlives the test.
+struct Cleanup {
+    supervisor: u32,
+    pids: PathBuf,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        signal(self.supervisor, "-TERM");
+        std::thread::sleep(Duration::from_millis(200));
+        for pid in started(&self.pids) {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+        let _ = Command::new("kill")
+            .args(["-KILL", &self.supervisor.to_string()])
+            .stderr(Stdio::null())
+            .status();
+    }
 }
 
 fn until(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
@@ -66,6 +90,10 @@ fn a_killed_or_exiting_service_is_restarted_and_said_so() {
     let dir = scratch();
     let pids = dir.join("pids");
     let mut sup = supervise(&dir, &["sleep", "1000"]);
+    let _cleanup = Cleanup {
+        supervisor: sup.id(),
+        pids: pids.clone(),
+    };
     until("the service to start", Duration::from_secs(10), || {
         started(&pids).len() == 1
     });
@@ -99,6 +127,10 @@ fn a_killed_or_exiting_service_is_restarted_and_said_so() {
 fn a_service_that_keeps_failing_is_restarted_with_growing_pauses() {
     let dir = scratch();
     let mut sup = supervise(&dir, &["sh", "-c", "exit 3"]);
+    let _cleanup = Cleanup {
+        supervisor: sup.id(),
+        pids: dir.join("pids"),
+    };
     until("three starts", Duration::from_secs(15), || {
         started(&dir.join("pids")).len() >= 3
     });
@@ -124,6 +156,10 @@ fn a_supervisor_whose_parent_is_gone_restarts_nothing() {
         ))
         .spawn()
         .unwrap();
+    let _cleanup = Cleanup {
+        supervisor: parent.id(),
+        pids: pids.clone(),
+    };
     until("the service to start", Duration::from_secs(10), || {
         started(&pids).len() == 1
     });
@@ -133,4 +169,50 @@ fn a_supervisor_whose_parent_is_gone_restarts_nothing() {
     signal(started(&pids)[0], "-KILL");
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(started(&pids).len(), 1, "the service was brought back");
+}
+
+/// A Ctrl-C at the terminal reaches the whole process group. The supervisor, started in the
+/// background as scripts/run starts it (SIGINT ignored), must not see its service exit on that
+/// SIGINT and restart it: scripts/run stops services through their supervisors.
+#[test]
+fn a_ctrl_c_at_the_terminal_does_not_make_the_supervisor_restart_its_service() {
+    use std::os::unix::process::CommandExt;
+    let dir = scratch();
+    let pids = dir.join("pids");
+    // A service that exits cleanly on SIGINT, as the real ones do.
+    let service = "import signal, sys, time\n\
+                   signal.signal(signal.SIGINT, lambda *_: sys.exit(0))\n\
+                   time.sleep(1000)";
+    let mut sup = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "trap '' INT; exec bash {} svc {} {} python3 -c \"$0\"",
+            script().display(),
+            dir.join("svc.log").display(),
+            pids.display()
+        ))
+        .arg(service)
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let _cleanup = Cleanup {
+        supervisor: sup.id(),
+        pids: pids.clone(),
+    };
+    until("the service to start", Duration::from_secs(10), || {
+        started(&pids).len() == 1
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    Command::new("kill")
+        .args(["-INT", "--", &format!("-{}", sup.id())])
+        .status()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(started(&pids).len(), 1, "the service was restarted after a Ctrl-C");
+    assert!(alive(started(&pids)[0]), "the service kept running");
+    signal(sup.id(), "-TERM");
+    sup.wait().unwrap();
+    until("the service to stop", Duration::from_secs(10), || {
+        !alive(started(&pids)[0])
+    });
 }
