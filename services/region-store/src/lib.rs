@@ -254,10 +254,12 @@ impl Store {
             }
             let known: Vec<KnownDeployment> = sqlx::query_as(
                 "SELECT m.model_id, m.model_slug,
-                        (SELECT g.accelerator_slug FROM accelerator_groups g
-                         WHERE g.di_id = m.di_id AND g.version = m.version AND g.deployment_position = m.position
-                         ORDER BY g.position LIMIT 1) AS accelerator_slug
-                 FROM model_deployments m WHERE m.di_id = $1 AND m.version = $2 ORDER BY m.position",
+                        g.accelerator_slug, g.scale
+                 FROM model_deployments m
+                 LEFT JOIN LATERAL (SELECT accelerator_slug, scale FROM accelerator_groups g
+                     WHERE g.di_id = m.di_id AND g.version = m.version AND g.deployment_position = m.position
+                     ORDER BY g.position LIMIT 1) g ON true
+                 WHERE m.di_id = $1 AND m.version = $2 ORDER BY m.position",
             )
             .bind(id)
             .bind(latest)
@@ -1067,6 +1069,7 @@ struct KnownDeployment {
     model_id: Uuid,
     model_slug: String,
     accelerator_slug: Option<String>,
+    scale: Option<i32>,
 }
 
 /// Inserts one immutable spec version, its deployments identified by [`deployment_ids`].
@@ -1125,8 +1128,8 @@ async fn insert_spec_version(
 /// deployment of the version replaced, named once). Those without — what curl users, doctl spec
 /// files and a first Terraform apply send — are matched to the unnamed deployments of the version
 /// replaced so that as little as possible changes: the assignment of least cost, where a kept
-/// deployment costs what differs (model 2, GPU 1, position ½) and a deployment added or removed
-/// costs 2½ each. So a scale, GPU or model change updates a deployment in place (its serving
+/// deployment costs what differs (model 2, GPU 1, position ½, ¼ a replica of scale up to ¾) and
+/// a deployment added or removed costs 2½ each. So a scale, GPU or model change updates a deployment in place (its serving
 /// replicas stay until new ones are ready), a reorder or a removal keeps the others as they are,
 /// and only what no longer corresponds to anything is new.
 fn deployment_ids(deployments: &[ModelDeployment], known: &[KnownDeployment]) -> Result<Vec<Uuid>> {
@@ -1153,15 +1156,18 @@ fn deployment_ids(deployments: &[ModelDeployment], known: &[KnownDeployment]) ->
     let free: Vec<usize> = (0..known.len())
         .filter(|q| !ids.contains(&Some(known[*q].model_id)))
         .collect();
-    // Costs in halves, to stay in integers.
+    // Costs in quarters, to stay in integers.
     let keep = |p: usize, q: usize| {
         let (d, k) = (&deployments[p], &known[q]);
-        let gpu = d.accelerators.first().map(|g| g.accelerator_slug.as_str());
-        4 * u32::from(k.model_slug != d.model_slug)
-            + 2 * u32::from(k.accelerator_slug.as_deref() != gpu)
-            + u32::from(p != q)
+        let first = d.accelerators.first();
+        let gpu = first.map(|g| g.accelerator_slug.as_str());
+        let scale = first.map_or(0, |g| g.scale);
+        8 * u32::from(k.model_slug != d.model_slug)
+            + 4 * u32::from(k.accelerator_slug.as_deref() != gpu)
+            + 2 * u32::from(p != q)
+            + scale.abs_diff(k.scale.unwrap_or(0)).min(3)
     };
-    const ADDED_OR_REMOVED: u32 = 5;
+    const ADDED_OR_REMOVED: u32 = 10;
     let assignment = least_cost_assignment(&unnamed, &free, &keep, ADDED_OR_REMOVED);
     for (p, q) in unnamed.iter().zip(assignment) {
         ids[*p] = Some(q.map_or_else(Uuid::new_v4, |q| known[q].model_id));
@@ -1344,6 +1350,7 @@ mod tests {
             model_id: Uuid::new_v4(),
             model_slug: model.into(),
             accelerator_slug: Some(gpu.into()),
+            scale: Some(1),
         }
     }
 
@@ -1390,6 +1397,21 @@ mod tests {
         )
         .unwrap();
         assert_eq!(ids, [b, a]);
+    }
+
+    #[test]
+    fn of_two_alike_the_one_of_the_same_scale_stays() {
+        // [a ×1, a ×4] → [a ×4]: the four replicas stay, the one goes.
+        let old = [
+            known("a", "h100"),
+            KnownDeployment {
+                scale: Some(4),
+                ..known("a", "h100")
+            },
+        ];
+        let mut four = deployment("a", "h100", None);
+        four.accelerators[0].scale = 4;
+        assert_eq!(deployment_ids(&[four], &old).unwrap(), [old[1].model_id]);
     }
 
     #[test]
