@@ -334,6 +334,20 @@ impl CentralStore {
             .collect())
     }
 
+    /// Pending creates older than `window` that never settled: recovery stops trying them.
+    pub async fn pending_creates_older_than(
+        &self,
+        window: std::time::Duration,
+    ) -> Result<Vec<Uuid>> {
+        Ok(sqlx::query_scalar(
+            "SELECT di_id FROM pending_creates WHERE created_at < now() - make_interval(secs => $1)
+             ORDER BY created_at LIMIT 100",
+        )
+        .bind(window.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     /// Counts a failed attempt at a pending create and puts the next one off by `delay`.
     pub async fn create_retry_later(&self, di_id: Uuid, delay: std::time::Duration) -> Result<()> {
         sqlx::query(

@@ -465,3 +465,42 @@ async fn read_cache_is_coherent_across_replicas(pool: PgPool) {
         w.abort();
     }
 }
+
+/// A create that no attempt could settle within the replay window is handed to recovery to
+/// give up; younger ones are not.
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn creates_unsettled_past_the_window_are_given_up(pool: PgPool) {
+    let store = CentralStore::new(pool.clone());
+    let team = Uuid::new_v4();
+    let (old, young) = (Uuid::new_v4(), Uuid::new_v4());
+    for (id, name) in [(old, "old"), (young, "young")] {
+        store
+            .create_begin(&new_create(id, team, name, None))
+            .await
+            .unwrap();
+    }
+    sqlx::query(
+        "UPDATE pending_creates SET created_at = now() - interval '25 hours' WHERE di_id = $1",
+    )
+    .bind(old)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let day = Duration::from_secs(24 * 3600);
+    assert_eq!(store.pending_creates_older_than(day).await.unwrap(), [old]);
+    store.create_abort(old).await.unwrap();
+    assert!(store
+        .pending_creates_older_than(day)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        store
+            .pending_creates_due(Duration::ZERO)
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "the young one is still tried"
+    );
+}

@@ -89,6 +89,13 @@ async fn recover(app: App) {
 /// next attempt is due; returns how many completed.
 pub async fn recover_once(app: &App) -> anyhow::Result<usize> {
     let mut completed = 0;
+    // A create that could not be settled for as long as its retries are answered (the region
+    // down, or failing it, for a day) is settled as failed: no background loop retries for ever.
+    // Should the region have it after all, its change feed brings it into the read model.
+    for di_id in app.store.pending_creates_older_than(REPLAY_WINDOW).await? {
+        tracing::warn!(%di_id, "giving up a create that could not be settled within the replay window");
+        app.store.create_abort(di_id).await?;
+    }
     for due in app.store.pending_creates_due(RECOVERY_AGE).await? {
         match app.drive_create(due.di_id, due.team_id).await {
             Ok(_) => completed += 1,
