@@ -38,6 +38,8 @@ REGIONS = ["atl1", "nyc2"]
 # times out after 5 s; a request that started in the outage ends after it).
 OUTAGE_GRACE = 8.0
 REVOKE_DEADLINE = 5.0
+# Why a worker parks a DI in `error` (services/worker: permanent failures, and a stall).
+FAILURE_REASONS = {"CapacityExhausted", "InvalidSpec", "CloudRejected", "KubernetesRejected", "Stalled"}
 
 
 def now():
@@ -448,12 +450,28 @@ class Customer(threading.Thread):
                 continue
             if resp.status_code == 409 and "stale" in resp.text:
                 if unanswered and not keyed:
-                    return  # landed meanwhile or superseded: the read-back above decides next time
+                    # An earlier attempt landed (this customer is the DI's only writer): once
+                    # central's view shows it, it is the accepted spec.
+                    if self.landed(di_id, out["version"] + 1):
+                        self.accept(di_id, out)
+                        return
+                    self.soak.violate("one-effect-per-2xx", f"patch {di_id}: stale, yet v{out['version'] + 1} never shows")
+                    return
                 self.soak.violate("one-effect-per-2xx", f"patch {di_id}: stale version though this customer is its only writer: {resp.text[:200]}")
                 return
             self.soak.violate("no-unexpected-4xx", f"patch {di_id} ({kind}): {resp.status_code} {resp.text[:300]}")
             return
         self.soak.violate("keys-finish", f"patch {di_id} ({kind}, keyed={keyed}): no answer within 90 s")
+
+    def landed(self, di_id, version):
+        """Whether the DI shows spec `version` (or newer) within 30 s."""
+        deadline = now() + 30
+        while now() < deadline:
+            back = self.get(di_id)
+            if back.status_code == 200 and self.spec_of(back.json())["version"] >= version:
+                return True
+            time.sleep(0.5)
+        return False
 
     def accept(self, di_id, spec):
         self.soak.note(di_id, f"patch accepted v{spec['version'] + 1}: {spec['name']} "
@@ -495,6 +513,7 @@ class Customer(threading.Thread):
             with self.soak.lock:
                 di["tokens"][t["id"]] = {"value": t["value"], "created_at": now(), "revoked_at": None}
             return
+        self.soak.violate("keys-finish", f"token create on {di_id}: no answer within 60 s")
 
     def revoke(self, di_id, token_id):
         di = self.di(di_id)
@@ -509,10 +528,15 @@ class Customer(threading.Thread):
             if resp.status_code in (204, 404):
                 # 404: an earlier attempt whose answer was lost revoked it.
                 with self.soak.lock:
-                    di["tokens"][token_id]["revoked_at"] = now()
+                    token = di["tokens"][token_id]
+                    token["revoked_at"] = now()
+                if di.get("served") and not di["deleted"]:
+                    token["checked"] = True
+                    RevocationCheck(self.soak, di, token_id, token).start()
                 return
             self.soak.violate("no-unexpected-4xx", f"revoke {di_id}: {resp.status_code} {resp.text[:200]}")
             return
+        self.soak.violate("keys-finish", f"revoke on {di_id}: no answer within 60 s")
 
     def delete(self, di_id):
         di = self.di(di_id)
@@ -531,6 +555,52 @@ def delete_di(soak, client, di):
             return
         time.sleep(soak.retry_after(resp) if resp is not None else 1)
     soak.violate("one-effect-per-2xx", f"delete {di['id']}: no 202 within 90 s")
+
+
+class RevocationCheck(threading.Thread):
+    """From the moment a revoke returned, calls the DI's endpoint with the revoked token every
+    100 ms: it must be refused (401) within 5 s, whatever the DI's status."""
+
+    def __init__(self, soak, di, token_id, token):
+        super().__init__(daemon=True, name=f"revocation-{token_id[:8]}")
+        self.soak, self.di, self.token_id, self.token = soak, di, token_id, token
+
+    def run(self):
+        di, soak = self.di, self.soak
+        client = httpx.Client(headers={"Authorization": f"Bearer {di['api_token']}"}, timeout=5)
+        r = soak.request(client, "GET", f"/v2/dedicated-inferences/{di['id']}", what="revocation-check")
+        ca = soak.request(client, "GET", f"/v2/dedicated-inferences/{di['id']}/ca", what="revocation-check")
+        if r is None or r.status_code != 200 or ca is None or ca.status_code != 200:
+            return  # the API is in an induced outage: the watcher's checks cover this token
+        d = r.json()["dedicated_inference"]
+        endpoint = (d.get("endpoints") or {}).get("public_endpoint_fqdn") or (d.get("endpoints") or {}).get("private_endpoint_fqdn")
+        if not endpoint:
+            return
+        f = tempfile.NamedTemporaryFile("w", suffix=".pem", delete=False)
+        f.write(base64.b64decode(ca.json()["cert"]).decode())
+        f.close()
+        endpoint_client = httpx.Client(verify=ssl.create_default_context(cafile=f.name), timeout=5)
+        model = d["spec"]["model_deployments"][0]["model_slug"]
+        last = None
+        while now() - self.token["revoked_at"] <= REVOKE_DEADLINE:
+            if di["deleted"]:
+                return
+            try:
+                last = endpoint_client.post(endpoint + "/v1/chat/completions",
+                                            headers={"Authorization": f"Bearer {self.token['value']}"},
+                                            json={"model": model, "max_tokens": 4,
+                                                  "messages": [{"role": "user", "content": "hi"}]}).status_code
+            except httpx.HTTPError:
+                last = None
+            if last == 401:
+                self.token["settled"] = True
+                soak.count("revoked token refused")
+                return
+            time.sleep(0.1)
+        if last is not None and not di["deleted"]:
+            self.token["settled"] = True
+            soak.violate("revocation-within-5s", f"{di['id']}: token {self.token_id} still answered {last} "
+                         f"{now() - self.token['revoked_at']:.1f}s after its revoke returned; story: {soak.story(di['id'])}")
 
 
 class Watcher(threading.Thread):
@@ -635,8 +705,8 @@ class Watcher(threading.Thread):
                           f"story: {self.soak.story(di['id'])}")
 
     def check_token(self, di, client, endpoint, models, token_id, t):
-        if t.get("settled"):
-            return
+        if t.get("settled") or t.get("checked"):
+            return  # settled, or a RevocationCheck follows it closely
         status, _ = self.chat(client, endpoint, t["value"], models[-1])
         if t["revoked_at"] is not None:
             if status == 401:
@@ -662,14 +732,24 @@ class Chaos(threading.Thread):
         self.rng = random.Random(soak.args.seed)
 
     def pids(self, name):
-        """Live pids of the service binaries called `name` (from the run's pid file)."""
+        """Live pids of the service binaries called `name`, newest first (from the run's pid
+        file; a pid is taken only while it is still a process running that binary, never a
+        reused id or a thread)."""
+        binary = os.path.realpath(os.path.join(self.soak.args.bin, name))
         out = []
         with open(os.path.join(self.soak.state, "run.pids")) as f:
             for line in f:
                 pid, n = line.split()
-                if n == name and os.path.exists(f"/proc/{pid}"):
+                if n != name:
+                    continue
+                try:
+                    exe = os.readlink(f"/proc/{pid}/exe")
+                    tgid = next(l.split()[1] for l in open(f"/proc/{pid}/status") if l.startswith("Tgid:"))
+                except (OSError, StopIteration):
+                    continue
+                if exe == binary and tgid == pid:
                     out.append(int(pid))
-        return out
+        return out[::-1]
 
     def regional_pid(self, region):
         for pid in self.pids("regional"):
@@ -768,10 +848,16 @@ def converge(soak, watcher):
             d = resp.json()["dedicated_inference"]
             if d["status"] == "error":
                 ev = soak.request(watcher.api(di), "GET", f"/v2/dedicated-inferences/{di_id}/events?per_page=200", what="settle")
-                reasons = [e["reason"] for e in ev.json()["events"]] if ev is not None and ev.status_code == 200 else []
-                di["outcome"] = f"error ({reasons[-1] if reasons else '?'})"
-                if not reasons:
-                    soak.violate("converges", f"{di_id} in error without a reason")
+                if ev is None or ev.status_code != 200:
+                    continue
+                events = ev.json()["events"]
+                last_spec = max((i for i, e in enumerate(events) if e["reason"] == "SpecAccepted"), default=-1)
+                failures = [e["reason"] for e in events[last_spec + 1:]
+                            if e["phase"] == "error" and e["reason"] in FAILURE_REASONS]
+                di["outcome"] = f"error ({failures[-1] if failures else '?'})"
+                if not failures:
+                    soak.violate("converges", f"{di_id} in error without a failure of its newest spec: "
+                                 f"{[(e['phase'], e['reason']) for e in events[-5:]]}")
                 del pending[di_id]
             elif d["status"] == "active" and d.get("pending_deployment_spec") is None:
                 if d["spec"]["version"] != di["accepted_version"]:
