@@ -40,7 +40,10 @@ struct Args {
     /// Reconcile passes running at once.
     #[arg(long, env = "WORKER_CONCURRENCY", default_value_t = 8)]
     concurrency: usize,
-    #[arg(long, env = "WORKER_LEASE_SECS", default_value_t = 30)]
+    /// How long a DI stays claimed by a worker that stopped renewing it (renewed every third of
+    /// it): what a killed worker's DIs wait before another takes them over, a revoked token
+    /// included. Short, so that takeover fits within seconds.
+    #[arg(long, env = "WORKER_LEASE_SECS", default_value_t = 3)]
     lease_secs: u64,
     #[arg(long, env = "WORKER_TICK_MS", default_value_t = 5000)]
     tick_ms: u64,

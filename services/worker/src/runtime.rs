@@ -100,7 +100,7 @@ impl Config {
             do_token: do_token.to_string(),
             settings: Settings::new(region, probe_secret),
             concurrency: 8,
-            lease: Duration::from_secs(30),
+            lease: Duration::from_secs(3),
             tick: Duration::from_secs(5),
             poll_min: Duration::from_millis(50),
             backoff_base: Duration::from_secs(1),
