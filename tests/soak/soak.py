@@ -59,6 +59,7 @@ class Soak:
         self.dis = {}  # id -> dict: what customers were told
         self.secrets = set()  # every secret value a log line must never hold
         self.outages = []  # (region or None for all, start, end or None)
+        self.kube_faults = []  # (region, start, end or None): the cluster APIs refuse some calls
         self.started = now()
         self.secrets_env = self.read_secrets_env()
         # The lifecycle's transition table, as the Rust code applies it (api_types::lifecycle).
@@ -119,6 +120,14 @@ class Soak:
                 if (r is None or region is None or r == region) and s <= t1 and t0 <= end:
                     return True
         return False
+
+    def kube_fault_end(self, region, since):
+        """When the last induced Kubernetes API fault in `region` that lasted past `since`
+        ended (now, if one is still on); None when there was none."""
+        with self.lock:
+            ends = [(e if e is not None else now()) for r, s, e in self.kube_faults
+                    if r == region and (e is None or e >= since)]
+        return max(ends) if ends else None
 
     def check_5xx(self, resp, region, t0, what):
         """Invariant: no 5xx except 503 with Retry-After during an induced outage."""
@@ -582,7 +591,14 @@ class RevocationCheck(threading.Thread):
         endpoint_client = httpx.Client(verify=ssl.create_default_context(cafile=f.name), timeout=5)
         model = d["spec"]["model_deployments"][0]["model_slug"]
         last = None
-        while now() - self.token["revoked_at"] <= REVOKE_DEADLINE:
+
+        def deadline():
+            # No write reaches a cluster whose API refuses it: while an induced Kubernetes API
+            # fault lasts in the DI's region, the 5 s count from the fault's end.
+            fault_end = soak.kube_fault_end(di["region"], self.token["revoked_at"])
+            return max(self.token["revoked_at"], fault_end or 0) + REVOKE_DEADLINE
+
+        while now() <= deadline():
             if di["deleted"]:
                 return
             try:
@@ -595,6 +611,8 @@ class RevocationCheck(threading.Thread):
             if last == 401:
                 self.token["settled"] = True
                 soak.count("revoked token refused")
+                if now() - self.token["revoked_at"] > REVOKE_DEADLINE:
+                    soak.count("revoked token refused only after a Kubernetes API fault ended")
                 return
             time.sleep(0.1)
         if last is not None and not di["deleted"]:
@@ -785,9 +803,17 @@ class Chaos(threading.Thread):
             if kind == "latency":
                 f = {"error_rate": 0.0, "rate_limit_rate": 0.0, "latency_ms": 800, "retry_after_secs": 1}
                 api = self.rng.choice(["do", "kube"])
+            window = None
+            if api == "kube":
+                with self.soak.lock:
+                    self.soak.kube_faults.append([region, now(), None])
+                    window = len(self.soak.kube_faults) - 1
             self.set_faults(region, {api: f})
             self.soak.stop.wait(self.rng.uniform(5, 12))
             self.set_faults(region, {})
+            if window is not None:
+                with self.soak.lock:
+                    self.soak.kube_faults[window][2] = now()
         elif kind == "kill-worker":
             pids = self.pids("worker")
             if pids:
