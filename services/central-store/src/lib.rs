@@ -691,14 +691,44 @@ async fn apply(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     u: &ReadModelUpdate<'_>,
 ) -> Result<()> {
+    // Central takes a new name before the region applies it, so the feed can still carry a DI's
+    // old name after another DI has taken that name here. The view is then applied under the
+    // name central holds (the feed brings the new one next). The savepoint keeps the caller's
+    // transaction usable after the unique index refuses the first attempt.
+    sqlx::query("SAVEPOINT read_model_apply").execute(&mut **tx).await?;
+    for keep_name in [false, true] {
+        match upsert(tx, u, keep_name).await {
+            Err(sqlx::Error::Database(e))
+                if e.constraint() == Some("dedicated_inferences_team_name") =>
+            {
+                sqlx::query("ROLLBACK TO SAVEPOINT read_model_apply")
+                    .execute(&mut **tx)
+                    .await?;
+            }
+            Err(e) => return Err(e.into()),
+            Ok(_) => return Ok(()),
+        }
+    }
+    // A DI central has never seen, under a name another of the team's DIs holds here: its
+    // row waits for the feed's next view of either DI.
+    tracing::warn!(id = %u.id, "read model name clash; view deferred");
+    Ok(())
+}
+
+async fn upsert(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    u: &ReadModelUpdate<'_>,
+    keep_name: bool,
+) -> std::result::Result<sqlx::postgres::PgQueryResult, sqlx::Error> {
     let state = if u.gone { "gone" } else { "live" };
     // Insert covers a DI central has never seen (e.g. its create row was lost); the update is
     // guarded by `region_seq` so that a slow, older view never overwrites a newer one.
-    let result = sqlx::query(
+    sqlx::query(
         "INSERT INTO dedicated_inferences (id, team_id, region, name, state, status, body, region_seq)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
          ON CONFLICT (id) DO UPDATE SET
-             name = excluded.name, status = excluded.status, body = excluded.body, region_seq = excluded.region_seq,
+             name = CASE WHEN $9 THEN dedicated_inferences.name ELSE excluded.name END,
+             status = excluded.status, body = excluded.body, region_seq = excluded.region_seq,
              state = CASE WHEN excluded.state = 'gone' THEN 'gone'
                           WHEN dedicated_inferences.state = 'gone' THEN 'gone' ELSE 'live' END,
              updated_at = now()
@@ -712,19 +742,7 @@ async fn apply(
     .bind(u.status)
     .bind(u.body)
     .bind(u.seq)
+    .bind(keep_name)
     .execute(&mut **tx)
-    .await;
-    match result {
-        Err(sqlx::Error::Database(e))
-            if e.constraint() == Some("dedicated_inferences_team_name") =>
-        {
-            // The region is the source of truth; a name clash here means central's reservation
-            // is stale. Keep the region's state and let the name index be repaired by the next
-            // change rather than dropping the update.
-            tracing::warn!(id = %u.id, "read model name clash; keeping the previous view");
-            Ok(())
-        }
-        Err(e) => Err(e.into()),
-        Ok(_) => Ok(()),
-    }
+    .await
 }

@@ -504,3 +504,45 @@ async fn creates_unsettled_past_the_window_are_given_up(pool: PgPool) {
         "the young one is still tried"
     );
 }
+
+/// Central reserves a new name before the region applies it, so the feed can bring a DI's older
+/// name after another DI has taken it. The view is still applied, under central's name, and the
+/// transaction it runs in stays usable.
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn a_lagging_name_never_blocks_the_view(pool: PgPool) {
+    let store = CentralStore::new(pool);
+    let team = Uuid::new_v4();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let active = json!({"status": "active"});
+    store
+        .read_model_apply(&update(a, team, "x", "active", &active, 1))
+        .await
+        .unwrap();
+    store.rename(a, team, "y").await.unwrap();
+    assert_eq!(
+        store.create_begin(&new_create(b, team, "x", None)).await.unwrap(),
+        CreateBegin::Started
+    );
+
+    // The feed's view of A from before the rename: applied, A keeps its new name.
+    let updating = json!({"status": "updating"});
+    store
+        .read_model_apply(&update(a, team, "x", "updating", &updating, 2))
+        .await
+        .unwrap();
+    let seen = store.dedicated_inference(a, team).await.unwrap().unwrap();
+    assert_eq!((seen.status.as_str(), seen.name.as_str()), ("updating", "y"));
+
+    // A create confirmed with a name another DI holds in central's view: still confirmed.
+    let c = Uuid::new_v4();
+    store
+        .create_begin(&new_create(c, team, "c", None))
+        .await
+        .unwrap();
+    store
+        .create_confirm(&update(c, team, "y", "new", &json!({"status": "new"}), 3), 202, b"resp")
+        .await
+        .expect("confirm survives a name clash");
+    let confirmed = store.dedicated_inference(c, team).await.unwrap().unwrap();
+    assert_eq!((confirmed.state.as_str(), confirmed.name.as_str()), ("live", "c"));
+}
