@@ -473,11 +473,13 @@ async fn tokens_ca_accelerators_sizes_and_models() {
 #[tokio::test]
 async fn godo_dialect_is_accepted() {
     let sys = System::start().await;
-    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let team = Uuid::new_v4();
+    let token = sys.token(team, &[]).await;
+    let vpc = sys.cloud("nyc2").create_vpc(team, "godo").await;
     let body = json!({
         "spec": {
             "version": 1, "name": "godo", "region": "nyc2",
-            "vpc_config": {"vpc_uuid": "997615ce-132d-4bae-9270-9ee21b395e5d"},
+            "vpc_config": {"vpc_uuid": vpc},
             "enable_public_endpoint": false,
             "model_deployments": [{"provider_model_id": "mistral/mistral-7b-instruct-v3", "model_provider": "hugging_face",
                 "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": "gpu-mi300x1-192gb"}]}]
@@ -489,7 +491,7 @@ async fn godo_dialect_is_accepted() {
         .await;
     assert_eq!(created.status, 202, "{}", created.body);
     let di = &created.body["dedicated_inference"];
-    assert_eq!(di["vpc_uuid"], "997615ce-132d-4bae-9270-9ee21b395e5d");
+    assert_eq!(di["vpc_uuid"], vpc.to_string());
     assert_eq!(
         di["spec"]["model_deployments"][0]["provider_model_id"],
         "mistral/mistral-7b-instruct-v3"

@@ -15,10 +15,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use region_sim::{ApiFaults, FaultConfig, Inventory, RegionSim};
+use region_sim::{Api, ApiFaults, ArmedKind, FaultConfig, Inventory, RegionSim};
 use reqwest::Method;
 use serde_json::{json, Value};
-use system_tests::{create_body_in, python, CloudOptions, Options, System};
+use system_tests::{create_body, python, CloudOptions, Options, System};
 use uuid::Uuid;
 
 /// Gated on Hugging Face: a create needs `access_tokens.hugging_face_token`.
@@ -43,9 +43,9 @@ pub(crate) fn di_path(id: &str, rest: &str) -> String {
     format!("/v2/dedicated-inferences/{id}{rest}")
 }
 
-/// A spec (pydo's dialect) for `model` at `scale`, in the region's simulated default VPC.
-pub(crate) fn spec(sys: &System, region: &str, name: &str, model: &str, scale: i64) -> Value {
-    let mut spec = create_body_in(name, region, sys.cloud(region).vpc)["spec"].clone();
+/// A spec (pydo's dialect) for `model` at `scale`, in the team's default VPC.
+pub(crate) fn spec(region: &str, name: &str, model: &str, scale: i64) -> Value {
+    let mut spec = create_body(name, region)["spec"].clone();
     spec["model_deployments"][0]["model_slug"] = json!(model);
     spec["model_deployments"][0]["accelerators"][0]["accelerator_slug"] = json!(GPU);
     spec["model_deployments"][0]["accelerators"][0]["scale"] = json!(scale);
@@ -69,18 +69,29 @@ pub(crate) async fn create(
     model: &str,
     scale: i64,
 ) -> Created {
-    let mut body = json!({"spec": spec(sys, region, name, model, scale)});
+    let mut body = json!({"spec": spec(region, name, model, scale)});
     if model == GATED_MODEL {
         body["access_tokens"] = json!({"hugging_face_token": HF_TOKEN});
     }
-    let reply = sys
-        .call(
-            Method::POST,
-            "/v2/dedicated-inferences",
-            api_token,
-            Some(body),
-        )
-        .await;
+    // As pydo does: a 503 (the region, or the cloud it asks about the VPC, failing for a
+    // moment) is retried with the same body, which finds the first attempt's create if it made one.
+    let mut reply = None;
+    for _ in 0..10 {
+        let attempt = sys
+            .call(
+                Method::POST,
+                "/v2/dedicated-inferences",
+                api_token,
+                Some(body.clone()),
+            )
+            .await;
+        if attempt.status != 503 {
+            reply = Some(attempt);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let reply = reply.unwrap_or_else(|| panic!("create {name}: 503 on every attempt"));
     assert_eq!(reply.status, 202, "create {name}: {}", reply.body);
     let di = &reply.body["dedicated_inference"];
     // Only the DI is printed on failure: the reply also holds the access token's value. The
@@ -333,7 +344,12 @@ pub(crate) struct Follow<'a> {
     id: &'a str,
 }
 
-pub(crate) fn follow<'a>(sys: &'a System, api: &'a str, region: &'a str, id: &'a str) -> Follow<'a> {
+pub(crate) fn follow<'a>(
+    sys: &'a System,
+    api: &'a str,
+    region: &'a str,
+    id: &'a str,
+) -> Follow<'a> {
     Follow {
         sys,
         api,
@@ -344,7 +360,12 @@ pub(crate) fn follow<'a>(sys: &'a System, api: &'a str, region: &'a str, id: &'a
 
 impl Follow<'_> {
     /// [`until`], failing the test with `what` and the DI's diagnosis on timeout.
-    pub(crate) async fn until<T>(&self, what: &str, timeout: Duration, check: impl FnMut() -> Option<T>) -> T {
+    pub(crate) async fn until<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        check: impl FnMut() -> Option<T>,
+    ) -> T {
         match until(timeout, check).await {
             Some(v) => v,
             None => panic!(
@@ -431,7 +452,12 @@ pub(crate) async fn chat(
 }
 
 /// Asserts a successful chat completion by `model`.
-pub(crate) async fn assert_chat_ok(client: &reqwest::Client, endpoint: &str, token: &str, model: &str) {
+pub(crate) async fn assert_chat_ok(
+    client: &reqwest::Client,
+    endpoint: &str,
+    token: &str,
+    model: &str,
+) {
     match chat(client, endpoint, token, model).await {
         Ok((200, body)) => {
             assert_eq!(body["model"], model, "{body}");
@@ -793,7 +819,7 @@ async fn a_dedicated_inference_lives_and_dies_through_the_public_api() {
         di.token.clone(),
         vec![GATED_MODEL.to_string()],
     );
-    let mut v2 = spec(&sys, region, "lifecycle", GATED_MODEL, 2);
+    let mut v2 = spec(region, "lifecycle", GATED_MODEL, 2);
     v2["model_deployments"][0]["model_id"] = json!(di.model_id);
     let patched = sys
         .call(
@@ -852,7 +878,7 @@ async fn a_dedicated_inference_lives_and_dies_through_the_public_api() {
         di.token.clone(),
         vec![GATED_MODEL.to_string(), MODEL.to_string()],
     );
-    let mut v3 = spec(&sys, region, "lifecycle", MODEL, 2);
+    let mut v3 = spec(region, "lifecycle", MODEL, 2);
     v3["version"] = json!(2);
     v3["model_deployments"][0]["model_id"] = json!(di.model_id);
     let patched = sys
@@ -991,9 +1017,11 @@ async fn each_step_survives_a_fault_in_the_api_it_uses() {
     let cloud = sys.cloud(region);
     let sim = &cloud.sim;
 
-    // 1. Creating the cluster meets DigitalOcean 500s.
+    // 1. Creating the cluster meets DigitalOcean 500s: the API goes down at the worker's first
+    // write (the create's own VPC lookup, a read, still gets through).
     sim.reset_stats();
-    sim.set_faults(faults(errors(), none(), none()));
+    sim.arm_fault_on_write(Api::Do, 0, ArmedKind::Outage)
+        .expect("fault armed");
     let di = create(&sys, &api, region, "faults", MODEL, 1).await;
     let id = di.id.as_str();
     let f = follow(&sys, &api, region, id);
@@ -1009,7 +1037,7 @@ async fn each_step_survives_a_fault_in_the_api_it_uses() {
     );
     let s = f.status().await;
     assert!(s == "new" || s == "provisioning", "{s}");
-    sim.set_faults(FaultConfig::default());
+    sim.disarm_faults();
 
     // 2. Waiting for the cluster to provision meets DigitalOcean 429s.
     let state = f

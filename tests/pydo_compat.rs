@@ -48,6 +48,7 @@ async fn run_phase(
     python: &Path,
     sys: &System,
     token: &str,
+    vpcs: &str,
     env: &[(&str, String)],
 ) -> (Value, String) {
     let mut command = tokio::process::Command::new(python);
@@ -55,6 +56,7 @@ async fn run_phase(
         .arg(tests_dir().join("pydo/compat.py"))
         .env("PYDO_BASE_URL", &sys.base)
         .env("PYDO_TOKEN", token)
+        .env("PYDO_VPCS", vpcs)
         .env("PYTHONUNBUFFERED", "1")
         .env("PYTHONDONTWRITEBYTECODE", "1")
         // The server is on loopback: never send the test's traffic through a configured proxy.
@@ -109,10 +111,17 @@ async fn pydo_drives_every_dedicated_inference_operation() {
         .await
         .expect("venv setup");
     let sys = System::start().await;
-    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let team = Uuid::new_v4();
+    let token = sys.token(team, &[]).await;
+    let mut vpcs = serde_json::Map::new();
+    for region in system_tests::REGIONS {
+        let vpc = sys.cloud(region).create_vpc(team, "pydo").await;
+        vpcs.insert(region.to_string(), vpc.to_string().into());
+    }
+    let vpcs = Value::Object(vpcs).to_string();
 
     // Phase 1: catalog reads, create, get, list and the error paths.
-    let (first, _) = run_phase(&python, &sys, &token, &[("PYDO_PHASE", "1".into())]).await;
+    let (first, _) = run_phase(&python, &sys, &token, &vpcs, &[("PYDO_PHASE", "1".into())]).await;
     let id = Uuid::parse_str(first["id"].as_str().expect("phase 1 prints the DI id"))
         .expect("the DI id is a UUID");
     let region = first["region"]
@@ -180,6 +189,7 @@ async fn pydo_drives_every_dedicated_inference_operation() {
         &python,
         &sys,
         &token,
+        &vpcs,
         &[
             ("PYDO_PHASE", "2".into()),
             ("PYDO_DI_ID", id.to_string()),

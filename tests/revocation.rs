@@ -12,8 +12,8 @@ use system_tests::{CloudOptions, System};
 use uuid::Uuid;
 
 use crate::lifecycle::{
-    assert_chat_ok, ca_client, chat, create, di_path, fetch_ca, spec, start, status,
-    wait_active, wait_for, Created,
+    assert_chat_ok, ca_client, chat, create, di_path, fetch_ca, spec, start, status, wait_active,
+    wait_for, Created,
 };
 
 const MODEL: &str = "qwen/qwen2.5-7b-instruct";
@@ -102,7 +102,7 @@ async fn a_revocation_reaches_a_di_in_error() {
     let second = second_token(&sys, &api, &di, &client, &endpoint).await;
 
     // More GPUs than the region has: the update fails, the old replica keeps serving.
-    let mut too_big = spec(&sys, region, "failing", MODEL, 50);
+    let mut too_big = spec(region, "failing", MODEL, 50);
     too_big["model_deployments"][0]["model_id"] = json!(di.model_id);
     let patched = sys
         .call(
@@ -176,7 +176,7 @@ async fn a_revocation_reaches_a_di_while_it_updates() {
     let client = ca_client(&fetch_ca(&sys, &api, &di.id).await);
     let second = second_token(&sys, &api, &di, &client, &endpoint).await;
 
-    let mut bigger = spec(&sys, region, "growing", MODEL, 3);
+    let mut bigger = spec(region, "growing", MODEL, 3);
     bigger["model_deployments"][0]["model_id"] = json!(di.model_id);
     let patched = sys
         .call(
@@ -243,7 +243,7 @@ async fn a_revocation_does_not_wait_for_a_failing_cloud_api() {
     let second = second_token(&sys, &api, &di, &client, &endpoint).await;
 
     // An update is under way (its nodes take 20 s), and then DigitalOcean fails every call.
-    let mut bigger = spec(&sys, region, "cloudy", MODEL, 2);
+    let mut bigger = spec(region, "cloudy", MODEL, 2);
     bigger["model_deployments"][0]["model_id"] = json!(di.model_id);
     let patched = sys
         .call(
@@ -254,9 +254,15 @@ async fn a_revocation_does_not_wait_for_a_failing_cloud_api() {
         )
         .await;
     assert_eq!(patched.status, 202, "{}", patched.body);
-    wait_for(&sys, &api, region, &di.id, "updating", Duration::from_secs(30), |d| {
-        d["status"] == "updating"
-    })
+    wait_for(
+        &sys,
+        &api,
+        region,
+        &di.id,
+        "updating",
+        Duration::from_secs(30),
+        |d| d["status"] == "updating",
+    )
     .await;
     sys.cloud(region).sim.set_faults(region_sim::FaultConfig {
         do_api: region_sim::ApiFaults {
@@ -275,7 +281,9 @@ async fn a_revocation_does_not_wait_for_a_failing_cloud_api() {
         &di.token,
     )
     .await;
-    sys.cloud(region).sim.set_faults(region_sim::FaultConfig::default());
+    sys.cloud(region)
+        .sim
+        .set_faults(region_sim::FaultConfig::default());
 }
 
 /// Polls until the DI is in `error`; returns it.

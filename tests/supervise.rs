@@ -99,7 +99,9 @@ fn a_killed_or_exiting_service_is_restarted_and_said_so() {
     });
     let first = started(&pids)[0];
     signal(first, "-KILL");
-    until("a restart", Duration::from_secs(10), || started(&pids).len() == 2);
+    until("a restart", Duration::from_secs(10), || {
+        started(&pids).len() == 2
+    });
     let second = started(&pids)[1];
     assert!(alive(second) && !alive(first));
     let log = std::fs::read_to_string(dir.join("svc.log")).unwrap();
@@ -112,8 +114,14 @@ fn a_killed_or_exiting_service_is_restarted_and_said_so() {
     signal(sup.id(), "-TERM");
     let status = sup.wait().unwrap();
     assert!(status.success(), "{status:?}");
-    until("the service to stop", Duration::from_secs(10), || !alive(second));
-    assert_eq!(started(&pids).len(), 2, "nothing was started after the stop");
+    until("the service to stop", Duration::from_secs(10), || {
+        !alive(second)
+    });
+    assert_eq!(
+        started(&pids).len(),
+        2,
+        "nothing was started after the stop"
+    );
     let mut stderr = String::new();
     std::io::Read::read_to_string(sup.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     assert_eq!(
@@ -208,7 +216,11 @@ fn a_ctrl_c_at_the_terminal_does_not_make_the_supervisor_restart_its_service() {
         .status()
         .unwrap();
     std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(started(&pids).len(), 1, "the service was restarted after a Ctrl-C");
+    assert_eq!(
+        started(&pids).len(),
+        1,
+        "the service was restarted after a Ctrl-C"
+    );
     assert!(alive(started(&pids)[0]), "the service kept running");
     signal(sup.id(), "-TERM");
     sup.wait().unwrap();

@@ -10,4 +10,5 @@ mod resilience;
 mod revocation;
 mod shared_vpc;
 mod supervise;
+mod tenancy;
 mod updates;

@@ -14,7 +14,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use prost::Message;
 use reqwest::Method;
-use system_tests::{create_body_in, eventually, CloudOptions, Options, System};
+use system_tests::{create_body, eventually, CloudOptions, Options, System};
 use uuid::Uuid;
 
 /// What the collector keeps of a span.
@@ -104,7 +104,6 @@ async fn one_create_yields_one_trace_across_central_region_and_worker() {
         ..Options::default()
     })
     .await;
-    let vpc = sys.cloud("atl1").vpc;
     let token = sys
         .token(
             Uuid::new_v4(),
@@ -116,7 +115,7 @@ async fn one_create_yields_one_trace_across_central_region_and_worker() {
             Method::POST,
             "/v2/dedicated-inferences",
             &token,
-            Some(serde_json::json!({"spec": create_body_in("traced", "atl1", vpc)["spec"]})),
+            Some(serde_json::json!({"spec": create_body("traced", "atl1")["spec"]})),
         )
         .await;
     assert_eq!(create.status, 202, "{}", create.body);

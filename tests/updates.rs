@@ -43,12 +43,17 @@ fn ready_pods(sys: &System, region: &str, id: &str) -> BTreeSet<String> {
     let inv = sys.cloud(region).sim.inventory();
     objects(&inv, "Pod", id)
         .into_iter()
-        .filter(|p| p["metadata"]["name"].as_str().is_some_and(|n| n.starts_with("vllm-")))
+        .filter(|p| {
+            p["metadata"]["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("vllm-"))
+        })
         .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
         .filter(|p| {
-            p["status"]["conditions"]
-                .as_array()
-                .is_some_and(|cs| cs.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
+            p["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
         })
         .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_string))
         .collect()
@@ -99,7 +104,10 @@ impl Update<'_> {
             log.failures.len() as u64 + log.ok,
             log.failures
         );
-        assert!(log.ok >= 10, "{what}: the client must have been calling: {log:?}");
+        assert!(
+            log.ok >= 10,
+            "{what}: the client must have been calling: {log:?}"
+        );
         log
     }
 }
@@ -129,7 +137,12 @@ async fn every_update(with_ids: bool) {
     let (active, _) = wait_active(&sys, &api, region, id, 1).await;
     let endpoints: Vec<String> = ["public_endpoint_fqdn", "private_endpoint_fqdn"]
         .iter()
-        .map(|k| active["endpoints"][k].as_str().expect("an endpoint").to_string())
+        .map(|k| {
+            active["endpoints"][k]
+                .as_str()
+                .expect("an endpoint")
+                .to_string()
+        })
         .collect();
     let client = ca_client(&fetch_ca(&sys, &api, id).await);
     for e in &endpoints {
@@ -145,7 +158,7 @@ async fn every_update(with_ids: bool) {
         token: di.token.clone(),
     };
     let at = |name: &str, model: &str, gpu: &str, scale: i64, version: i64| {
-        let mut s = spec(&sys, region, name, model, scale);
+        let mut s = spec(region, name, model, scale);
         s["version"] = json!(version);
         if with_ids {
             s["model_deployments"][0]["model_id"] = json!(di.model_id);

@@ -15,7 +15,6 @@ import time
 import urllib.error
 import urllib.request
 
-VPC = "7e5c619c-359c-44ca-87e2-47e98170c012"
 REGIONS = ["atl1", "nyc2", "tor1"]
 
 
@@ -41,7 +40,7 @@ def seed(base, token, count, prefix):
                 "version": 1,
                 "name": f"{prefix}-seed-{i}",
                 "region": REGIONS[i % len(REGIONS)],
-                "vpc": {"uuid": VPC},
+                "vpc": None,  # the team's default VPC
                 "enable_public_endpoint": True,
                 "model_deployments": [
                     {

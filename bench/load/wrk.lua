@@ -27,7 +27,7 @@ if mode == "create" then
    local regions = { "atl1", "nyc2", "tor1" }
    local counter = 0
    local body_format = '{"spec":{"version":1,"name":"%s","region":"%s",'
-      .. '"vpc":{"uuid":"7e5c619c-359c-44ca-87e2-47e98170c012"},"enable_public_endpoint":true,'
+      .. '"vpc":null,"enable_public_endpoint":true,'
       .. '"model_deployments":[{"model_slug":"qwen/qwen2.5-7b-instruct","model_provider":"hugging_face",'
       .. '"workload_config":{},"accelerators":[{"scale":1,"type":"prefill_decode",'
       .. '"accelerator_slug":"gpu-h100x1-80gb"}]}]}}'

@@ -1,8 +1,9 @@
 //! The test harness: throwaway databases on the Postgres named by `DATABASE_URL`, the whole
 //! control plane (central + regional services) on real loopback sockets, and a TCP proxy in front
-//! of each region that can make it slow or unreachable. With [`Options::cloud`], each region also
-//! gets an in-process region simulator and reconcile workers, so a DI created through the public
-//! API really comes up and serves.
+//! of each region that can make it slow or unreachable. Each region has an in-process region
+//! simulator (the regional service asks its DigitalOcean API which VPCs a team owns); with
+//! [`Options::cloud`] it also gets reconcile workers, so a DI created through the public API
+//! really comes up and serves.
 
 pub mod proxy;
 pub mod python;
@@ -44,8 +45,8 @@ pub struct RegionHandle {
     pub seal_key: String,
     pub server: Option<regional::Server>,
     pub proxy: proxy::Proxy,
-    /// The region's simulated cloud and its workers, with [`Options::cloud`].
-    pub cloud: Option<Cloud>,
+    /// The region's simulated cloud, and its workers with [`Options::cloud`].
+    pub cloud: Cloud,
 }
 
 /// The DigitalOcean API token the simulators accept and the workers send.
@@ -95,41 +96,56 @@ pub struct Cloud {
     /// Running workers; `None` where one was killed.
     pub workers: Vec<Option<worker::runtime::WorkerHandle>>,
     options: CloudOptions,
-    /// The region's default VPC, where tests put their DIs.
-    pub vpc: Uuid,
 }
 
 impl Cloud {
-    async fn start(
-        region: &str,
-        database_url: &str,
-        seal_key: &str,
-        options: &CloudOptions,
-    ) -> Cloud {
+    /// The simulator alone; [`Cloud::start_worker`] adds workers.
+    async fn start(region: &str, options: &CloudOptions) -> Cloud {
         let mut cfg = region_sim::SimConfig::new(region, SIM_TOKEN);
         cfg.delays = options.delays.clone();
         let sim = region_sim::RegionSim::start(cfg)
             .await
             .expect("region simulator starts");
-        let vpc = sim
-            .inventory()
-            .cloud
-            .vpcs
-            .iter()
-            .find(|v| v["default"] == true)
-            .and_then(|v| v["id"].as_str())
-            .and_then(|id| Uuid::parse_str(id).ok())
-            .expect("the simulated region has a default VPC");
-        let mut cloud = Cloud {
+        Cloud {
             sim,
             workers: Vec::new(),
             options: options.clone(),
-            vpc,
-        };
-        for _ in 0..options.workers {
-            cloud.start_worker(region, database_url, seal_key).await;
         }
-        cloud
+    }
+
+    /// A VPC of `team` (a DigitalOcean account) made through the simulated DigitalOcean API, as
+    /// a customer makes one.
+    pub async fn create_vpc(&self, team: Uuid, name: &str) -> Uuid {
+        let region = self.sim.inventory().region;
+        let reply = reqwest::Client::new()
+            .post(format!("{}/v2/vpcs", self.sim.base_url()))
+            .bearer_auth(SIM_TOKEN)
+            .header("x-acting-account", team.to_string())
+            .json(&json!({"name": name, "region": region}))
+            .send()
+            .await
+            .expect("the simulator answers");
+        assert_eq!(reply.status(), 201, "VPC create");
+        let body: Value = reply.json().await.expect("a VPC");
+        Uuid::parse_str(body["vpc"]["id"].as_str().expect("an id")).expect("a UUID")
+    }
+
+    /// `team`'s default VPC in this region (made on first use, as DigitalOcean does).
+    pub async fn default_vpc(&self, team: Uuid) -> Uuid {
+        let reply = reqwest::Client::new()
+            .get(format!("{}/v2/vpcs", self.sim.base_url()))
+            .bearer_auth(SIM_TOKEN)
+            .header("x-acting-account", team.to_string())
+            .send()
+            .await
+            .expect("the simulator answers");
+        let body: Value = reply.json().await.expect("VPCs");
+        body["vpcs"]
+            .as_array()
+            .and_then(|vpcs| vpcs.iter().find(|v| v["default"] == true))
+            .and_then(|v| v["id"].as_str())
+            .and_then(|id| Uuid::parse_str(id).ok())
+            .expect("the team has a default VPC")
     }
 
     async fn start_worker(&mut self, region: &str, database_url: &str, seal_key: &str) -> usize {
@@ -179,11 +195,8 @@ impl Cloud {
 }
 
 impl RegionHandle {
-    /// The region's simulated cloud; panics unless the system was started with [`Options::cloud`].
     pub fn cloud(&self) -> &Cloud {
-        self.cloud
-            .as_ref()
-            .expect("the system was started with Options::cloud")
+        &self.cloud
     }
 
     pub fn sim(&self) -> &region_sim::RegionSim {
@@ -194,18 +207,11 @@ impl RegionHandle {
     pub async fn start_worker(&mut self) -> usize {
         let (db, key) = (self.database_url.clone(), self.seal_key.clone());
         let name = self.name.clone();
-        self.cloud
-            .as_mut()
-            .expect("the system was started with Options::cloud")
-            .start_worker(&name, &db, &key)
-            .await
+        self.cloud.start_worker(&name, &db, &key).await
     }
 
     pub fn kill_worker(&mut self, index: usize) {
-        self.cloud
-            .as_mut()
-            .expect("the system was started with Options::cloud")
-            .kill_worker(index);
+        self.cloud.kill_worker(index);
     }
 
     pub fn store(&self) -> &region_store::Store {
@@ -227,6 +233,7 @@ impl RegionHandle {
             &self.database_url,
             &self.secret,
             &self.seal_key,
+            &self.cloud.sim.base_url(),
         ))
         .await
         .expect("regional service starts");
@@ -235,7 +242,13 @@ impl RegionHandle {
     }
 }
 
-fn region_config(name: &str, database_url: &str, secret: &str, seal_key: &str) -> regional::Config {
+fn region_config(
+    name: &str,
+    database_url: &str,
+    secret: &str,
+    seal_key: &str,
+    sim_url: &str,
+) -> regional::Config {
     regional::Config {
         region: name.into(),
         listen: "127.0.0.1:0".parse().unwrap(),
@@ -243,6 +256,8 @@ fn region_config(name: &str, database_url: &str, secret: &str, seal_key: &str) -
         region_secret: secret.into(),
         seal_key: seal_key.into(),
         db_max_connections: 4,
+        do_api_url: sim_url.into(),
+        do_token: SIM_TOKEN.into(),
     }
 }
 
@@ -288,15 +303,23 @@ impl System {
             let database_url = fresh_database(&format!("region_{name}")).await;
             let secret = common::tokens::mint("rs_");
             let seal_key = common::seal::Sealer::generate_key();
-            let server =
-                regional::Server::start(region_config(name, &database_url, &secret, &seal_key))
-                    .await
-                    .expect("regional service starts");
+            let cloud_options = options.cloud.clone().unwrap_or_default();
+            let mut cloud = Cloud::start(name, &cloud_options).await;
+            let server = regional::Server::start(region_config(
+                name,
+                &database_url,
+                &secret,
+                &seal_key,
+                &cloud.sim.base_url(),
+            ))
+            .await
+            .expect("regional service starts");
             let proxy = proxy::Proxy::start(server.addr).await;
-            let cloud = match &options.cloud {
-                Some(o) => Some(Cloud::start(name, &database_url, &seal_key, o).await),
-                None => None,
-            };
+            // Workers only with a cloud: without, nothing reconciles.
+            let workers = options.cloud.as_ref().map_or(0, |o| o.workers);
+            for _ in 0..workers {
+                cloud.start_worker(name, &database_url, &seal_key).await;
+            }
             regions.push(RegionHandle {
                 name: name.to_string(),
                 database_url,
@@ -522,16 +545,15 @@ fn init_logs() {
         .try_init();
 }
 
-/// A valid create body (pydo's dialect) for an ungated model.
+/// A valid create body (pydo's dialect) for an ungated model, without a VPC: the team's default
+/// VPC in the region.
 pub fn create_body(name: &str, region: &str) -> Value {
-    create_body_in(
-        name,
-        region,
-        Uuid::parse_str("7e5c619c-359c-44ca-87e2-47e98170c012").unwrap(),
-    )
+    let mut body = create_body_in(name, region, Uuid::nil());
+    body["spec"]["vpc"] = Value::Null;
+    body
 }
 
-/// [`create_body`] in VPC `vpc` (with a simulated cloud, the region's [`Cloud::vpc`]).
+/// [`create_body`] in VPC `vpc` (one of the team's: [`Cloud::create_vpc`]).
 pub fn create_body_in(name: &str, region: &str, vpc: Uuid) -> Value {
     json!({
         "spec": {

@@ -49,7 +49,8 @@ ALL_OPERATIONS = [
 
 MODEL = "qwen/qwen2.5-7b-instruct"
 GPU = "gpu-h100x1-80gb"
-VPC = "7e5c619c-359c-44ca-87e2-47e98170c012"
+# The team's own VPC per region (made through the simulated DigitalOcean API by the test).
+VPCS = json.loads(os.environ["PYDO_VPCS"])
 
 called = []
 
@@ -100,7 +101,7 @@ def with_status(pipeline_response, deserialized, headers):
     return pipeline_response.http_response.status_code, deserialized, headers
 
 
-def spec(name, region, version=1, scale=2, model_id=None):
+def spec(name, region, version=1, scale=2, model_id=None, vpc=True):
     deployment = {
         "model_slug": MODEL,
         "model_provider": "hugging_face",
@@ -115,7 +116,8 @@ def spec(name, region, version=1, scale=2, model_id=None):
         "version": version,
         "name": name,
         "region": region,
-        "vpc": {"uuid": VPC},
+        # Without one (`null`, as godo sends): the team's default VPC in the region.
+        "vpc": {"uuid": VPCS[region]} if vpc else None,
         "enable_public_endpoint": True,
         "model_deployments": [deployment],
     }
@@ -325,7 +327,9 @@ def phase2(di, di_id, region):
     check(got["pending_deployment_spec"]["version"] == 2, "get shows version 2 pending", got)
 
     # List with pagination across two DIs.
-    second = di.create({"spec": spec("pydo-second", "nyc2")})["dedicated_inference"]
+    second = di.create({"spec": spec("pydo-second", "nyc2", vpc=False)})["dedicated_inference"]
+    check(second["vpc_uuid"] not in ("", None, VPCS["nyc2"]), "no VPC: the team's default one", second)
+    check(second["spec"]["vpc"]["uuid"] == second["vpc_uuid"], "the DI reports its VPC", second)
     page1 = di.list(per_page=1, page=1)
     check(page1["meta"]["total"] == 2, "two DIs listed", page1)
     check(len(page1["dedicated_inferences"]) == 1, "per_page=1 lists one", page1)

@@ -60,6 +60,8 @@ class Soak:
         self.secrets = set()  # every secret value a log line must never hold
         self.outages = []  # (region or None for all, start, end or None)
         self.kube_faults = []  # (region, start, end or None): the cluster APIs refuse some calls
+        self.cloud_faults = []  # (region, start, end or None): its DigitalOcean API fails some calls
+        self.customers = []  # every customer, so one can try another team's VPC
         self.started = now()
         self.secrets_env = self.read_secrets_env()
         # The lifecycle's transition table, as the Rust code applies it (api_types::lifecycle).
@@ -112,10 +114,12 @@ class Soak:
         with self.lock:
             self.outages[i][2] = now()
 
-    def in_outage(self, region, t0, t1):
-        """Whether an induced outage touching `region` overlapped [t0, t1] (with grace)."""
+    def in_outage(self, region, t0, t1, cloud=False):
+        """Whether an induced outage touching `region` overlapped [t0, t1] (with grace); with
+        `cloud`, a fault of its DigitalOcean API too (a create asks it for the team's VPC)."""
         with self.lock:
-            for r, s, e in self.outages:
+            windows = self.outages + (self.cloud_faults if cloud else [])
+            for r, s, e in windows:
                 end = (e if e is not None else now()) + OUTAGE_GRACE
                 if (r is None or region is None or r == region) and s <= t1 and t0 <= end:
                     return True
@@ -129,12 +133,12 @@ class Soak:
                     if r == region and (e is None or e >= since)]
         return max(ends) if ends else None
 
-    def check_5xx(self, resp, region, t0, what):
+    def check_5xx(self, resp, region, t0, what, cloud=False):
         """Invariant: no 5xx except 503 with Retry-After during an induced outage."""
         if resp.status_code < 500:
             return
         if resp.status_code == 503 and resp.headers.get("retry-after"):
-            if self.in_outage(region, t0, now()):
+            if self.in_outage(region, t0, now(), cloud):
                 return
             self.violate("no-unexpected-5xx", f"{what}: 503 outside any induced outage: {resp.text[:200]}")
         else:
@@ -158,15 +162,17 @@ class Soak:
     def sim_token(self, region):
         return self.secrets_env[f"SIM_TOKEN_{region}"]
 
-    def make_vpc(self, region, name):
+    def make_vpc(self, team, region, name):
+        """A VPC of `team`'s DigitalOcean account, made as the customer makes one."""
         r = httpx.post(f"{self.sim(region)}/v2/vpcs", json={"name": name, "region": region},
-                       headers={"Authorization": f"Bearer {self.sim_token(region)}"}, timeout=10)
+                       headers={"Authorization": f"Bearer {self.sim_token(region)}",
+                                "X-Acting-Account": team}, timeout=10)
         r.raise_for_status()
         return r.json()["vpc"]["id"]
 
     # ------------------------------------------------------------------ requests
 
-    def request(self, client, method, path, region=None, what=None, **kw):
+    def request(self, client, method, path, region=None, what=None, cloud=False, **kw):
         """One request; returns the response or None when no answer came (connection error or
         the client's timeout). Checks the 5xx invariant."""
         t0 = now()
@@ -177,7 +183,7 @@ class Soak:
             self.log(f"{what or method} {path}: no answer ({type(e).__name__})")
             return None
         self.count(f"{what or method} -> {resp.status_code}")
-        self.check_5xx(resp, region, t0, f"{what or method} {path}")
+        self.check_5xx(resp, region, t0, f"{what or method} {path}", cloud)
         return resp
 
     def retry_after(self, resp):
@@ -261,7 +267,11 @@ class Customer(threading.Thread):
             deployment["provider_model_id"] = ""
         else:
             deployment["workload_config"] = {}
-        spec["vpc"] = {"uuid": vpc}
+        if self.rng.random() < 0.3:
+            # No VPC: the team's default one (godo and Terraform send null when none is set).
+            spec["vpc"] = None
+        else:
+            spec["vpc"] = {"uuid": vpc}
         spec["model_deployments"] = [deployment]
         body = {"spec": spec}
         if self.rng.random() < 0.3:
@@ -300,7 +310,10 @@ class Customer(threading.Thread):
         create nothing (a create of it that the region accepted would show up as a DI no
         customer got a 202 for)."""
         region, body = self.create_body(godo=False)
-        kind = self.rng.choice(["deep", "wide", "type", "nul", "huge"])
+        kind = self.rng.choice(["deep", "wide", "type", "nul", "huge", "foreign-vpc"])
+        others = [c.vpcs[region] for c in self.soak.customers if c.team != self.team]
+        if kind == "foreign-vpc" and not others:
+            kind = "type"
         if kind == "deep":
             nested = {}
             for _ in range(self.rng.randrange(20, 140)):
@@ -312,11 +325,14 @@ class Customer(threading.Thread):
             body["spec"]["model_deployments"][0]["accelerators"][0]["scale"] = "two"
         elif kind == "nul":
             body["spec"]["name"] = "bad\u0000name"
+        elif kind == "foreign-vpc":
+            # Another team's VPC (the next team's): refused, never a DI in someone else's network.
+            body["spec"]["vpc"] = {"uuid": self.rng.choice(self.rng.choice(others))}
         else:
             body["spec"]["model_deployments"][0]["workload_config"] = {"blob": "x" * 70000}
         self.soak.count(f"bad-input[{kind}]")
         resp = self.soak.request(self.client, "POST", "/v2/dedicated-inferences", region=region,
-                                 what="bad-input", json=body)
+                                 what="bad-input", cloud=True, json=body)
         if resp is not None and resp.status_code < 400:
             self.soak.violate("bad-input-refused", f"{kind}: {resp.status_code} {resp.text[:200]}")
 
@@ -338,7 +354,7 @@ class Customer(threading.Thread):
                 # picked fresh means an earlier attempt of this very call made the DI.
                 self.soak.violate("retries-find-their-create",
                                   f"pydo create {body['spec']['name']}: 409 after its own retries: {e.message}")
-            elif status >= 500 and not (status == 503 and self.soak.in_outage(region, t0, now())):
+            elif status >= 500 and not (status == 503 and self.soak.in_outage(region, t0, now(), cloud=True)):
                 self.soak.violate("no-unexpected-5xx", f"pydo create: {status} {e.message}")
             elif status < 500:
                 self.soak.violate("no-unexpected-4xx", f"pydo create: {status} {e.message}")
@@ -361,7 +377,7 @@ class Customer(threading.Thread):
             timeout = 0.3 if (style == "impatient" and first) else 30
             first = False
             resp = self.soak.request(self.client, "POST", "/v2/dedicated-inferences", region=region,
-                                     what="create", json=body, headers=headers, timeout=timeout)
+                                     what="create", cloud=True, json=body, headers=headers, timeout=timeout)
             if resp is None:
                 unanswered = True
                 time.sleep(1)
@@ -803,17 +819,15 @@ class Chaos(threading.Thread):
             if kind == "latency":
                 f = {"error_rate": 0.0, "rate_limit_rate": 0.0, "latency_ms": 800, "retry_after_secs": 1}
                 api = self.rng.choice(["do", "kube"])
-            window = None
-            if api == "kube":
-                with self.soak.lock:
-                    self.soak.kube_faults.append([region, now(), None])
-                    window = len(self.soak.kube_faults) - 1
+            windows = self.soak.kube_faults if api == "kube" else self.soak.cloud_faults
+            with self.soak.lock:
+                windows.append([region, now(), None])
+                window = len(windows) - 1
             self.set_faults(region, {api: f})
             self.soak.stop.wait(self.rng.uniform(5, 12))
             self.set_faults(region, {})
-            if window is not None:
-                with self.soak.lock:
-                    self.soak.kube_faults[window][2] = now()
+            with self.soak.lock:
+                windows[window][2] = now()
         elif kind == "kill-worker":
             pids = self.pids("worker")
             if pids:
@@ -1048,9 +1062,10 @@ def main():
     for t in range(args.teams):
         team, token = soak.mint_team()
         teams.append((team, token))
-        vpcs = {r: [soak.make_vpc(r, f"soak-{t}-{r}-{i}") for i in range(2)] for r in REGIONS}
+        vpcs = {r: [soak.make_vpc(team, r, f"soak-{t}-{r}-{i}") for i in range(2)] for r in REGIONS}
         for c in range(args.customers_per_team):
             customers.append(Customer(soak, team, token, vpcs, t * args.customers_per_team + c))
+    soak.customers = customers
     watcher = Watcher(soak)
     chaos = Chaos(soak)
     for c in customers:

@@ -10,7 +10,9 @@ pub struct Spec {
     pub version: i32,
     pub name: String,
     pub region: String,
-    pub vpc_uuid: Uuid,
+    /// `None` when the request names no VPC: on a create the team's default VPC in the region
+    /// (the regional service fills it in before storing), on a patch the DI's own.
+    pub vpc_uuid: Option<Uuid>,
     pub enable_public_endpoint: bool,
     pub model_deployments: Vec<ModelDeployment>,
 }

@@ -695,7 +695,9 @@ async fn apply(
     // old name after another DI has taken that name here. The view is then applied under the
     // name central holds (the feed brings the new one next). The savepoint keeps the caller's
     // transaction usable after the unique index refuses the first attempt.
-    sqlx::query("SAVEPOINT read_model_apply").execute(&mut **tx).await?;
+    sqlx::query("SAVEPOINT read_model_apply")
+        .execute(&mut **tx)
+        .await?;
     for keep_name in [false, true] {
         match upsert(tx, u, keep_name).await {
             Err(sqlx::Error::Database(e))

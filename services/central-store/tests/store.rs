@@ -520,7 +520,10 @@ async fn a_lagging_name_never_blocks_the_view(pool: PgPool) {
         .unwrap();
     store.rename(a, team, "y").await.unwrap();
     assert_eq!(
-        store.create_begin(&new_create(b, team, "x", None)).await.unwrap(),
+        store
+            .create_begin(&new_create(b, team, "x", None))
+            .await
+            .unwrap(),
         CreateBegin::Started
     );
 
@@ -531,7 +534,10 @@ async fn a_lagging_name_never_blocks_the_view(pool: PgPool) {
         .await
         .unwrap();
     let seen = store.dedicated_inference(a, team).await.unwrap().unwrap();
-    assert_eq!((seen.status.as_str(), seen.name.as_str()), ("updating", "y"));
+    assert_eq!(
+        (seen.status.as_str(), seen.name.as_str()),
+        ("updating", "y")
+    );
 
     // A create confirmed with a name another DI holds in central's view: still confirmed.
     let c = Uuid::new_v4();
@@ -540,9 +546,16 @@ async fn a_lagging_name_never_blocks_the_view(pool: PgPool) {
         .await
         .unwrap();
     store
-        .create_confirm(&update(c, team, "y", "new", &json!({"status": "new"}), 3), 202, b"resp")
+        .create_confirm(
+            &update(c, team, "y", "new", &json!({"status": "new"}), 3),
+            202,
+            b"resp",
+        )
         .await
         .expect("confirm survives a name clash");
     let confirmed = store.dedicated_inference(c, team).await.unwrap().unwrap();
-    assert_eq!((confirmed.state.as_str(), confirmed.name.as_str()), ("live", "c"));
+    assert_eq!(
+        (confirmed.state.as_str(), confirmed.name.as_str()),
+        ("live", "c")
+    );
 }

@@ -62,13 +62,18 @@ pub struct Checked {
 pub fn spec(catalog: &Catalog, input: &SpecInput) -> Result<Checked, ApiError> {
     name("spec.name", &input.name)?;
     region(catalog, "spec.region", &input.region)?;
+    // No VPC (absent or null, as godo and Terraform send when none is set): the team's default
+    // VPC in the region, which the region resolves.
     let vpc_text = match (&input.vpc, &input.vpc_config) {
-        (Some(vpc), _) => vpc.uuid.as_str(),
-        (None, Some(config)) => config.vpc_uuid.as_str(),
-        (None, None) => return Err(invalid("spec.vpc.uuid is required.".into())),
+        (Some(vpc), _) => Some(vpc.uuid.as_str()),
+        (None, Some(config)) => Some(config.vpc_uuid.as_str()),
+        (None, None) => None,
     };
-    let vpc_uuid =
-        Uuid::parse_str(vpc_text).map_err(|_| invalid("spec.vpc.uuid must be a UUID.".into()))?;
+    let vpc_uuid = vpc_text
+        .map(|text| {
+            Uuid::parse_str(text).map_err(|_| invalid("spec.vpc.uuid must be a UUID.".into()))
+        })
+        .transpose()?;
     if input.version < 0 || input.version > i32::MAX as i64 {
         return Err(invalid("spec.version is out of range.".into()));
     }

@@ -317,7 +317,12 @@ async fn wait_exits_3_when_the_di_ends_in_error() {
         tokio::time::sleep(Duration::from_secs(1)).await;
         region.provisioning_begin(id).await.unwrap();
         region
-            .error_set(id, Some(1), "CapacityExhausted", "No gpu-h100x1-80gb left in nyc2.")
+            .error_set(
+                id,
+                Some(1),
+                "CapacityExhausted",
+                "No gpu-h100x1-80gb left in nyc2.",
+            )
             .await
             .unwrap();
     })

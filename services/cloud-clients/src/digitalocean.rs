@@ -564,11 +564,19 @@ struct Inner {
     mutations: AtomicU64,
 }
 
+/// The header with which the platform's credential acts for one customer account (a team: a
+/// DigitalOcean team is an account, with the same UUID). The API then answers as that account
+/// sees it: its own VPCs only, its default VPC made on first use.
+pub const ACTING_ACCOUNT_HEADER: &str = "x-acting-account";
+
 /// A DigitalOcean API client for one account token. Cheap to clone; clones share the connection
 /// pool and the mutation counter.
 #[derive(Clone)]
 pub struct DoClient {
     inner: Arc<Inner>,
+    /// The customer account this client acts for ([`DoClient::acting_for`]); none: the
+    /// credential's own.
+    account: Option<uuid::Uuid>,
 }
 
 impl fmt::Debug for DoClient {
@@ -576,6 +584,7 @@ impl fmt::Debug for DoClient {
         // Never the token.
         f.debug_struct("DoClient")
             .field("base_url", &self.inner.base)
+            .field("account", &self.account)
             .field("retry", &self.inner.retry)
             .finish_non_exhaustive()
     }
@@ -628,7 +637,17 @@ impl DoClient {
                 page_size: options.page_size.clamp(1, MAX_PER_PAGE),
                 mutations: AtomicU64::new(0),
             }),
+            account: None,
         })
+    }
+
+    /// This client acting for customer `account`: what that account may see and do, with the
+    /// platform's credential (e.g. whether a team owns a VPC). Shares the connection pool.
+    pub fn acting_for(&self, account: uuid::Uuid) -> DoClient {
+        DoClient {
+            inner: self.inner.clone(),
+            account: Some(account),
+        }
     }
 
     pub fn base_url(&self) -> &str {
@@ -667,6 +686,9 @@ impl DoClient {
     ) -> Result<Reply, DoError> {
         let url = format!("{}{path}", self.inner.base);
         let mut req = self.inner.http.request(method.clone(), &url);
+        if let Some(account) = self.account {
+            req = req.header(ACTING_ACCOUNT_HEADER, account.to_string());
+        }
         if let Some(b) = body {
             req = req
                 .header(reqwest::header::CONTENT_TYPE, "application/json")

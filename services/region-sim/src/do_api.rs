@@ -219,25 +219,56 @@ async fn guard(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Respon
 
 // ------------------------------------------------------------------ VPCs
 
-async fn vpcs_list(
-    State(s): State<Arc<Shared>>,
-    Query(q): Query<HashMap<String, String>>,
-) -> ApiResult {
-    paginate(&s.base_url, "/v2/vpcs", &q, "vpcs", s.world.vpc_list())
+/// The header with which the platform's credential acts for one customer account: the API then
+/// answers as that account sees it (its VPCs only; its default VPC made on first use). The
+/// control plane's regional service sends it to learn whether a team owns a VPC and which VPC is
+/// its default. Without it the credential is the platform's own and sees every VPC.
+pub const ACTING_ACCOUNT_HEADER: &str = "x-acting-account";
+
+fn acting(headers: &HeaderMap) -> Result<Option<Uuid>, ApiError> {
+    match headers.get(ACTING_ACCOUNT_HEADER) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| Uuid::parse_str(s.trim()).ok())
+            .map(Some)
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("{ACTING_ACCOUNT_HEADER} must be an account UUID"))
+            }),
+    }
 }
 
-async fn vpcs_create(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+async fn vpcs_list(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult {
+    let vpcs = s.world.vpc_list(acting(&headers)?);
+    paginate(&s.base_url, "/v2/vpcs", &q, "vpcs", vpcs)
+}
+
+async fn vpcs_create(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> ApiResult {
     let req: VpcCreate = parse_json(&body)?;
-    let vpc = s.world.vpc_create(req)?;
+    let vpc = s.world.vpc_create(acting(&headers)?, req)?;
     reply(StatusCode::CREATED, json!({"vpc": vpc}))
 }
 
-async fn vpcs_get(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
-    reply(StatusCode::OK, json!({"vpc": s.world.vpc_get(&id)?}))
+async fn vpcs_get(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult {
+    let vpc = s.world.vpc_get(acting(&headers)?, &id)?;
+    reply(StatusCode::OK, json!({"vpc": vpc}))
 }
 
-async fn vpcs_delete(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
-    s.world.vpc_delete(&id)?;
+async fn vpcs_delete(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult {
+    s.world.vpc_delete(acting(&headers)?, &id)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -1,6 +1,8 @@
 //! Region simulator: a stand-in for one DigitalOcean region that the control plane cannot tell
-//! from the real thing. It owns the simulated cloud (VPCs, DOKS clusters, node pools, nodes, load
-//! balancers, GPU capacity) behind a DigitalOcean API subset, starts one simulated Kubernetes API
+//! from the real thing. It owns the simulated cloud (accounts and their VPCs, DOKS clusters, node
+//! pools, nodes, load balancers, GPU capacity) behind a DigitalOcean API subset, in which the
+//! platform's credential can act for one customer account (`X-Acting-Account`, see
+//! [`do_api::ACTING_ACCOUNT_HEADER`]), starts one simulated Kubernetes API
 //! server (the `sim-kube` crate) per cluster and plays the cloud's part in it (nodes, load
 //! balancer addresses), and serves a fake OpenAI-compatible data plane for every load balancer
 //! wired to a gateway. It also offers fault injection and an inventory of everything it holds,

@@ -215,6 +215,9 @@ impl NodeState {
 #[derive(Debug, Clone)]
 struct Vpc {
     id: String,
+    /// The account the VPC belongs to; `None` for the platform's own account (the credential
+    /// the simulator was started with, acting for no customer).
+    account: Option<Uuid>,
     name: String,
     description: String,
     region: String,
@@ -366,6 +369,32 @@ fn region_object(slug: &str) -> Value {
     })
 }
 
+/// An account's default VPC in `region`. Every DigitalOcean account has one per region;
+/// resources created without a `vpc_uuid` land in it. Its id depends only on the account and the
+/// region, so a restarted simulator has the same one and the DIs a control plane kept in its
+/// database still name a real VPC (their clusters are then rebuilt instead of failing).
+fn default_vpc(region: &str, account: Option<Uuid>) -> Vpc {
+    let seed = match account {
+        None => format!("region-sim default VPC {region}"),
+        Some(a) => format!("region-sim default VPC {region} {a}"),
+    };
+    let digest = Sha256::digest(seed);
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    Vpc {
+        id: uuid::Builder::from_custom_bytes(bytes)
+            .into_uuid()
+            .to_string(),
+        account,
+        name: format!("default-{region}"),
+        description: String::new(),
+        region: region.to_string(),
+        ip_range: "10.100.0.0/20".into(),
+        default: true,
+        created_at: now_str(),
+    }
+}
+
 impl World {
     pub fn new(region: &str, delays: Delays, capacity: BTreeMap<String, u32>) -> Self {
         let world = Self {
@@ -377,25 +406,8 @@ impl World {
             delays: RwLock::new(delays),
             capacity: RwLock::new(capacity),
         };
-        // Every DigitalOcean account has a default VPC per region; resources created without a
-        // `vpc_uuid` land in it. Its id depends only on the region, so a restarted simulator has
-        // the same one and the DIs a control plane kept in its database still name a real VPC
-        // (their clusters are then rebuilt instead of failing on an unknown VPC).
-        let digest = Sha256::digest(format!("region-sim default VPC {region}"));
-        let mut bytes = [0u8; 16];
-        bytes.copy_from_slice(&digest[..16]);
-        let vpc = Vpc {
-            id: uuid::Builder::from_custom_bytes(bytes)
-                .into_uuid()
-                .to_string(),
-            name: format!("default-{region}"),
-            description: String::new(),
-            region: region.to_string(),
-            ip_range: "10.100.0.0/20".into(),
-            default: true,
-            created_at: now_str(),
-        };
-        world.lock().vpcs.push(vpc);
+        let platform_default = default_vpc(region, None);
+        world.lock().vpcs.push(platform_default);
         world
     }
 
@@ -443,20 +455,41 @@ impl World {
         })
     }
 
-    pub fn vpc_list(&self) -> Vec<Value> {
-        self.lock().vpcs.iter().map(Self::vpc_json).collect()
+    /// The VPCs `acting` sees: an account its own (its default VPC made on first use, as
+    /// DigitalOcean does), the platform every account's.
+    pub fn vpc_list(&self, acting: Option<Uuid>) -> Vec<Value> {
+        let mut st = self.lock();
+        if acting.is_some() {
+            self.ensure_default_vpc(&mut st, acting);
+        }
+        st.vpcs
+            .iter()
+            .filter(|v| acting.is_none() || v.account == acting)
+            .map(Self::vpc_json)
+            .collect()
     }
 
-    pub fn vpc_get(&self, id: &str) -> Result<Value, WorldError> {
-        self.lock()
-            .vpcs
+    fn ensure_default_vpc(&self, st: &mut State, account: Option<Uuid>) {
+        if !st.vpcs.iter().any(|v| v.default && v.account == account) {
+            st.vpcs.push(default_vpc(&self.region, account));
+        }
+    }
+
+    /// Another account's VPC is not found, as on DigitalOcean.
+    pub fn vpc_get(&self, acting: Option<Uuid>, id: &str) -> Result<Value, WorldError> {
+        let mut st = self.lock();
+        if acting.is_some() {
+            self.ensure_default_vpc(&mut st, acting);
+        }
+        st.vpcs
             .iter()
-            .find(|v| v.id == id)
+            .find(|v| v.id == id && (acting.is_none() || v.account == acting))
             .map(Self::vpc_json)
             .ok_or(WorldError::NotFound)
     }
 
-    pub fn vpc_create(&self, req: VpcCreate) -> Result<Value, WorldError> {
+    /// A VPC of `acting` (the platform's own without one).
+    pub fn vpc_create(&self, acting: Option<Uuid>, req: VpcCreate) -> Result<Value, WorldError> {
         if req.name.is_empty()
             || !req
                 .name
@@ -477,7 +510,9 @@ impl World {
             return Err(unprocessable("description must be at most 255 characters"));
         }
         let mut st = self.lock();
-        if st.vpcs.iter().any(|v| v.name == req.name) {
+        self.ensure_default_vpc(&mut st, acting);
+        let own = |v: &&Vpc| v.account == acting;
+        if st.vpcs.iter().filter(own).any(|v| v.name == req.name) {
             return Err(unprocessable(format!(
                 "a VPC named {} already exists",
                 req.name
@@ -485,17 +520,21 @@ impl World {
         }
         let ip_range = match req.ip_range {
             Some(r) => {
-                if st.vpcs.iter().any(|v| v.ip_range == r) {
+                if st.vpcs.iter().filter(own).any(|v| v.ip_range == r) {
                     return Err(unprocessable(format!(
                         "ip_range {r} overlaps an existing VPC"
                     )));
                 }
                 r
             }
-            None => format!("10.{}.0.0/20", 110 + st.vpcs.len() % 100),
+            None => format!(
+                "10.{}.0.0/20",
+                110 + st.vpcs.iter().filter(own).count() % 100
+            ),
         };
         let vpc = Vpc {
             id: Uuid::new_v4().to_string(),
+            account: acting,
             name: req.name,
             description: req.description.unwrap_or_default(),
             region: req.region,
@@ -508,12 +547,12 @@ impl World {
         Ok(out)
     }
 
-    pub fn vpc_delete(&self, id: &str) -> Result<(), WorldError> {
+    pub fn vpc_delete(&self, acting: Option<Uuid>, id: &str) -> Result<(), WorldError> {
         let mut st = self.lock();
         let idx = st
             .vpcs
             .iter()
-            .position(|v| v.id == id)
+            .position(|v| v.id == id && (acting.is_none() || v.account == acting))
             .ok_or(WorldError::NotFound)?;
         if st.vpcs[idx].default {
             return Err(WorldError::Conflict("cannot delete the default VPC".into()));
@@ -1472,7 +1511,15 @@ impl World {
     pub fn inventory(&self) -> CloudInventory {
         let st = self.lock();
         let mut inv = CloudInventory {
-            vpcs: st.vpcs.iter().map(Self::vpc_json).collect(),
+            vpcs: st
+                .vpcs
+                .iter()
+                .map(|v| {
+                    let mut out = Self::vpc_json(v);
+                    out["account"] = json!(v.account);
+                    out
+                })
+                .collect(),
             ..Default::default()
         };
         for c in &st.clusters {

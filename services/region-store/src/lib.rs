@@ -121,9 +121,14 @@ impl Store {
         req: &CreateRequest,
         ca: &NewCa,
     ) -> Result<Record> {
-        if let Some(existing) = self.existing_for_create(req).await? {
+        if let Some(existing) = self.dedicated_inference_created(req).await? {
             return Ok(existing);
         }
+        let vpc_uuid = req.spec.vpc_uuid.ok_or_else(|| {
+            StoreError::Unprocessable(
+                "spec.vpc.uuid must be resolved before a create is stored".into(),
+            )
+        })?;
         let mut tx = self.pool.begin().await?;
         let inserted = sqlx::query(
             "INSERT INTO dedicated_inferences (id, team_id, region, vpc_uuid, enable_public_endpoint, status, pending_version)
@@ -132,7 +137,7 @@ impl Store {
         .bind(req.id)
         .bind(req.team_id)
         .bind(&req.spec.region)
-        .bind(req.spec.vpc_uuid)
+        .bind(vpc_uuid)
         .bind(req.spec.enable_public_endpoint)
         .execute(&mut *tx)
         .await?;
@@ -140,7 +145,7 @@ impl Store {
             // A concurrent retry won the race; answer with its result.
             drop(tx);
             return self
-                .existing_for_create(req)
+                .dedicated_inference_created(req)
                 .await?
                 .ok_or(StoreError::NotFound);
         }
@@ -182,7 +187,9 @@ impl Store {
         self.record(req.id, None, true).await
     }
 
-    async fn existing_for_create(&self, req: &CreateRequest) -> Result<Option<Record>> {
+    /// The DI an earlier attempt of this create made, if any (`Conflict` when its id is
+    /// another team's).
+    pub async fn dedicated_inference_created(&self, req: &CreateRequest) -> Result<Option<Record>> {
         match self.record(req.id, None, true).await {
             Ok(record) if record.team_id == req.team_id => Ok(Some(record)),
             Ok(_) => Err(StoreError::Conflict("id already in use".into())),
@@ -242,7 +249,7 @@ impl Store {
                     "spec.region cannot be changed".into(),
                 ));
             }
-            if spec.vpc_uuid != row.vpc_uuid {
+            if spec.vpc_uuid.is_some_and(|v| v != row.vpc_uuid) {
                 return Err(StoreError::Unprocessable(
                     "spec.vpc.uuid cannot be changed".into(),
                 ));
@@ -267,6 +274,7 @@ impl Store {
             .await?;
             let mut next = spec.clone();
             next.version = latest + 1;
+            next.vpc_uuid = Some(row.vpc_uuid);
             insert_spec_version(&mut tx, id, &next, &known).await?;
             let status = row
                 .status

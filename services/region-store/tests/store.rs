@@ -17,7 +17,7 @@ fn spec(name: &str, scale: i32) -> Spec {
         version: 1,
         name: name.into(),
         region: "atl1".into(),
-        vpc_uuid: Uuid::from_u128(7),
+        vpc_uuid: Some(Uuid::from_u128(7)),
         enable_public_endpoint: true,
         model_deployments: vec![ModelDeployment {
             model_id: None,
@@ -155,7 +155,7 @@ async fn patch_versions_supersede_and_check_staleness(pool: PgPool) {
     // Immutable fields.
     let mut moved = next.clone();
     moved.version = 2;
-    moved.vpc_uuid = Uuid::from_u128(8);
+    moved.vpc_uuid = Some(Uuid::from_u128(8));
     assert!(matches!(
         store
             .dedicated_inference_patch(req.id, team, Some(&moved), None, false)

@@ -110,12 +110,20 @@ impl PageQuery {
 
 /// Create a dedicated inference with a central-chosen id; idempotent on that id.
 #[utoipa::path(post, path = "/internal/v1/dedicated-inferences", request_body = CreateRequest,
-    responses((status = 200, body = RecordEnvelope), (status = 409, body = RegionError)))]
+    responses((status = 200, body = RecordEnvelope), (status = 409, body = RegionError),
+        (status = 422, body = RegionError), (status = 503, body = RegionError)))]
 async fn create(
     State(state): State<AppState>,
     payload: Result<Json<CreateRequest>, JsonRejection>,
 ) -> ApiResult<RecordEnvelope> {
-    let req = body(payload)?;
+    let mut req = body(payload)?;
+    if let Some(record) = state.store.dedicated_inference_created(&req).await? {
+        return Ok(Json(RecordEnvelope { record }));
+    }
+    // The VPC is the team's own in this region, or its default here: answered before anything
+    // is stored, so a foreign or unknown VPC is refused at once.
+    let vpc = state.vpcs.resolve(req.team_id, req.spec.vpc_uuid).await?;
+    req.spec.vpc_uuid = Some(vpc);
     let authority =
         ca::generate(req.id).map_err(|e| ApiError::Internal(format!("CA generation: {e}")))?;
     let record = state

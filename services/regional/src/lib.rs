@@ -1,11 +1,13 @@
 //! The regional service: one per region, the source of truth for that region's desired state. It
 //! serves an internal JSON API to central only (authenticated with the region's shared secret),
 //! turns each call into one regional-store method, and publishes the change feed central's read
-//! model is built from. It does not validate against the catalog (central does), does not talk to
-//! the cloud (the workers do), and never returns secrets.
+//! model is built from. It does not validate against the catalog (central does) and never returns
+//! secrets. Its one question to the cloud is which VPC a create lands in ([`vpcs`]: a team's own,
+//! or its default); everything else in the cloud is the workers' business.
 
 pub mod ca;
 mod handlers;
+pub mod vpcs;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,11 +46,18 @@ pub struct Config {
     pub seal_key: String,
     #[arg(long, env = "DB_MAX_CONNECTIONS", default_value_t = 16)]
     pub db_max_connections: u32,
+    /// The region's DigitalOcean API, asked which VPCs a team owns.
+    #[arg(long, env = "DO_API_URL")]
+    pub do_api_url: String,
+    /// The platform's DigitalOcean API token.
+    #[arg(long, env = "DO_TOKEN", hide_env_values = true)]
+    pub do_token: String,
 }
 
 #[derive(Clone)]
 pub struct AppState {
     pub store: Store,
+    pub vpcs: vpcs::Vpcs,
     secret_hash: [u8; 32],
     /// Woken whenever the outbox grows (Postgres NOTIFY), for long-polling change feeds.
     pub changed: Arc<Notify>,
@@ -89,6 +98,7 @@ impl Server {
         let purge_task = tokio::spawn(purge_applied_operations(store.clone()));
         let state = AppState {
             store: store.clone(),
+            vpcs: vpcs::Vpcs::new(&config.region, &config.do_api_url, &config.do_token)?,
             secret_hash: Sha256::digest(config.region_secret.as_bytes()).into(),
             changed,
         };
@@ -179,6 +189,8 @@ pub enum ApiError {
     Conflict(String),
     Unprocessable(String),
     BadRequest(String),
+    /// A dependency (the DigitalOcean API) did not answer; nothing was stored, a retry may work.
+    Unavailable(String),
     Internal(String),
 }
 
@@ -211,6 +223,14 @@ impl IntoResponse for ApiError {
                 (StatusCode::UNPROCESSABLE_ENTITY, "unprocessable_entity", m)
             }
             ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, "bad_request", m),
+            ApiError::Unavailable(detail) => {
+                tracing::warn!(%detail, "dependency unavailable");
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    "A dependency is unavailable; retry shortly".into(),
+                )
+            }
             ApiError::Internal(detail) => {
                 tracing::error!(%detail, "internal error");
                 (

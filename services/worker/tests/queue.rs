@@ -21,7 +21,7 @@ async fn create(store: &Store, team: Uuid) -> Uuid {
             version: 1,
             name: format!("di-{}", Uuid::new_v4().simple()),
             region: "atl1".into(),
-            vpc_uuid: Uuid::from_u128(7),
+            vpc_uuid: Some(Uuid::from_u128(7)),
             enable_public_endpoint: false,
             model_deployments: vec![ModelDeployment {
                 model_id: None,
@@ -205,7 +205,7 @@ async fn error_dis_wait_for_a_new_spec(pool: PgPool) {
         version: rec.pending_spec.as_ref().unwrap().version,
         name: "renamed".into(),
         region: "atl1".into(),
-        vpc_uuid: Uuid::from_u128(7),
+        vpc_uuid: Some(Uuid::from_u128(7)),
         enable_public_endpoint: false,
         model_deployments: rec.pending_spec.unwrap().model_deployments,
     };

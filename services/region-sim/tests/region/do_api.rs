@@ -30,6 +30,8 @@ async fn start() -> RegionSim {
 struct Do {
     base: String,
     http: Client,
+    /// The customer account the platform's token acts for, if any.
+    account: Option<String>,
 }
 
 impl Do {
@@ -37,6 +39,14 @@ impl Do {
         Self {
             base: sim.base_url(),
             http: Client::new(),
+            account: None,
+        }
+    }
+
+    fn acting_for(sim: &RegionSim, account: &str) -> Self {
+        Self {
+            account: Some(account.to_string()),
+            ..Self::new(sim)
         }
     }
 
@@ -50,6 +60,9 @@ impl Do {
             .http
             .request(method, format!("{}{}", self.base, path))
             .bearer_auth(TOKEN);
+        if let Some(account) = &self.account {
+            req = req.header("x-acting-account", account);
+        }
         if let Some(b) = body {
             req = req.json(&b);
         }
@@ -279,6 +292,109 @@ async fn vpcs_create_get_list_with_pagination() {
         .await;
     assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
     assert_error(&v, "unprocessable_entity");
+    sim.shutdown().await;
+}
+
+/// VPCs belong to accounts. Acting for an account, the platform's token sees only that account's
+/// VPCs, its default one made on first use (the same id every time); other accounts' VPCs are
+/// not found, to read or to delete. Without an account it sees every VPC.
+#[tokio::test]
+async fn vpcs_belong_to_accounts_each_with_a_default_vpc() {
+    let sim = start().await;
+    let (a, b) = (
+        uuid::Uuid::new_v4().to_string(),
+        uuid::Uuid::new_v4().to_string(),
+    );
+    let (as_a, as_b, platform) = (
+        Do::acting_for(&sim, &a),
+        Do::acting_for(&sim, &b),
+        Do::new(&sim),
+    );
+
+    let default_of = |v: &Value| -> String {
+        let defaults: Vec<&Value> = v["vpcs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|v| v["default"] == true)
+            .collect();
+        assert_eq!(defaults.len(), 1, "one default VPC: {v}");
+        defaults[0]["id"].as_str().unwrap().to_string()
+    };
+    let (s, listed_a) = as_a.get("/v2/vpcs").await;
+    assert_eq!(s, StatusCode::OK);
+    let default_a = default_of(&listed_a);
+    assert_eq!(
+        default_of(&as_a.get("/v2/vpcs").await.1),
+        default_a,
+        "stable"
+    );
+    let default_b = default_of(&as_b.get("/v2/vpcs").await.1);
+    assert_ne!(default_a, default_b);
+
+    // A's own VPC, with a name B may use too.
+    let (s, made) = as_a
+        .post("/v2/vpcs", json!({"name": "net", "region": "atl1"}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{made}");
+    let a_net = made["vpc"]["id"].as_str().unwrap().to_string();
+    let (s, _) = as_b
+        .post("/v2/vpcs", json!({"name": "net", "region": "atl1"}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "names are per account");
+    let (s, v) = as_a
+        .post("/v2/vpcs", json!({"name": "net", "region": "atl1"}))
+        .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+
+    // B cannot see, read or delete A's VPCs; A and the platform can.
+    let ids = |v: &Value| -> Vec<String> {
+        v["vpcs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let listed_b = ids(&as_b.get("/v2/vpcs").await.1);
+    assert!(
+        !listed_b.contains(&a_net) && !listed_b.contains(&default_a),
+        "{listed_b:?}"
+    );
+    for id in [&a_net, &default_a] {
+        let (s, v) = as_b.get(&format!("/v2/vpcs/{id}")).await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
+        assert_error(&v, "not_found");
+        assert_eq!(as_a.get(&format!("/v2/vpcs/{id}")).await.0, StatusCode::OK);
+        assert_eq!(
+            platform.get(&format!("/v2/vpcs/{id}")).await.0,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        as_b.delete(&format!("/v2/vpcs/{a_net}")).await.0,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        as_a.delete(&format!("/v2/vpcs/{a_net}")).await.0,
+        StatusCode::NO_CONTENT
+    );
+    let all = ids(&platform.get("/v2/vpcs?per_page=200").await.1);
+    assert!(
+        all.contains(&default_a) && all.contains(&default_b),
+        "{all:?}"
+    );
+
+    // A malformed account is a 400.
+    let (s, v) = Do::acting_for(&sim, "not-a-uuid").get("/v2/vpcs").await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&v, "bad_request");
+    // Accounts' default VPCs are not leftovers.
+    assert!(sim
+        .inventory()
+        .leftovers()
+        .iter()
+        .all(|l| !l.contains(&default_a)));
     sim.shutdown().await;
 }
 

@@ -188,7 +188,7 @@ impl Env {
             version: 1,
             name: "e2e".into(),
             region: "atl1".into(),
-            vpc_uuid: self.vpc,
+            vpc_uuid: Some(self.vpc),
             enable_public_endpoint: true,
             model_deployments: vec![ModelDeployment {
                 model_id,
