@@ -445,6 +445,19 @@ class Customer(threading.Thread):
             headers["Idempotency-Key"] = f"soak-{uuid.uuid4()}"
         impatient = self.rng.random() < 0.2
         self.soak.count(f"patch[{kind}{',keyed' if keyed else ''}{',impatient' if impatient else ''}]")
+        # Until this call ends, the PATCH may land at any moment (an attempt without an answer
+        # may still be applied): its model may be the one the endpoint serves.
+        model = out["model_deployments"][0]["model_slug"]
+        with self.soak.lock:
+            self.di(di_id).setdefault("under_way", []).append(model)
+        try:
+            self.send_patch(di_id, out, kind, keyed, impatient, headers)
+        finally:
+            with self.soak.lock:
+                self.di(di_id)["under_way"].remove(model)
+
+    def send_patch(self, di_id, out, kind, keyed, impatient, headers):
+        di = self.di(di_id)
         deadline = now() + 90
         first = True
         unanswered = False
@@ -709,6 +722,7 @@ class Watcher(threading.Thread):
             models += di.get("in_flight", [])
         elif d["status"] == "active":
             di["in_flight"] = []  # everything accepted has rolled out
+        models += di.get("under_way", [])
         models = list(dict.fromkeys(models))
         self.probe(di, client, endpoint, models)
         for token_id, t in list(di["tokens"].items()):

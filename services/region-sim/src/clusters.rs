@@ -459,11 +459,16 @@ impl Clusters {
         for (id, side) in sides {
             for ((ns, svc), slot) in side.endpoints.lock().expect("endpoints lock").iter() {
                 let cfg = slot.endpoint.config();
-                let (route, model, ready) = match &cfg.route {
-                    Route::None => ("none".to_string(), None, Vec::new()),
-                    Route::Pool {
-                        model, endpoints, ..
-                    } => ("pool".to_string(), model.clone(), endpoints.clone()),
+                let (route, models, ready) = match &cfg.route {
+                    Route::None => ("none".to_string(), Vec::new(), Vec::new()),
+                    Route::Pool { endpoints, .. } => {
+                        let mut models: Vec<String> =
+                            endpoints.iter().filter_map(|b| b.model.clone()).collect();
+                        models.sort();
+                        models.dedup();
+                        let pods = endpoints.iter().map(|b| b.pod.clone()).collect();
+                        ("pool".to_string(), models, pods)
+                    }
                 };
                 out.push(EndpointInfo {
                     cluster_id: id.clone(),
@@ -473,7 +478,7 @@ impl Clusters {
                     port: slot.endpoint.port(),
                     tls: cfg.tls.is_some() && !slot.problems.iter().any(|p| p.contains("TLS")),
                     route,
-                    model,
+                    models,
                     ready_endpoints: ready,
                     problems: slot.problems.clone(),
                     requests: slot.endpoint.requests(),

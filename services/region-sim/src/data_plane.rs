@@ -66,11 +66,27 @@ pub enum Route {
         /// Path matches of the route (`PathPrefix` values, or `=`-prefixed `Exact` values);
         /// empty means every path.
         paths: Vec<String>,
-        /// Served model name; `None` accepts any model name.
-        model: Option<String>,
-        /// Names of the ready pods behind the pool.
-        endpoints: Vec<String>,
+        /// The ready pods behind the pool.
+        endpoints: Vec<Backend>,
     },
+}
+
+/// One ready pod behind a pool and the model it serves. A pod keeps the model it was started
+/// with: while a Deployment rolls from one model to another, both are served.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Backend {
+    pub pod: String,
+    /// Served model name; `None` accepts any model name.
+    pub model: Option<String>,
+}
+
+impl Backend {
+    pub fn new(pod: impl Into<String>, model: Option<&str>) -> Self {
+        Backend {
+            pod: pod.into(),
+            model: model.map(str::to_string),
+        }
+    }
 }
 
 /// Everything an endpoint needs to know to serve, derived from the cluster's objects.
@@ -268,8 +284,10 @@ fn oai_error(status: StatusCode, kind: &str, code: Value, message: impl Into<Str
 
 /// What the gateway decided for a request that passed its checks.
 struct Admitted {
-    model: Option<String>,
+    /// The pod the request goes to (re-chosen among the pods serving the request's model once
+    /// its body names one).
     backend: String,
+    backends: Vec<Backend>,
 }
 
 /// The gateway's checks, in a gateway's order: faults, route match, authentication, backend.
@@ -298,7 +316,7 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
         }
     }
     let cfg = inner.config.read().expect("endpoint lock").clone();
-    let (paths, model, endpoints) = match cfg.route {
+    let (paths, endpoints) = match cfg.route {
         Route::None => {
             return Err(oai_error(
                 StatusCode::NOT_FOUND,
@@ -307,11 +325,7 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
                 "route not found",
             ))
         }
-        Route::Pool {
-            paths,
-            model,
-            endpoints,
-        } => (paths, model, endpoints),
+        Route::Pool { paths, endpoints } => (paths, endpoints),
     };
     if !paths.is_empty()
         && !paths.iter().any(|p| match p.strip_prefix('=') {
@@ -355,8 +369,8 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
     }
     let i = inner.next_backend.fetch_add(1, Ordering::Relaxed) % endpoints.len();
     Ok(Admitted {
-        model,
-        backend: endpoints[i].clone(),
+        backend: endpoints[i].pod.clone(),
+        backends: endpoints,
     })
 }
 
@@ -395,17 +409,24 @@ async fn models(State(inner): State<Arc<Inner>>, headers: HeaderMap) -> Response
         Ok(a) => a,
         Err(r) => return r,
     };
-    let name = a.model.clone().unwrap_or_else(|| "model".into());
+    let mut names: Vec<String> = a.backends.iter().filter_map(|b| b.model.clone()).collect();
+    names.sort();
+    names.dedup();
+    if names.is_empty() {
+        names.push("model".into());
+    }
     let created = chrono::Utc::now().timestamp();
-    with_backend(
-        Json(json!({
-            "object": "list",
-            "data": [{
+    let data: Vec<Value> = names
+        .iter()
+        .map(|name| {
+            json!({
                 "id": name, "object": "model", "created": created, "owned_by": "vllm",
                 "root": name, "parent": null, "max_model_len": 8192,
-            }],
-        }))
-        .into_response(),
+            })
+        })
+        .collect();
+    with_backend(
+        Json(json!({"object": "list", "data": data})).into_response(),
         &a.backend,
     )
 }
@@ -423,8 +444,9 @@ struct Common {
     include_usage: bool,
 }
 
-/// Parses the common request fields and checks the model name the way vLLM does.
-fn common(body: &Bytes, a: &Admitted) -> Result<Common, Box<Response>> {
+/// Parses the common request fields, checks the model name the way vLLM does and sends the
+/// request to a pod serving that model.
+fn common(body: &Bytes, a: &mut Admitted, inner: &Inner) -> Result<Common, Box<Response>> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| Box::new(bad_request(format!("request body is not valid JSON: {e}"))))?;
     if !v.is_object() {
@@ -435,15 +457,22 @@ fn common(body: &Bytes, a: &Admitted) -> Result<Common, Box<Response>> {
         .and_then(Value::as_str)
         .ok_or_else(|| Box::new(bad_request("`model` is required")))?
         .to_string();
-    if let Some(served) = &a.model {
-        if &model != served {
-            return Err(Box::new(oai_error(
-                StatusCode::NOT_FOUND,
-                "NotFoundError",
-                json!(404),
-                format!("The model `{model}` does not exist."),
-            )));
-        }
+    let serving: Vec<&Backend> = a
+        .backends
+        .iter()
+        .filter(|b| b.model.as_deref().is_none_or(|m| m == model))
+        .collect();
+    if serving.is_empty() {
+        return Err(Box::new(oai_error(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            json!(404),
+            format!("The model `{model}` does not exist."),
+        )));
+    }
+    if !serving.iter().any(|b| b.pod == a.backend) {
+        let i = inner.next_backend.fetch_add(1, Ordering::Relaxed) % serving.len();
+        a.backend = serving[i].pod.clone();
     }
     let max = v
         .get("max_completion_tokens")
@@ -487,7 +516,7 @@ fn content_text(c: &Value) -> String {
 }
 
 async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) -> Response {
-    let a = match admit(&inner, "/v1/chat/completions", &headers).await {
+    let mut a = match admit(&inner, "/v1/chat/completions", &headers).await {
         Ok(a) => a,
         Err(r) => return r,
     };
@@ -497,7 +526,7 @@ async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
         max_tokens,
         stream,
         include_usage,
-    } = match common(&body, &a) {
+    } = match common(&body, &mut a, &inner) {
         Ok(x) => x,
         Err(r) => return with_backend(*r, &a.backend),
     };
@@ -570,7 +599,7 @@ async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
 }
 
 async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) -> Response {
-    let a = match admit(&inner, "/v1/completions", &headers).await {
+    let mut a = match admit(&inner, "/v1/completions", &headers).await {
         Ok(a) => a,
         Err(r) => return r,
     };
@@ -580,7 +609,7 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
         max_tokens,
         stream,
         include_usage,
-    } = match common(&body, &a) {
+    } = match common(&body, &mut a, &inner) {
         Ok(x) => x,
         Err(r) => return with_backend(*r, &a.backend),
     };

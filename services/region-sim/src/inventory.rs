@@ -20,7 +20,8 @@ pub struct EndpointInfo {
     pub tls: bool,
     /// `none`, or `pool` when an HTTPRoute leads to an InferencePool.
     pub route: String,
-    pub model: Option<String>,
+    /// The models the ready pods serve (two while a Deployment rolls from one to another).
+    pub models: Vec<String>,
     pub ready_endpoints: Vec<String>,
     /// Why the endpoint is not fully wired, if it is not.
     pub problems: Vec<String>,

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use base64::Engine;
 use serde_json::{Map, Value};
 
-use crate::data_plane::{EndpointConfig, Route};
+use crate::data_plane::{Backend, EndpointConfig, Route};
 
 /// Selector label that ties a Service to the Gateway it fronts.
 pub const GATEWAY_NAME_LABEL: &str = "gateway.networking.k8s.io/gateway-name";
@@ -183,21 +183,22 @@ fn owner<'a>(objs: &'a [Arc<Value>], obj: &Value, kind: &str, group: &str) -> Op
     find(objs, kind, group, ns_of(obj), r["name"].as_str()?)
 }
 
-/// The served model of a pod, read from its owning Deployment (through its ReplicaSet), falling
-/// back to the pod's own containers.
+/// The served model of a pod: its own containers' (a pod keeps the model it was started with,
+/// whatever its Deployment says now), else its owning Deployment's (through its ReplicaSet).
 fn pod_model(objs: &[Arc<Value>], pod: &Value) -> Option<String> {
-    let deployment = owner(objs, pod, "Deployment", "apps").or_else(|| {
-        owner(objs, pod, "ReplicaSet", "apps").and_then(|rs| owner(objs, rs, "Deployment", "apps"))
-    });
     let from = |spec: Option<&Value>| {
         spec.map(container_args)
             .unwrap_or_default()
             .iter()
             .find_map(|a| served_model_name(a))
     };
-    deployment
-        .and_then(|d| from(d.pointer("/spec/template/spec")))
-        .or_else(|| from(pod.get("spec")))
+    from(pod.get("spec")).or_else(|| {
+        let deployment = owner(objs, pod, "Deployment", "apps").or_else(|| {
+            owner(objs, pod, "ReplicaSet", "apps")
+                .and_then(|rs| owner(objs, rs, "Deployment", "apps"))
+        });
+        deployment.and_then(|d| from(d.pointer("/spec/template/spec")))
+    })
 }
 
 /// Derives the endpoint configuration for LoadBalancer Service `svc` from the cluster's objects.
@@ -351,7 +352,6 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         // A route to something that cannot be resolved: the gateway answers 5xx.
         w.config.route = Route::Pool {
             paths,
-            model: None,
             endpoints: Vec::new(),
         };
         return w;
@@ -374,7 +374,6 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         ));
         w.config.route = Route::Pool {
             paths,
-            model: None,
             endpoints: Vec::new(),
         };
         return w;
@@ -388,24 +387,19 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
                 && labels_match(&selector, o.pointer("/metadata/labels"))
         })
         .collect();
-    let mut endpoints: Vec<String> = pods
+    let mut endpoints: Vec<Backend> = pods
         .iter()
         .filter(|p| pod_ready(p))
-        .map(|p| name_of(p).to_string())
+        .map(|p| Backend::new(name_of(p), pod_model(objs, p).as_deref()))
         .collect();
-    endpoints.sort();
+    endpoints.sort_by(|a, b| a.pod.cmp(&b.pod));
     if endpoints.is_empty() {
         w.problems.push(format!(
             "InferencePool {ns}/{pool_name} has no ready pods ({} matching)",
             pods.len()
         ));
     }
-    let model = pods.iter().find_map(|p| pod_model(objs, p));
-    w.config.route = Route::Pool {
-        paths,
-        model,
-        endpoints,
-    };
+    w.config.route = Route::Pool { paths, endpoints };
     w
 }
 
@@ -469,8 +463,35 @@ mod tests {
             w.config.route,
             Route::Pool {
                 paths: vec!["/".into()],
-                model: Some("big".into()),
-                endpoints: vec!["vllm-1-a".into()]
+                endpoints: vec![Backend::new("vllm-1-a", Some("big"))]
+            }
+        );
+    }
+
+    /// A Deployment rolling from one model to another: its older pod still serves the model it
+    /// was started with, the newer one the Deployment's current model; the endpoint serves both.
+    #[test]
+    fn each_pod_serves_the_model_it_was_started_with() {
+        let mut objs = objects();
+        objs.retain(|o| o["kind"] != "Pod");
+        let pod = |name: &str, model: &str| {
+            Arc::new(json!({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": "di-1", "labels": {"app": "vllm"},
+                             "ownerReferences": [{"kind": "ReplicaSet", "name": "vllm-1"}]},
+                "spec": {"containers": [{"name": "vllm", "args": ["--model", model]}]},
+                "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}))
+        };
+        objs.push(pod("vllm-old", "org/small"));
+        objs.push(pod("vllm-new", "big"));
+        let w = wire(&svc(), &objs);
+        assert_eq!(
+            w.config.route,
+            Route::Pool {
+                paths: vec!["/".into()],
+                endpoints: vec![
+                    Backend::new("vllm-new", Some("big")),
+                    Backend::new("vllm-old", Some("org/small")),
+                ]
             }
         );
     }

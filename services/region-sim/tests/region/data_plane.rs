@@ -7,7 +7,7 @@ use std::process::Command;
 use std::sync::{Arc, RwLock};
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-use region_sim::data_plane::{token_hash, Endpoint, EndpointConfig, ModelTiming, Route};
+use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
 use region_sim::faults::{ApiFaults, FaultConfig, Faults};
 use serde_json::{json, Value};
 
@@ -34,8 +34,10 @@ fn wired(cert: &str, key: &str, endpoints: &[&str]) -> EndpointConfig {
         token_hashes: Some(BTreeSet::from([token_hash(TOKEN)])),
         route: Route::Pool {
             paths: vec!["/".into()],
-            model: Some(MODEL.into()),
-            endpoints: endpoints.iter().map(|s| s.to_string()).collect(),
+            endpoints: endpoints
+                .iter()
+                .map(|pod| Backend::new(*pod, Some(MODEL)))
+                .collect(),
         },
     }
 }
@@ -129,8 +131,7 @@ async fn fails_like_a_gateway_when_wiring_is_incomplete() {
     let mut narrow = wired(&cert, &key, &["pod-a"]);
     narrow.route = Route::Pool {
         paths: vec!["/v2".into()],
-        model: Some(MODEL.into()),
-        endpoints: vec!["pod-a".into()],
+        endpoints: vec![Backend::new("pod-a", Some(MODEL))],
     };
     ep.update(narrow).unwrap();
     assert_eq!(chat(&c, &ep, TOKEN).await.status(), 404);
@@ -146,6 +147,71 @@ async fn fails_like_a_gateway_when_wiring_is_incomplete() {
     broken.tls = Some((cert, key));
     ep.update(broken).unwrap();
     assert_eq!(chat(&client(&ca), &ep, TOKEN).await.status(), 200);
+}
+
+/// Pods serving different models behind one pool (a Deployment rolling from one model to
+/// another): each request goes to a pod serving the model it names, `/v1/models` lists both, and
+/// a model no pod serves is 404 as vLLM answers it.
+#[tokio::test]
+async fn requests_go_to_pods_serving_their_model() {
+    let (ca, cert, key) = pki("ca-1");
+    let ep = endpoint(Arc::new(Faults::default())).await;
+    let c = client(&ca);
+    let mut cfg = wired(&cert, &key, &[]);
+    cfg.route = Route::Pool {
+        paths: vec!["/".into()],
+        endpoints: vec![
+            Backend::new("pod-old", Some("old/model")),
+            Backend::new("pod-new", Some(MODEL)),
+        ],
+    };
+    ep.update(cfg).unwrap();
+    let ask = |model: &'static str| {
+        c.post(format!("{}/v1/chat/completions", ep.url()))
+            .bearer_auth(TOKEN)
+            .json(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}))
+            .send()
+    };
+    for _ in 0..4 {
+        for (model, pod) in [("old/model", "pod-old"), (MODEL, "pod-new")] {
+            let r = ask(model).await.unwrap();
+            assert_eq!(r.status(), 200, "{model}");
+            assert_eq!(r.headers()["x-sim-backend"], pod, "{model}");
+        }
+    }
+    let r = ask("other/model").await.unwrap();
+    assert_eq!(r.status(), 404);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not exist"),
+        "{body}"
+    );
+    let listed: serde_json::Value = c
+        .get(format!("{}/v1/models", ep.url()))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        vec![MODEL, "old/model"]
+            .into_iter()
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>()
+    );
 }
 
 #[tokio::test]
