@@ -797,7 +797,7 @@ impl Reconciler {
         id: Uuid,
         cluster_id: &str,
         models: &[plan::Model],
-        rolling: &std::collections::BTreeSet<Uuid>,
+        rolling: &plan::readiness::Rollouts,
         observed: &[Value],
         ledger: &mut Ledger<'_>,
     ) -> Result<u64> {

@@ -4,8 +4,9 @@
 //! Sizing: `count = scale` in the steady state. While a model's vLLM Deployment rolls out to a
 //! new pod template (see [`super::readiness::rollouts`]) its pool gets one spare node
 //! (`scale + 1`) for the surge pod, because every pod takes a whole node and the Deployment
-//! never removes an old pod before a new one is ready. Afterwards the pool shrinks by deleting
-//! idle nodes by id, never a node that still runs a model server.
+//! never removes an old pod before a new one is ready — unless every old pod runs on another
+//! pool of the model (a GPU size change), which then holds them. Afterwards the pool shrinks by
+//! deleting idle nodes by id, never a node that still runs a model server.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -13,6 +14,7 @@ use uuid::Uuid;
 
 use super::model::Model;
 use super::names;
+use super::readiness::Rollouts;
 
 /// A node pool this DI should have.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,24 +74,40 @@ fn belongs_to(di_id: &Uuid, p: &ObservedPool) -> bool {
 }
 
 /// The pools `models` need. `rolling_out` holds the model ids whose vLLM Deployment is
-/// replacing pods; such a model's pool gets one spare node unless an older pool of the same
-/// model (another size) still exists to hold the old pods.
+/// replacing pods, with the nodes of their old pods; such a model's pool gets one spare node
+/// unless older pools of the same model (other sizes) hold every old pod. An older pool that
+/// merely still exists is not enough: after a size change and back, the old pods can be on
+/// this very pool, and without the spare node the rollout would wait forever.
 pub fn desired_pools(
     di_id: &Uuid,
     models: &[Model],
-    rolling_out: &BTreeSet<Uuid>,
+    rolling_out: &Rollouts,
     existing: &[ObservedPool],
 ) -> Vec<DesiredPool> {
     models
         .iter()
         .map(|m| {
             let name = names::node_pool(di_id, &m.model_id, &m.accelerator_slug);
-            let older_pool = existing.iter().any(|p| {
-                belongs_to(di_id, p)
-                    && p.name != name
-                    && p.labels.get(names::MODEL_ID_LABEL) == Some(&m.model_id.to_string())
-            });
-            let surge = m.scale > 0 && rolling_out.contains(&m.model_id) && !older_pool;
+            let older_pools: Vec<&ObservedPool> = existing
+                .iter()
+                .filter(|p| {
+                    belongs_to(di_id, p)
+                        && p.name != name
+                        && p.labels.get(names::MODEL_ID_LABEL) == Some(&m.model_id.to_string())
+                })
+                .collect();
+            let held_elsewhere = |old_nodes: &BTreeSet<String>| {
+                !older_pools.is_empty()
+                    && old_nodes.iter().all(|n| {
+                        older_pools
+                            .iter()
+                            .any(|p| p.nodes.iter().any(|node| &node.name == n))
+                    })
+            };
+            let surge = m.scale > 0
+                && rolling_out
+                    .get(&m.model_id)
+                    .is_some_and(|old_nodes| !held_elsewhere(old_nodes));
             let labels = BTreeMap::from([
                 (names::DI_ID_LABEL.to_string(), di_id.to_string()),
                 (names::MODEL_ID_LABEL.to_string(), m.model_id.to_string()),
@@ -117,7 +135,7 @@ pub fn desired_pools(
 pub fn node_pools(
     di_id: &Uuid,
     models: &[Model],
-    rolling_out: &BTreeSet<Uuid>,
+    rolling_out: &Rollouts,
     existing: &[ObservedPool],
 ) -> Vec<PoolAction> {
     let desired = desired_pools(di_id, models, rolling_out, existing);
@@ -160,9 +178,9 @@ pub fn node_pools(
         // A pool of a model whose pods are moving to a pool of another size stays until the
         // rollout is over.
         let model = p.labels.get(names::MODEL_ID_LABEL);
-        let moving = models
-            .iter()
-            .any(|m| Some(&m.model_id.to_string()) == model && rolling_out.contains(&m.model_id));
+        let moving = models.iter().any(|m| {
+            Some(&m.model_id.to_string()) == model && rolling_out.contains_key(&m.model_id)
+        });
         if !moving {
             deletes.push(PoolAction::Delete {
                 pool_id: p.id.clone(),
@@ -246,8 +264,14 @@ mod tests {
             .collect()
     }
 
-    fn none() -> BTreeSet<Uuid> {
-        BTreeSet::new()
+    fn none() -> Rollouts {
+        Rollouts::new()
+    }
+
+    /// `M1` rolling out, its old pods on `pool`'s nodes.
+    fn rolling_on(pool: &ObservedPool) -> Rollouts {
+        let nodes = pool.nodes.iter().map(|n| n.name.clone()).collect();
+        Rollouts::from([(id(M1), nodes)])
     }
 
     #[test]
@@ -350,7 +374,7 @@ mod tests {
     fn rollout_adds_one_surge_node_then_gives_it_back() {
         let models = spec(2, false);
         let existing = observe(&desired_pools(&di(), &models, &none(), &[]));
-        let rolling = BTreeSet::from([id(M1)]);
+        let rolling = rolling_on(&existing[0]);
         assert!(matches!(
             node_pools(&di(), &models, &rolling, &existing)[..],
             [PoolAction::Resize { count: 3, .. }]
@@ -375,7 +399,7 @@ mod tests {
     fn new_size_is_a_new_pool_and_the_old_one_waits_for_the_rollout() {
         let old = observe(&desired_pools(&di(), &spec(2, false), &none(), &[]));
         let bigger = models(&[deployment(M1, "org/a", "gpu-h100x8-640gb", 2)]).unwrap();
-        let rolling = BTreeSet::from([id(M1)]);
+        let rolling = rolling_on(&old[0]);
         let actions = node_pools(&di(), &bigger, &rolling, &old);
         // No surge node: the old pool still holds the old pods.
         assert!(
@@ -396,10 +420,39 @@ mod tests {
         );
     }
 
+    /// A size change and back before the first rolled out: the older pool (the other size)
+    /// still exists but sits idle, while the old pods run on this pool. Without a spare node
+    /// the surge pod never fits and the rollout waits forever (found by the soak).
+    #[test]
+    fn an_older_pool_that_holds_no_old_pods_does_not_replace_the_surge_node() {
+        let current = observe(&desired_pools(&di(), &spec(2, false), &none(), &[]));
+        let other_size = models(&[deployment(M1, "org/a", "gpu-h100x8-640gb", 2)]).unwrap();
+        let mut older = observe(&desired_pools(&di(), &other_size, &none(), &[]));
+        older[0].id = "pool-older".into();
+        for n in &mut older[0].nodes {
+            n.busy = false;
+        }
+        let mut existing = current.clone();
+        existing.extend(older.clone());
+        // The old pods are on this pool's nodes: one spare node for the surge pod.
+        let rolling = rolling_on(&current[0]);
+        let d = desired_pools(&di(), &spec(2, false), &rolling, &existing);
+        assert_eq!(d[0].count, 3);
+        // Were they on the older pool's nodes, that pool would hold them: no spare node.
+        let held = rolling_on(&older[0]);
+        let d = desired_pools(&di(), &spec(2, false), &held, &existing);
+        assert_eq!(d[0].count, 2);
+    }
+
     #[test]
     fn scale_zero_has_no_surge() {
         let models = spec(0, false);
-        let d = desired_pools(&di(), &models, &BTreeSet::from([id(M1)]), &[]);
+        let d = desired_pools(
+            &di(),
+            &models,
+            &Rollouts::from([(id(M1), BTreeSet::new())]),
+            &[],
+        );
         assert_eq!(d[0].count, 0);
     }
 

@@ -2,7 +2,7 @@
 //! an address, which endpoint URLs to record, which accelerators (nodes) the DI has, and which
 //! model deployments are rolling out (for node pool sizing).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::Value;
 use uuid::Uuid;
@@ -189,10 +189,14 @@ pub fn busy_nodes(pods: &[Value]) -> BTreeSet<String> {
         .collect()
 }
 
+/// Model deployments whose vLLM Deployment is replacing pods, each with the nodes its old pods
+/// run on (where the old pods are decides whether the rollout needs a spare node).
+pub type Rollouts = BTreeMap<Uuid, BTreeSet<String>>;
+
 /// The model deployments whose vLLM Deployment is replacing pods: it exists and either carries
 /// another template than `desired` or still has pods of another template. A scale change or a
 /// first creation is not a rollout.
-pub fn rollouts(desired: &[Value], observed: &[Value]) -> BTreeSet<Uuid> {
+pub fn rollouts(desired: &[Value], observed: &[Value]) -> Rollouts {
     desired
         .iter()
         .filter(|d| d["kind"] == "Deployment")
@@ -208,10 +212,16 @@ pub fn rollouts(desired: &[Value], observed: &[Value]) -> BTreeSet<Uuid> {
             .ok()?;
             let want = template_hash(d)?;
             let o = observed_of(d, observed)?;
-            let old_pods = pods_of(d, observed)
+            let old_pods: Vec<&Value> = pods_of(d, observed)
                 .into_iter()
-                .any(|p| !pod_finished(p) && !deleting(p) && template_hash(p) != Some(want));
-            (template_hash(o) != Some(want) || old_pods).then_some(model)
+                .filter(|p| !pod_finished(p) && !deleting(p) && template_hash(p) != Some(want))
+                .collect();
+            let nodes = old_pods
+                .iter()
+                .filter_map(|p| s(p, "/spec/nodeName"))
+                .map(str::to_string)
+                .collect();
+            (template_hash(o) != Some(want) || !old_pods.is_empty()).then_some((model, nodes))
         })
         .collect()
 }
@@ -432,7 +442,10 @@ mod tests {
         assert!(rollouts(&desired(4, false, false), &converged(&d1)).is_empty());
         // Template change, not applied yet: rollout.
         let d2 = desired(2, false, true);
-        assert_eq!(rollouts(&d2, &converged(&d1)), BTreeSet::from([m1]));
+        assert_eq!(
+            rollouts(&d2, &converged(&d1)).keys().collect::<Vec<_>>(),
+            vec![&m1]
+        );
         // Applied, old pods still there: rollout.
         let mut mid = converged(&d1);
         let new_dep = converged(&d2)
@@ -444,7 +457,7 @@ mod tests {
                 *x = new_dep.clone();
             }
         }
-        assert_eq!(rollouts(&d2, &mid), BTreeSet::from([m1]));
+        assert_eq!(rollouts(&d2, &mid).keys().collect::<Vec<_>>(), vec![&m1]);
         // Old pods gone: over.
         assert!(rollouts(&d2, &converged(&d2)).is_empty());
     }
