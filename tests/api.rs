@@ -646,3 +646,39 @@ async fn metrics_are_served_by_central_and_regions() {
         .unwrap();
     assert_eq!(region.status(), 200, "metrics need no region secret");
 }
+
+/// While the central ↔ region secret is rotated, the regional service accepts the current and
+/// the next one (central may present either), and nothing else.
+#[tokio::test]
+async fn a_region_accepts_a_second_secret_while_it_is_rotated() {
+    let config = regional::Config {
+        region: "atl1".into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        database_url: system_tests::fresh_database("region_rotation").await,
+        region_secret: "rs_current".into(),
+        region_secret_next: Some("rs_next".into()),
+        seal_key: common::seal::Sealer::generate_key(),
+        db_max_connections: 2,
+        // Not asked: no create is sent.
+        do_api_url: "http://127.0.0.1:9".into(),
+        do_token: "unused".into(),
+    };
+    let server = regional::Server::start(config)
+        .await
+        .expect("regional starts");
+    let http = reqwest::Client::new();
+    for (secret, status) in [
+        ("rs_current", 200),
+        ("rs_next", 200),
+        ("rs_other", 401),
+        ("", 401),
+    ] {
+        let reply = http
+            .get(format!("http://{}/internal/v1/changes", server.addr))
+            .header(api_types::regional::SECRET_HEADER, secret)
+            .send()
+            .await
+            .expect("the region answers");
+        assert_eq!(reply.status(), status, "secret {secret:?}");
+    }
+}

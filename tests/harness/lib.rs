@@ -254,6 +254,7 @@ fn region_config(
         listen: "127.0.0.1:0".parse().unwrap(),
         database_url: database_url.into(),
         region_secret: secret.into(),
+        region_secret_next: None,
         seal_key: seal_key.into(),
         db_max_connections: 4,
         do_api_url: sim_url.into(),

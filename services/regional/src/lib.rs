@@ -41,6 +41,10 @@ pub struct Config {
     /// Shared secret central presents in `x-region-secret`.
     #[arg(long, env = "REGION_SECRET", hide_env_values = true)]
     pub region_secret: String,
+    /// A second secret accepted while the shared secret is rotated: set the new one here, then
+    /// in central, then make it `REGION_SECRET` and drop this.
+    #[arg(long, env = "REGION_SECRET_NEXT", hide_env_values = true)]
+    pub region_secret_next: Option<String>,
     /// Base64 of the 32-byte key sealing secrets at rest.
     #[arg(long, env = "SEAL_KEY", hide_env_values = true)]
     pub seal_key: String,
@@ -58,7 +62,8 @@ pub struct Config {
 pub struct AppState {
     pub store: Store,
     pub vpcs: vpcs::Vpcs,
-    secret_hash: [u8; 32],
+    /// Digests of the accepted shared secrets (two while one is rotated).
+    secret_hashes: Vec<[u8; 32]>,
     /// Woken whenever the outbox grows (Postgres NOTIFY), for long-polling change feeds.
     pub changed: Arc<Notify>,
 }
@@ -99,7 +104,10 @@ impl Server {
         let state = AppState {
             store: store.clone(),
             vpcs: vpcs::Vpcs::new(&config.region, &config.do_api_url, &config.do_token)?,
-            secret_hash: Sha256::digest(config.region_secret.as_bytes()).into(),
+            secret_hashes: std::iter::once(&config.region_secret)
+                .chain(config.region_secret_next.iter().filter(|s| !s.is_empty()))
+                .map(|s| Sha256::digest(s.as_bytes()).into())
+                .collect(),
             changed,
         };
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
@@ -143,7 +151,9 @@ async fn require_secret(State(state): State<AppState>, req: Request, next: Next)
         .map(|v| Sha256::digest(v.as_bytes()));
     // Comparing digests keeps the comparison's timing independent of the secret.
     match presented {
-        Some(digest) if digest.as_slice() == state.secret_hash => next.run(req).await,
+        Some(digest) if state.secret_hashes.iter().any(|h| digest.as_slice() == h) => {
+            next.run(req).await
+        }
         _ => ApiError::Unauthorized.into_response(),
     }
 }
