@@ -35,6 +35,7 @@ pub const LEDGER_NAMESPACE: &str = "namespace";
 /// The kinds the worker renders, observed for readiness and pruning: (apiVersion, kind).
 const RENDERED_KINDS: &[(&str, &str)] = &[
     ("v1", "Secret"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     ("v1", "ConfigMap"),
     ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"),
@@ -649,10 +650,15 @@ impl Reconciler {
         ledger
             .record(LEDGER_NAMESPACE, &ns, &cluster_id, None)
             .await?;
-        // Namespaces first (everything else lives in them), then the rest at once. Objects the
-        // last list shows up to date cost no request.
+        // Namespaces first (everything else lives in them), then the rest at once, then the
+        // namespace's default-deny NetworkPolicy: a namespace that gains its policies while it
+        // serves is never isolated before the allows exist. Objects the last list shows up to
+        // date cost no request.
         let (namespaces, namespaced): (Vec<&Value>, Vec<&Value>) =
             desired.iter().partition(|o| o["kind"] == "Namespace");
+        let (isolation, namespaced): (Vec<&Value>, Vec<&Value>) = namespaced
+            .into_iter()
+            .partition(|o| plan::manifests::is_default_deny(o));
         let mut changed = Vec::new();
         for obj in namespaces {
             changed.push(kube.apply(obj).await?.changed);
@@ -662,6 +668,13 @@ impl Reconciler {
             .map(|obj| kube.apply_observed(obj, listed(&rendered, obj)));
         for applied in futures::future::try_join_all(applies).await? {
             changed.push(applied.changed);
+        }
+        for obj in isolation {
+            changed.push(
+                kube.apply_observed(obj, listed(&rendered, obj))
+                    .await?
+                    .changed,
+            );
         }
         for _ in changed.into_iter().filter(|c| *c) {
             writes += 1;

@@ -536,3 +536,112 @@ async fn a_phase_without_progress_becomes_an_event_then_an_error() {
     w.shutdown().await;
     env.sim.shutdown().await;
 }
+
+/// Two DIs of one VPC share its cluster, a namespace each. Their NetworkPolicies, as the worker
+/// wrote them and as a CNI reads them, admit into a DI's namespace only its own gateway (to
+/// its EPP and model servers) and the load balancers (to the gateway's HTTPS port), and both
+/// endpoints still serve. Deleting one DI takes its policies with its namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dis_sharing_a_cluster_are_isolated_by_network_policies() {
+    use region_sim::routing::{ingress_admits, Source};
+    use serde_json::{json, Value};
+    use std::sync::Arc;
+    use worker::plan::names;
+
+    let env = env_with(None).await;
+    let w = env.worker().await;
+    let (a, token_a) = env.create(1).await;
+    let (b, token_b) = env.create(1).await;
+    let mut fqdns = Vec::new();
+    let mut specs = Vec::new();
+    for (id, token) in [(a.id, &token_a), (b.id, &token_b)] {
+        let active = env.wait_active(id, 1).await;
+        let fqdn = active.public_endpoint_fqdn.clone().unwrap();
+        let client = ca_client(&env.store.ca_certificate(id, env.team).await.unwrap());
+        assert_eq!(chat(&client, &fqdn, token).await, reqwest::StatusCode::OK);
+        fqdns.push(fqdn);
+        specs.push(active.spec.unwrap());
+    }
+
+    let kube = env.cluster_kube().await;
+    let objects = |ns: String| {
+        let kube = kube.clone();
+        async move {
+            let mut objs = Vec::new();
+            for (api_version, kind) in [("networking.k8s.io/v1", "NetworkPolicy"), ("v1", "Pod")] {
+                objs.extend(kube.list(api_version, kind, Some(&ns), "").await.unwrap());
+            }
+            objs.into_iter().map(Arc::new).collect::<Vec<Arc<Value>>>()
+        }
+    };
+    let (ns_a, ns_b) = (names::namespace(&a.id), names::namespace(&b.id));
+    let objs = objects(ns_a.clone()).await;
+    assert!(objs.iter().any(|o| o["kind"] == "NetworkPolicy"));
+    let model = specs[0].model_deployments[0].model_id.unwrap();
+    let vllm = worker::plan::manifests::pool_selector(&model);
+    let epp = json!({names::EPP_LABEL: names::inference_pool(&model)});
+    let gateway = json!({names::GATEWAY_NAME_LABEL: names::GATEWAY});
+    let own_gateway = Source::Pod {
+        ns: &ns_a,
+        labels: &gateway,
+    };
+    let own_epp = Source::Pod {
+        ns: &ns_a,
+        labels: &epp,
+    };
+    let other_gateway = Source::Pod {
+        ns: &ns_b,
+        labels: &gateway,
+    };
+    let other_vllm = Source::Pod {
+        ns: &ns_b,
+        labels: &vllm,
+    };
+    let admits =
+        |labels: &Value, port: i64, from: Source| ingress_admits(&objs, &ns_a, labels, port, from);
+    // The data path.
+    assert!(
+        admits(&gateway, 443, Source::Outside),
+        "load balancer → gateway"
+    );
+    assert!(admits(&epp, 9002, own_gateway), "gateway → EPP");
+    assert!(admits(&vllm, 8000, own_gateway), "gateway → vLLM");
+    assert!(admits(&vllm, 8000, own_epp), "EPP → vLLM metrics");
+    // Nothing else: not the other DI's pods, not the outside, not other ports.
+    for from in [other_gateway, other_vllm, Source::Outside] {
+        assert!(!admits(&vllm, 8000, from), "{from:?} → vLLM");
+        assert!(!admits(&epp, 9002, from), "{from:?} → EPP");
+        assert!(!admits(&epp, 9090, from), "{from:?} → EPP metrics");
+    }
+    assert!(!admits(&epp, 9090, own_gateway), "only the ext-proc port");
+    assert!(
+        !admits(&gateway, 15021, Source::Outside),
+        "only the HTTPS port"
+    );
+    let anything = json!({"app": "something-else"});
+    assert!(!admits(&anything, 80, own_gateway), "default deny");
+
+    // Deleting A removes its policies with its namespace; B keeps its own and keeps serving.
+    env.store
+        .dedicated_inference_delete(a.id, env.team)
+        .await
+        .unwrap();
+    env.wait_for(a.id, "gone", Duration::from_secs(60), |r| r.gone)
+        .await;
+    assert!(kube
+        .list("networking.k8s.io/v1", "NetworkPolicy", Some(&ns_a), "")
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(objects(ns_b)
+        .await
+        .iter()
+        .any(|o| o["kind"] == "NetworkPolicy"));
+    let client = ca_client(&env.store.ca_certificate(b.id, env.team).await.unwrap());
+    assert_eq!(
+        chat(&client, &fqdns[1], &token_b).await,
+        reqwest::StatusCode::OK
+    );
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}

@@ -146,12 +146,7 @@ impl Env {
     /// Deletes DI `di`'s private load balancer Service behind the workers' back (the test has
     /// one cluster); the one a worker applies again gets another address.
     pub async fn delete_private_service(&self, di: Uuid) {
-        let cloud = self.cloud();
-        let cluster = cloud.cluster_list().await.unwrap().remove(0);
-        let kubeconfig = cloud.kubeconfig(&cluster.id).await.unwrap();
-        let kube = cloud_clients::KubeClient::from_kubeconfig_yaml(&kubeconfig, "a-test")
-            .await
-            .unwrap();
+        let kube = self.cluster_kube().await;
         let ns = worker::plan::names::namespace(&di);
         kube.delete(
             "v1",
@@ -161,6 +156,16 @@ impl Env {
         )
         .await
         .unwrap();
+    }
+
+    /// A Kubernetes client of the test's own for the region's one cluster.
+    pub async fn cluster_kube(&self) -> cloud_clients::KubeClient {
+        let cloud = self.cloud();
+        let cluster = cloud.cluster_list().await.unwrap().remove(0);
+        let kubeconfig = cloud.kubeconfig(&cluster.id).await.unwrap();
+        cloud_clients::KubeClient::from_kubeconfig_yaml(&kubeconfig, "a-test")
+            .await
+            .unwrap()
     }
 
     /// A reconciler of its own, as a worker builds it, whose DigitalOcean and Kubernetes
