@@ -51,9 +51,6 @@ pub struct RegionHandle {
 
 /// The DigitalOcean API token the simulators accept and the workers send.
 pub const SIM_TOKEN: &str = "sim-do-token";
-/// Key of the workers' probe tokens; the same for every worker of a region, as in production.
-const PROBE_SECRET: &[u8] = b"system-test-probe-secret";
-
 /// How each region's simulated cloud and workers are set up.
 #[derive(Clone, Debug)]
 pub struct CloudOptions {
@@ -155,7 +152,6 @@ impl Cloud {
             seal_key,
             &self.sim.base_url(),
             SIM_TOKEN,
-            PROBE_SECRET,
         );
         c.concurrency = 4;
         c.lease = self.options.lease;

@@ -140,6 +140,12 @@ const KINDS: &[(&str, &str, &str, bool)] = &[
     ("", "Event", "events", true),
     ("events.k8s.io", "Event", "events", true),
     ("apps", "Deployment", "deployments", true),
+    (
+        "networking.k8s.io",
+        "NetworkPolicy",
+        "networkpolicies",
+        true,
+    ),
     ("rbac.authorization.k8s.io", "Role", "roles", true),
     (
         "rbac.authorization.k8s.io",
@@ -715,6 +721,9 @@ mod tests {
         assert_eq!(route.api_resource.plural, "httproutes");
         let pool = known_resource("inference.networking.k8s.io/v1", "InferencePool").unwrap();
         assert_eq!(pool.api_resource.plural, "inferencepools");
+        let policy = known_resource("networking.k8s.io/v1", "NetworkPolicy").unwrap();
+        assert_eq!(policy.api_resource.plural, "networkpolicies");
+        assert!(policy.namespaced);
         assert!(known_resource("v1", "Deployment").is_none());
         assert!(known_resource("apps/v1", "StatefulSet").is_none());
         assert!(known_resource("apps/", "Deployment").is_none());

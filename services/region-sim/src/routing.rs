@@ -201,6 +201,106 @@ fn pod_model(objs: &[Arc<Value>], pod: &Value) -> Option<String> {
     })
 }
 
+/// Where traffic to a pod comes from, as NetworkPolicy rules see it.
+#[derive(Debug, Clone, Copy)]
+pub enum Source<'a> {
+    /// Outside the cluster: a load balancer forwarding a client's connection.
+    Outside,
+    /// A pod of namespace `ns` with these labels.
+    Pod { ns: &'a str, labels: &'a Value },
+}
+
+fn selects(selector: &Value, labels: Option<&Value>) -> bool {
+    sim_kube::LabelSelector::from_object(selector).matches_labels(labels)
+}
+
+fn peer_admits(objs: &[Arc<Value>], ns: &str, peer: &Value, from: Source) -> bool {
+    let has = |k: &str| peer.get(k).is_some_and(|v| !v.is_null());
+    match from {
+        // An address block names sources outside the cluster (Cilium, DOKS's CNI, never
+        // matches a pod by address); selectors name pods.
+        Source::Outside => has("ipBlock"),
+        Source::Pod {
+            ns: from_ns,
+            labels,
+        } => {
+            if has("ipBlock") {
+                return false;
+            }
+            let ns_ok = match peer.get("namespaceSelector").filter(|v| !v.is_null()) {
+                None => from_ns == ns,
+                Some(sel) => {
+                    let ns_labels = objs
+                        .iter()
+                        .find(|o| o["kind"] == "Namespace" && name_of(o) == from_ns)
+                        .and_then(|n| n.pointer("/metadata/labels").cloned())
+                        .unwrap_or_else(
+                            || serde_json::json!({"kubernetes.io/metadata.name": from_ns}),
+                        );
+                    selects(sel, Some(&ns_labels))
+                }
+            };
+            ns_ok
+                && peer
+                    .get("podSelector")
+                    .filter(|v| !v.is_null())
+                    .is_none_or(|sel| selects(sel, Some(labels)))
+        }
+    }
+}
+
+fn port_admits(p: &Value, port: i64) -> bool {
+    p["protocol"].as_str().unwrap_or("TCP") == "TCP"
+        && match &p["port"] {
+            Value::Null => true,
+            Value::Number(n) => {
+                let first = n.as_i64().unwrap_or(0);
+                let last = p["endPort"].as_i64().unwrap_or(first);
+                (first..=last).contains(&port)
+            }
+            // A named port would need the pod's container ports; the worker writes numbers.
+            _ => false,
+        }
+}
+
+/// Whether the NetworkPolicies of namespace `ns` let `from` open a TCP connection to `port` of
+/// a pod there with `labels`: a pod no ingress policy selects admits everything; a selected
+/// pod admits what at least one of those policies' rules allows (port and peer).
+pub fn ingress_admits(
+    objs: &[Arc<Value>],
+    ns: &str,
+    labels: &Value,
+    port: i64,
+    from: Source,
+) -> bool {
+    let policies: Vec<&Value> = objs
+        .iter()
+        .map(Arc::as_ref)
+        .filter(|o| {
+            o["kind"] == "NetworkPolicy"
+                && group_of(o) == "networking.k8s.io"
+                && ns_of(o) == ns
+                && !deleting(o)
+                && o.pointer("/spec/policyTypes")
+                    .and_then(Value::as_array)
+                    .is_none_or(|ts| ts.iter().any(|t| t == "Ingress"))
+                && selects(&o["spec"]["podSelector"], Some(labels))
+        })
+        .collect();
+    if policies.is_empty() {
+        return true;
+    }
+    let list = |v: &Value| v.as_array().cloned().unwrap_or_default();
+    policies.iter().any(|p| {
+        list(&p["spec"]["ingress"]).iter().any(|rule| {
+            let ports = list(&rule["ports"]);
+            let peers = list(&rule["from"]);
+            (ports.is_empty() || ports.iter().any(|q| port_admits(q, port)))
+                && (peers.is_empty() || peers.iter().any(|q| peer_admits(objs, ns, q, from)))
+        })
+    })
+}
+
 /// Derives the endpoint configuration for LoadBalancer Service `svc` from the cluster's objects.
 pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     let ns = ns_of(svc).to_string();
@@ -250,6 +350,16 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         return w;
     };
     let listener_name = listener["name"].as_str().unwrap_or("");
+    // The load balancer forwards to the gateway's pods on the listener's port: a policy that
+    // does not admit it leaves connections unanswered (no TLS handshake completes).
+    let gateway_pods = serde_json::json!({ GATEWAY_NAME_LABEL: gw_name });
+    let listener_port = listener["port"].as_i64().unwrap_or(0);
+    if !ingress_admits(objs, &ns, &gateway_pods, listener_port, Source::Outside) {
+        w.problems.push(format!(
+            "network policy in {ns} denies the load balancer the gateway's port {listener_port}"
+        ));
+        return w;
+    }
     // TLS: the first certificateRef, a kubernetes.io/tls Secret.
     match listener.pointer("/tls/certificateRefs/0") {
         None => w.problems.push(format!(
@@ -387,9 +497,29 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
                 && labels_match(&selector, o.pointer("/metadata/labels"))
         })
         .collect();
-    let mut endpoints: Vec<Backend> = pods
+    // The gateway connects to each pod on the pool's target port, subject to the namespace's
+    // NetworkPolicies: a pod they do not admit it to is no endpoint.
+    let target_port = pool
+        .and_then(|p| p.pointer("/spec/targetPorts/0/number"))
+        .and_then(Value::as_i64)
+        .unwrap_or(0);
+    let gateway = Source::Pod {
+        ns: &ns,
+        labels: &gateway_pods,
+    };
+    let (reachable, denied): (Vec<&&Value>, Vec<&&Value>) =
+        pods.iter().filter(|p| pod_ready(p)).partition(|p| {
+            let labels = p.pointer("/metadata/labels").unwrap_or(&Value::Null);
+            ingress_admits(objs, &ns, labels, target_port, gateway)
+        });
+    if !denied.is_empty() {
+        w.problems.push(format!(
+            "network policy in {ns} denies the gateway port {target_port} of {} ready pods",
+            denied.len()
+        ));
+    }
+    let mut endpoints: Vec<Backend> = reachable
         .iter()
-        .filter(|p| pod_ready(p))
         .map(|p| Backend::new(name_of(p), pod_model(objs, p).as_deref()))
         .collect();
     endpoints.sort_by(|a, b| a.pod.cmp(&b.pod));
@@ -539,5 +669,91 @@ mod tests {
             Some("org/m".into())
         );
         assert_eq!(served_model_name(&v(&["--port", "8000"])), None);
+    }
+
+    fn policy(name: &str, spec: Value) -> Arc<Value> {
+        Arc::new(
+            json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                        "metadata": {"name": name, "namespace": "di-1"}, "spec": spec}),
+        )
+    }
+
+    fn endpoints(w: &Wiring) -> Vec<String> {
+        match &w.config.route {
+            Route::Pool { endpoints, .. } => endpoints.iter().map(|b| b.pod.clone()).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    #[test]
+    fn network_policies_gate_the_load_balancer_and_the_gateway() {
+        let deny = policy(
+            "deny",
+            json!({"podSelector": {}, "policyTypes": ["Ingress"]}),
+        );
+        let https = policy(
+            "https",
+            json!({"podSelector": {"matchLabels": {GATEWAY_NAME_LABEL: "gw"}},
+            "ingress": [{"ports": [{"protocol": "TCP", "port": 443}]}]}),
+        );
+        let from_gateway = |port: u16| {
+            policy(
+                "vllm",
+                json!({"podSelector": {"matchLabels": {"app": "vllm"}},
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {GATEWAY_NAME_LABEL: "gw"}}}],
+                         "ports": [{"protocol": "TCP", "port": port}]}]}),
+            )
+        };
+        let with = |extra: &[Arc<Value>]| {
+            let mut objs = objects();
+            objs.extend(extra.iter().cloned());
+            wire(&svc(), &objs)
+        };
+        // Default deny alone: the load balancer reaches nothing.
+        let w = with(std::slice::from_ref(&deny));
+        assert!(w.config.tls.is_none(), "no handshake completes");
+        assert!(
+            w.problems.iter().any(|p| p.contains("load balancer")),
+            "{:?}",
+            w.problems
+        );
+        // The gateway's port open, the model servers still closed: no endpoints.
+        let w = with(&[deny.clone(), https.clone()]);
+        assert!(w.config.tls.is_some());
+        assert!(endpoints(&w).is_empty());
+        assert!(
+            w.problems.iter().any(|p| p.contains("port 8000")),
+            "{:?}",
+            w.problems
+        );
+        // Allowed on another port than the pool's: still no endpoints.
+        assert!(endpoints(&with(&[deny.clone(), https.clone(), from_gateway(9000)])).is_empty());
+        // The data path's allows: served.
+        let w = with(&[deny.clone(), https.clone(), from_gateway(8000)]);
+        assert!(w.problems.is_empty(), "{:?}", w.problems);
+        assert_eq!(endpoints(&w), ["vllm-1-a"]);
+        // A pod of another namespace is not the gateway, even with the gateway's labels.
+        let gw_labels = json!({GATEWAY_NAME_LABEL: "gw"});
+        let objs: Vec<Arc<Value>> = [deny, https, from_gateway(8000)].into();
+        let vllm = json!({"app": "vllm"});
+        let other = Source::Pod {
+            ns: "di-2",
+            labels: &gw_labels,
+        };
+        assert!(!ingress_admits(&objs, "di-1", &vllm, 8000, other));
+        let same = Source::Pod {
+            ns: "di-1",
+            labels: &gw_labels,
+        };
+        assert!(ingress_admits(&objs, "di-1", &vllm, 8000, same));
+        assert!(!ingress_admits(&objs, "di-1", &vllm, 8000, Source::Outside));
+        // An ipBlock admits the outside, not pods; no policy at all admits everyone.
+        let block = [policy(
+            "b",
+            json!({"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}]}),
+        )];
+        assert!(ingress_admits(&block, "di-1", &vllm, 8000, Source::Outside));
+        assert!(!ingress_admits(&block, "di-1", &vllm, 8000, same));
+        assert!(ingress_admits(&[], "di-1", &vllm, 8000, other));
     }
 }

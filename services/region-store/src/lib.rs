@@ -84,6 +84,8 @@ pub struct Store {
 }
 
 const HF_TOKEN: &str = "hugging_face_token";
+/// The worker's endpoint probe credential of one DI (see [`Store::probe_token`]).
+const PROBE_TOKEN: &str = "probe_token";
 
 impl Store {
     pub fn new(pool: PgPool, sealer: Sealer) -> Store {
@@ -806,6 +808,12 @@ impl Store {
         .bind(id)
         .execute(&mut *tx)
         .await?;
+        // The probe credential goes with the DI's other tokens.
+        sqlx::query("DELETE FROM provider_secrets WHERE di_id = $1 AND kind = $2")
+            .bind(id)
+            .bind(PROBE_TOKEN)
+            .execute(&mut *tx)
+            .await?;
         final_change(
             &mut tx,
             id,
@@ -878,27 +886,102 @@ impl Store {
         token_hashes_on(&mut conn, id).await
     }
 
-    pub(crate) async fn hugging_face_token_on(
+    /// The worker's probe token of DI `id`, unsealed: the credential with which workers check
+    /// that the DI's endpoint answers before they declare it active. Made on first use (a random
+    /// token, sealed like the other secrets; concurrent workers agree on the first one stored),
+    /// valid for this DI only (its hash is written with this DI's access tokens), replaced by
+    /// [`Store::probe_token_rotate`] and deleted when the DI is gone.
+    pub async fn probe_token(&self, id: Uuid) -> Result<String> {
+        let mut conn = self.pool.acquire().await?;
+        self.probe_token_on(&mut conn, id).await
+    }
+
+    pub(crate) async fn probe_token_on(&self, conn: &mut PgConnection, id: Uuid) -> Result<String> {
+        if let Some(token) = self.secret_on(conn, id, PROBE_TOKEN).await? {
+            return Ok(token);
+        }
+        let live: Option<bool> =
+            sqlx::query_scalar("SELECT gone_at IS NULL FROM dedicated_inferences WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&mut *conn)
+                .await?;
+        if live != Some(true) {
+            return Err(StoreError::NotFound);
+        }
+        let minted = common::tokens::mint("di_");
+        sqlx::query(
+            "INSERT INTO provider_secrets (di_id, kind, sealed) VALUES ($1, $2, $3)
+             ON CONFLICT (di_id, kind) DO NOTHING",
+        )
+        .bind(id)
+        .bind(PROBE_TOKEN)
+        .bind(
+            self.sealer
+                .seal(minted.as_bytes(), secret_aad(id, PROBE_TOKEN).as_bytes()),
+        )
+        .execute(&mut *conn)
+        .await?;
+        self.secret_on(conn, id, PROBE_TOKEN)
+            .await?
+            .ok_or(StoreError::NotFound)
+    }
+
+    /// Replaces DI `id`'s probe token (e.g. when it may have leaked): the next pass writes the
+    /// new one's hash in place of the old one's, so the old one stops working within seconds,
+    /// in any status in which the endpoint serves.
+    pub async fn probe_token_rotate(&self, id: Uuid) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let row = lock_live(&mut tx, id, None).await?;
+        if !row.status.accepts_changes() {
+            return Err(StoreError::Conflict(
+                "the dedicated inference is being deleted".into(),
+            ));
+        }
+        self.put_secret(&mut tx, id, PROBE_TOKEN, &common::tokens::mint("di_"))
+            .await?;
+        requested_change(
+            &mut tx,
+            id,
+            row.status,
+            "ProbeTokenRotated",
+            "The control plane's endpoint probe credential was replaced.",
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The provider secret `kind` of DI `id`, unsealed.
+    async fn secret_on(
         &self,
         conn: &mut PgConnection,
         id: Uuid,
+        kind: &str,
     ) -> Result<Option<String>> {
         let sealed: Option<Vec<u8>> = sqlx::query_scalar(
             "SELECT sealed FROM provider_secrets WHERE di_id = $1 AND kind = $2",
         )
         .bind(id)
-        .bind(HF_TOKEN)
+        .bind(kind)
         .fetch_optional(&mut *conn)
         .await?;
         sealed
             .map(|s| {
                 let plain = self
                     .sealer
-                    .open(&s, secret_aad(id, HF_TOKEN).as_bytes())
+                    .open(&s, secret_aad(id, kind).as_bytes())
                     .map_err(|_| StoreError::Seal)?;
                 String::from_utf8(plain).map_err(|_| StoreError::Seal)
             })
             .transpose()
+    }
+
+    pub(crate) async fn hugging_face_token_on(
+        &self,
+        conn: &mut PgConnection,
+        id: Uuid,
+    ) -> Result<Option<String>> {
+        self.secret_on(conn, id, HF_TOKEN).await
     }
 
     pub(crate) async fn certificate_authority_on(

@@ -75,6 +75,8 @@ pub struct PassInputs {
     /// Live access-token hashes (hex) by token id.
     pub token_hashes: Vec<(Uuid, String)>,
     pub hugging_face_token: Option<String>,
+    /// The worker's probe token for this DI (see [`Store::probe_token`]).
+    pub probe_token: String,
 }
 
 /// How long a DI's progress fingerprint has been unchanged.
@@ -323,6 +325,7 @@ impl Store {
         let ca = self.certificate_authority_on(&mut conn, di_id).await?;
         let token_hashes = crate::token_hashes_on(&mut conn, di_id).await?;
         let hugging_face_token = self.hugging_face_token_on(&mut conn, di_id).await?;
+        let probe_token = self.probe_token_on(&mut conn, di_id).await?;
         Ok(PassInputs {
             ledger,
             accelerators: accelerators
@@ -337,6 +340,7 @@ impl Store {
             ca,
             token_hashes,
             hugging_face_token,
+            probe_token,
         })
     }
 

@@ -556,3 +556,53 @@ async fn change_feed_never_skips_a_change_committed_while_it_loads(pool: PgPool)
     let b_now = next.records.iter().find(|r| r.id == b.id).unwrap();
     assert_eq!(b_now.status, Status::Provisioning);
 }
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn probe_tokens_are_per_di_sealed_rotated_and_deleted_with_the_di(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let (a, b) = (create_request(team, None), create_request(team, None));
+    for req in [&a, &b] {
+        store.dedicated_inference_create(req, &ca()).await.unwrap();
+    }
+    let token = store.probe_token(a.id).await.unwrap();
+    assert!(token.starts_with("di_") && token.len() > 32, "{token}");
+    assert_eq!(store.probe_token(a.id).await.unwrap(), token, "made once");
+    assert_ne!(store.probe_token(b.id).await.unwrap(), token, "per DI");
+    let dump: String =
+        sqlx::query_scalar("SELECT string_agg(encode(sealed, 'escape'), '') FROM provider_secrets")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(!dump.contains(&token), "sealed at rest");
+    // Nothing customers see lists it.
+    let listed = store.tokens_list(a.id, team, 1, 20).await.unwrap();
+    assert_eq!(listed.total, 1, "only the managed token");
+
+    let outbox = outbox_len(&pool).await;
+    store.probe_token_rotate(a.id).await.unwrap();
+    let rotated = store.probe_token(a.id).await.unwrap();
+    assert_ne!(rotated, token);
+    assert_eq!(
+        outbox_len(&pool).await,
+        outbox + 1,
+        "the rotation wakes a worker"
+    );
+
+    store.dedicated_inference_delete(a.id, team).await.unwrap();
+    assert!(matches!(
+        store.probe_token_rotate(a.id).await,
+        Err(StoreError::Conflict(_))
+    ));
+    store.gone(a.id).await.unwrap();
+    assert!(matches!(
+        store.probe_token(a.id).await,
+        Err(StoreError::NotFound)
+    ));
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM provider_secrets WHERE di_id = $1")
+        .bind(a.id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+}

@@ -22,6 +22,9 @@ mod store;
 mod validation;
 mod watch;
 
+/// Label selectors as the API server matches them (NetworkPolicy peers use them too).
+pub use selector::LabelSelector;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

@@ -200,6 +200,17 @@ pub static TYPES: &[ResourceType] = &[
         NameRule::PathSegment,
     ),
     rt(
+        "networking.k8s.io",
+        "v1",
+        "NetworkPolicy",
+        "networkpolicies",
+        "networkpolicy",
+        true,
+        &["netpol"],
+        false,
+        NameRule::Subdomain,
+    ),
+    rt(
         GATEWAY_GROUP,
         "v1",
         "GatewayClass",

@@ -219,6 +219,7 @@ pub fn validate(rt: &ResourceType, obj: &Value, old: Option<&Value>) -> Vec<Caus
     match rt.kind {
         "Deployment" => validate_deployment(obj, old, &mut causes),
         "Service" => validate_service(obj, old, &mut causes),
+        "NetworkPolicy" => validate_network_policy(obj, &mut causes),
         "Pod" => containers_errors(&obj["spec"], "spec", &mut causes),
         "Secret" | "ConfigMap" => {
             for field in ["data", "stringData", "binaryData"] {
@@ -324,6 +325,74 @@ fn validate_deployment(obj: &Value, old: Option<&Value>, causes: &mut Vec<Cause>
         ));
     }
     containers_errors(&spec["template"]["spec"], "spec.template.spec", causes);
+}
+
+/// The API server's NetworkPolicy rules (`ValidateNetworkPolicySpec`): policy types, ports,
+/// and peers that name exactly one kind of source.
+fn validate_network_policy(obj: &Value, causes: &mut Vec<Cause>) {
+    let spec = &obj["spec"];
+    let types = spec.get("policyTypes").and_then(Value::as_array);
+    for (i, t) in types.into_iter().flatten().enumerate() {
+        if !matches!(t.as_str(), Some("Ingress" | "Egress")) {
+            causes.push(Cause::invalid(
+                &format!("spec.policyTypes[{i}]"),
+                &t.to_string(),
+                "supported values: \"Egress\", \"Ingress\"",
+            ));
+        }
+    }
+    if types.is_some_and(|t| t.len() > 2) {
+        causes.push(Cause::invalid(
+            "spec.policyTypes",
+            &spec["policyTypes"].to_string(),
+            "may not specify more than two policyTypes",
+        ));
+    }
+    for (dir, peers) in [("ingress", "from"), ("egress", "to")] {
+        let rules = spec.get(dir).and_then(Value::as_array);
+        for (i, rule) in rules.into_iter().flatten().enumerate() {
+            let at = format!("spec.{dir}[{i}]");
+            for (j, p) in rule["ports"].as_array().into_iter().flatten().enumerate() {
+                let field = format!("{at}.ports[{j}]");
+                if !matches!(p["protocol"].as_str(), None | Some("TCP" | "UDP" | "SCTP")) {
+                    causes.push(Cause::invalid(
+                        &format!("{field}.protocol"),
+                        &p["protocol"].to_string(),
+                        "supported values: \"SCTP\", \"TCP\", \"UDP\"",
+                    ));
+                }
+                let ok = match &p["port"] {
+                    Value::Null => true,
+                    Value::Number(n) => n.as_u64().is_some_and(|n| (1..=65535).contains(&n)),
+                    Value::String(name) => is_dns1035_label(name) && name.len() <= 15,
+                    _ => false,
+                };
+                if !ok {
+                    causes.push(Cause::invalid(
+                        &format!("{field}.port"),
+                        &p["port"].to_string(),
+                        "must be a port number between 1 and 65535 or an IANA service name",
+                    ));
+                }
+            }
+            for (j, peer) in rule[peers].as_array().into_iter().flatten().enumerate() {
+                let field = format!("{at}.{peers}[{j}]");
+                let has = |k: &str| peer.get(k).is_some_and(|v| !v.is_null());
+                let selectors = has("podSelector") || has("namespaceSelector");
+                if !selectors && !has("ipBlock") {
+                    causes.push(Cause::required(&format!("{field}: must specify a peer")));
+                } else if selectors && has("ipBlock") {
+                    causes.push(Cause::invalid(
+                        &field,
+                        &peer.to_string(),
+                        "may not specify more than 1 peer type",
+                    ));
+                } else if has("ipBlock") && !peer["ipBlock"]["cidr"].is_string() {
+                    causes.push(Cause::required(&format!("{field}.ipBlock.cidr")));
+                }
+            }
+        }
+    }
 }
 
 fn validate_service(obj: &Value, old: Option<&Value>, causes: &mut Vec<Cause>) {

@@ -31,9 +31,6 @@ struct Args {
     /// Base64 of the 32-byte key sealing secrets at rest (or SEAL_KEY_FILE).
     #[arg(long, env = "SEAL_KEY", hide_env_values = true)]
     seal_key: Option<String>,
-    /// Key deriving each DI's probe token; the same on every worker (or PROBE_SECRET_FILE).
-    #[arg(long, env = "PROBE_SECRET", hide_env_values = true)]
-    probe_secret: Option<String>,
     /// This worker's name in leases (default: a random one).
     #[arg(long, env = "WORKER_ID")]
     worker_id: Option<String>,
@@ -95,14 +92,12 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let do_token = secret(args.do_token, "DO_TOKEN")?;
     let seal_key = secret(args.seal_key, "SEAL_KEY")?;
-    let probe_secret = secret(args.probe_secret, "PROBE_SECRET")?;
     let mut config = Config::new(
         &args.region,
         &args.database_url,
         &seal_key,
         &args.do_api_url,
         &do_token,
-        probe_secret.as_bytes(),
     );
     if let Some(id) = args.worker_id {
         config.worker_id = id;

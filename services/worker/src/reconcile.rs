@@ -16,12 +16,11 @@ use cloud_clients::digitalocean::{
     Cluster, ClusterCreateRequest, ClusterState, NodePoolCreateRequest, NodePoolUpdateRequest,
 };
 use cloud_clients::{Deleted, DoClient, DoError, KubeClient, KubeClientOptions, KubeError};
-use hmac::{Hmac, Mac};
 use region_store::{
     ClusterRelease, Endpoints, LedgerEntry, NewCa, ObservedAccelerator, Store, StoreError,
 };
 use serde_json::Value;
-use sha2::Sha256;
+use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
 use crate::metrics::{self, Outcome, Phase};
@@ -35,6 +34,7 @@ pub const LEDGER_NAMESPACE: &str = "namespace";
 /// The kinds the worker renders, observed for readiness and pruning: (apiVersion, kind).
 const RENDERED_KINDS: &[(&str, &str)] = &[
     ("v1", "Secret"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     ("v1", "ConfigMap"),
     ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"),
@@ -59,8 +59,6 @@ pub struct Settings {
     /// The CPU node pool every new cluster gets (DOKS needs one; the EPP and gateway run there).
     pub system_pool_size: String,
     pub system_pool_count: u32,
-    /// Key of the HMAC that derives each DI's probe token (the same on every worker).
-    pub probe_secret: Vec<u8>,
     pub probe_timeout: Duration,
     /// How soon to look again while waiting for the cloud.
     pub poll: Duration,
@@ -77,7 +75,6 @@ impl std::fmt::Debug for Settings {
             .field("kubernetes_version", &self.kubernetes_version)
             .field("system_pool_size", &self.system_pool_size)
             .field("system_pool_count", &self.system_pool_count)
-            .field("probe_secret", &"<redacted>")
             .field("poll", &self.poll)
             .field("resync", &self.resync)
             .finish_non_exhaustive()
@@ -85,8 +82,8 @@ impl std::fmt::Debug for Settings {
 }
 
 impl Settings {
-    /// Defaults for everything but the region and the probe secret.
-    pub fn new(region: &str, probe_secret: &[u8]) -> Self {
+    /// Defaults for everything but the region.
+    pub fn new(region: &str) -> Self {
         Settings {
             region: region.to_string(),
             field_manager: names::MANAGED_BY.to_string(),
@@ -95,7 +92,6 @@ impl Settings {
             kubernetes_version: "latest".to_string(),
             system_pool_size: "s-4vcpu-8gb".to_string(),
             system_pool_count: 2,
-            probe_secret: probe_secret.to_vec(),
             probe_timeout: Duration::from_secs(5),
             poll: Duration::from_secs(2),
             resync: Duration::from_secs(300),
@@ -265,21 +261,27 @@ pub struct Reconciler {
 
 type Result<T> = std::result::Result<T, ReconcileError>;
 
-/// The probe token of a DI: `(token id, token value)`, derived with HMAC-SHA256 from the
-/// worker's probe secret so that every worker computes the same one (and the access-token
-/// Secret does not change when another worker takes over).
-pub fn probe_token(secret: &[u8], di_id: Uuid) -> (Uuid, String) {
-    let mac = |label: &str| {
-        let mut m = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
-        m.update(label.as_bytes());
-        m.update(di_id.as_bytes());
-        m.finalize().into_bytes()
-    };
-    let id_bytes = mac("probe-token-id:");
+/// The entry of DI `di_id`'s probe token `value` among its access-token hashes.
+///
+/// Why a token of the DI's own rather than an unauthenticated health path: the probe must show
+/// that a customer's request would succeed, through the load balancer, TLS, the token check,
+/// the route and the endpoint picker to a model server, and a path that skips the token check
+/// is a hole in every endpoint. Why not a key derived from the DI id with a region-wide secret
+/// (as before): whoever holds that secret can mint the probe token of every DI, and no DI's can
+/// be revoked without changing all of them. So each DI gets a random token, sealed in the
+/// regional store (`Store::probe_token`), whose hash only that DI's gateway accepts; it is
+/// rotated with `Store::probe_token_rotate` and deleted with the DI.
+///
+/// Its key in the Secret is fixed per DI (derived from the DI id), so a rotation replaces the
+/// value in place and the customer's token ids never collide with it.
+pub fn probe_token_hash(di_id: Uuid, value: &str) -> AccessTokenHash {
+    let digest = Sha256::new()
+        .chain_update(b"probe-token-id:")
+        .chain_update(di_id.as_bytes())
+        .finalize();
     let mut b = [0u8; 16];
-    b.copy_from_slice(&id_bytes[..16]);
-    let id = uuid::Builder::from_random_bytes(b).into_uuid();
-    (id, format!("di_{}", hex::encode(mac("probe-token:"))))
+    b.copy_from_slice(&digest[..16]);
+    AccessTokenHash::from_value(uuid::Builder::from_random_bytes(b).into_uuid(), value)
 }
 
 fn b64_decode(v: &Value) -> Option<String> {
@@ -416,6 +418,21 @@ impl Ledger<'_> {
         self.known.retain(|e| !(e.kind == kind && e.name == name));
         Ok(())
     }
+}
+
+/// The tokens the gateway must accept: the DI's live access tokens and the worker's probe token
+/// of this DI.
+fn access_tokens(
+    id: Uuid,
+    hashes: Vec<(Uuid, String)>,
+    probe_value: &str,
+) -> Result<Vec<AccessTokenHash>> {
+    let mut tokens: Vec<AccessTokenHash> = hashes
+        .into_iter()
+        .map(|(tid, hash)| AccessTokenHash::new(tid, &hash))
+        .collect::<std::result::Result<_, _>>()?;
+    tokens.push(probe_token_hash(id, probe_value));
+    Ok(tokens)
 }
 
 /// The listed copy of `obj` (same kind and name; everything listed is in the DI's namespace).
@@ -578,7 +595,8 @@ impl Reconciler {
             None
         };
         let trusting = trusted.is_some();
-        let tokens = self.access_tokens(id, inputs.token_hashes)?;
+        let probe_value = inputs.probe_token;
+        let tokens = access_tokens(id, inputs.token_hashes, &probe_value)?;
         if !resync {
             // A token created or revoked reaches the gateway before anything in this pass that
             // may wait on DigitalOcean (a slow or failing API must not delay a revocation).
@@ -623,7 +641,6 @@ impl Reconciler {
 
         // Desired objects.
         let tls = tls(&inputs.ca, &observed)?;
-        let (_, probe_value) = probe_token(&s.probe_secret, id);
         let input = ManifestInput {
             di_id: id,
             models: models.clone(),
@@ -649,10 +666,15 @@ impl Reconciler {
         ledger
             .record(LEDGER_NAMESPACE, &ns, &cluster_id, None)
             .await?;
-        // Namespaces first (everything else lives in them), then the rest at once. Objects the
-        // last list shows up to date cost no request.
+        // Namespaces first (everything else lives in them), then the rest at once, then the
+        // namespace's default-deny NetworkPolicy: a namespace that gains its policies while it
+        // serves is never isolated before the allows exist. Objects the last list shows up to
+        // date cost no request.
         let (namespaces, namespaced): (Vec<&Value>, Vec<&Value>) =
             desired.iter().partition(|o| o["kind"] == "Namespace");
+        let (isolation, namespaced): (Vec<&Value>, Vec<&Value>) = namespaced
+            .into_iter()
+            .partition(|o| plan::manifests::is_default_deny(o));
         let mut changed = Vec::new();
         for obj in namespaces {
             changed.push(kube.apply(obj).await?.changed);
@@ -662,6 +684,13 @@ impl Reconciler {
             .map(|obj| kube.apply_observed(obj, listed(&rendered, obj)));
         for applied in futures::future::try_join_all(applies).await? {
             changed.push(applied.changed);
+        }
+        for obj in isolation {
+            changed.push(
+                kube.apply_observed(obj, listed(&rendered, obj))
+                    .await?
+                    .changed,
+            );
         }
         for _ in changed.into_iter().filter(|c| *c) {
             writes += 1;
@@ -730,17 +759,6 @@ impl Reconciler {
         }
     }
 
-    /// The tokens the gateway must accept: the DI's live access tokens and the worker's probe token.
-    fn access_tokens(&self, id: Uuid, hashes: Vec<(Uuid, String)>) -> Result<Vec<AccessTokenHash>> {
-        let mut tokens: Vec<AccessTokenHash> = hashes
-            .into_iter()
-            .map(|(tid, hash)| AccessTokenHash::new(tid, &hash))
-            .collect::<std::result::Result<_, _>>()?;
-        let (probe_id, probe_value) = probe_token(&self.settings.probe_secret, id);
-        tokens.push(AccessTokenHash::from_value(probe_id, &probe_value));
-        Ok(tokens)
-    }
-
     /// A DI in `error` keeps serving with what its last good spec left in the cluster, and is
     /// not converged until its spec changes. What a customer changes meanwhile that is not the
     /// spec — its access tokens — must still reach the gateway: a revoked token is refused
@@ -759,8 +777,9 @@ impl Reconciler {
             },
         };
         let hashes = self.store.token_hashes(rec.id).await?;
+        let probe = self.store.probe_token(rec.id).await?;
         if let Err(e) = self
-            .apply_tokens(&kube, rec.id, &self.access_tokens(rec.id, hashes)?)
+            .apply_tokens(&kube, rec.id, &access_tokens(rec.id, hashes, &probe)?)
             .await
         {
             self.distrust_cluster(&name, &cluster_id);
@@ -1253,13 +1272,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn probe_tokens_are_deterministic_per_secret_and_di() {
+    fn a_probe_token_keeps_its_key_across_rotations_and_differs_per_di() {
         let di = Uuid::new_v4();
-        let (id1, v1) = probe_token(b"secret", di);
-        let (id2, v2) = probe_token(b"secret", di);
-        assert_eq!((id1, &v1), (id2, &v2));
-        assert!(v1.starts_with("di_") && v1.len() == 3 + 64);
-        assert_ne!(probe_token(b"other", di).1, v1);
-        assert_ne!(probe_token(b"secret", Uuid::new_v4()).0, id1);
+        let (old, new) = (
+            probe_token_hash(di, "di_old"),
+            probe_token_hash(di, "di_new"),
+        );
+        assert_eq!(old.id(), new.id(), "a rotation replaces the value in place");
+        assert_ne!(old.sha256_hex(), new.sha256_hex());
+        assert_eq!(old, AccessTokenHash::from_value(old.id(), "di_old"));
+        assert_ne!(probe_token_hash(Uuid::new_v4(), "di_old").id(), old.id());
     }
 }

@@ -90,7 +90,6 @@ impl Config {
         seal_key: &str,
         do_api_url: &str,
         do_token: &str,
-        probe_secret: &[u8],
     ) -> Self {
         Config {
             worker_id: format!("worker-{}", Uuid::new_v4().simple()),
@@ -98,7 +97,7 @@ impl Config {
             seal_key: seal_key.to_string(),
             do_api_url: do_api_url.to_string(),
             do_token: do_token.to_string(),
-            settings: Settings::new(region, probe_secret),
+            settings: Settings::new(region),
             concurrency: 8,
             lease: Duration::from_secs(3),
             tick: Duration::from_secs(5),

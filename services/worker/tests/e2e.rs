@@ -393,7 +393,7 @@ async fn delete_during_provisioning_leaves_nothing() {
 /// Silences "unused" for the settings constructor used by other test files.
 #[allow(dead_code)]
 fn _settings() -> Settings {
-    Settings::new("atl1", PROBE_SECRET)
+    Settings::new("atl1")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -533,6 +533,175 @@ async fn a_phase_without_progress_becomes_an_event_then_an_error() {
         .await
         .unwrap();
     env.wait_gone(rec.id).await;
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}
+
+/// Two DIs of one VPC share its cluster, a namespace each. Their NetworkPolicies, as the worker
+/// wrote them and as a CNI reads them, admit into a DI's namespace only its own gateway (to
+/// its EPP and model servers) and the load balancers (to the gateway's HTTPS port), and both
+/// endpoints still serve. Deleting one DI takes its policies with its namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dis_sharing_a_cluster_are_isolated_by_network_policies() {
+    use region_sim::routing::{ingress_admits, Source};
+    use serde_json::{json, Value};
+    use std::sync::Arc;
+    use worker::plan::names;
+
+    let env = env_with(None).await;
+    let w = env.worker().await;
+    let dis = env.create_active(2).await;
+    for d in &dis {
+        assert_eq!(
+            chat(&d.client, &d.url, &d.token).await,
+            reqwest::StatusCode::OK
+        );
+    }
+    let (a, b) = (&dis[0].record, &dis[1].record);
+
+    let kube = env.cluster_kube().await;
+    let objects = |ns: String| {
+        let kube = kube.clone();
+        async move {
+            let mut objs = Vec::new();
+            for (api_version, kind) in [("networking.k8s.io/v1", "NetworkPolicy"), ("v1", "Pod")] {
+                objs.extend(kube.list(api_version, kind, Some(&ns), "").await.unwrap());
+            }
+            objs.into_iter().map(Arc::new).collect::<Vec<Arc<Value>>>()
+        }
+    };
+    let (ns_a, ns_b) = (names::namespace(&a.id), names::namespace(&b.id));
+    let objs = objects(ns_a.clone()).await;
+    assert!(objs.iter().any(|o| o["kind"] == "NetworkPolicy"));
+    let model = a.spec.as_ref().unwrap().model_deployments[0]
+        .model_id
+        .unwrap();
+    let vllm = worker::plan::manifests::pool_selector(&model);
+    let epp = json!({names::EPP_LABEL: names::inference_pool(&model)});
+    let gateway = json!({names::GATEWAY_NAME_LABEL: names::GATEWAY});
+    let own_gateway = Source::Pod {
+        ns: &ns_a,
+        labels: &gateway,
+    };
+    let own_epp = Source::Pod {
+        ns: &ns_a,
+        labels: &epp,
+    };
+    let other_gateway = Source::Pod {
+        ns: &ns_b,
+        labels: &gateway,
+    };
+    let other_vllm = Source::Pod {
+        ns: &ns_b,
+        labels: &vllm,
+    };
+    let admits =
+        |labels: &Value, port: i64, from: Source| ingress_admits(&objs, &ns_a, labels, port, from);
+    // The data path.
+    assert!(
+        admits(&gateway, 443, Source::Outside),
+        "load balancer → gateway"
+    );
+    assert!(admits(&epp, 9002, own_gateway), "gateway → EPP");
+    assert!(admits(&vllm, 8000, own_gateway), "gateway → vLLM");
+    assert!(admits(&vllm, 8000, own_epp), "EPP → vLLM metrics");
+    // Nothing else: not the other DI's pods, not the outside, not other ports.
+    for from in [other_gateway, other_vllm, Source::Outside] {
+        assert!(!admits(&vllm, 8000, from), "{from:?} → vLLM");
+        assert!(!admits(&epp, 9002, from), "{from:?} → EPP");
+        assert!(!admits(&epp, 9090, from), "{from:?} → EPP metrics");
+    }
+    assert!(!admits(&epp, 9090, own_gateway), "only the ext-proc port");
+    assert!(
+        !admits(&gateway, 15021, Source::Outside),
+        "only the HTTPS port"
+    );
+    let anything = json!({"app": "something-else"});
+    assert!(!admits(&anything, 80, own_gateway), "default deny");
+
+    // Deleting A removes its policies with its namespace; B keeps its own and keeps serving.
+    env.delete_until_gone(a.id).await;
+    assert!(kube
+        .list("networking.k8s.io/v1", "NetworkPolicy", Some(&ns_a), "")
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(objects(ns_b)
+        .await
+        .iter()
+        .any(|o| o["kind"] == "NetworkPolicy"));
+    let b = &dis[1];
+    assert_eq!(
+        chat(&b.client, &b.url, &b.token).await,
+        reqwest::StatusCode::OK
+    );
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}
+
+/// The worker probes each endpoint with a credential of that DI alone: DIs become active (the
+/// probe passes), one DI's probe token is refused by another DI's endpoint (they share a
+/// cluster), a rotated probe token stops working within seconds while the new one works, and
+/// the token is deleted with its DI.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probe_credential_is_one_dis_own_and_revocable() {
+    let env = env_with(None).await;
+    let w = env.worker().await;
+    let (a, _) = env.create(1).await;
+    let (b, token_b) = env.create(1).await;
+    let mut endpoints = Vec::new();
+    for id in [a.id, b.id] {
+        let active = env.wait_active(id, 1).await;
+        let client = ca_client(&env.store.ca_certificate(id, env.team).await.unwrap());
+        endpoints.push((client, active.public_endpoint_fqdn.unwrap()));
+    }
+    let [(client_a, url_a), (client_b, url_b)] = &endpoints[..] else {
+        unreachable!()
+    };
+    let probe_a = env.store.probe_token(a.id).await.unwrap();
+    let probe_b = env.store.probe_token(b.id).await.unwrap();
+    assert_ne!(probe_a, probe_b);
+    assert_eq!(
+        env.store.probe_token(a.id).await.unwrap(),
+        probe_a,
+        "stable"
+    );
+    let (ok, refused) = (reqwest::StatusCode::OK, reqwest::StatusCode::UNAUTHORIZED);
+    // Each endpoint takes its own DI's probe token; another DI's in the same cluster refuses it.
+    for (client, url, token, status) in [
+        (client_a, url_a, &probe_a, ok),
+        (client_b, url_b, &probe_a, refused),
+        (client_a, url_a, &probe_b, refused),
+    ] {
+        assert_eq!(chat(client, url, token).await, status, "{url}");
+    }
+
+    // Rotation: the old token is refused within seconds, the new one works, B is untouched.
+    env.store.probe_token_rotate(a.id).await.unwrap();
+    let rotated = env.store.probe_token(a.id).await.unwrap();
+    assert_ne!(rotated, probe_a);
+    let start = Instant::now();
+    while chat(client_a, url_a, &probe_a).await != refused {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "old probe token still accepted"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for (client, url, token) in [
+        (client_a, url_a, &rotated),
+        (client_b, url_b, &token_b),
+        (client_b, url_b, &probe_b),
+    ] {
+        assert_eq!(chat(client, url, token).await, ok, "{url}");
+    }
+
+    // Deleted with its DI.
+    env.delete_until_gone(a.id).await;
+    assert!(matches!(
+        env.store.probe_token(a.id).await,
+        Err(region_store::StoreError::NotFound)
+    ));
     w.shutdown().await;
     env.sim.shutdown().await;
 }

@@ -121,6 +121,7 @@ async fn metrics_count_passes_queue_leases_and_cloud_calls() {
 
     // Our worker takes over once the lease expires, provisions, and tears down.
     env.wait_active(rec.id, 1).await;
+    let probe_token = env.store.probe_token(rec.id).await.unwrap();
     env.store
         .dedicated_inference_delete(rec.id, env.team)
         .await
@@ -196,7 +197,7 @@ async fn metrics_count_passes_queue_leases_and_cloud_calls() {
         env.vpc.to_string(),
         token.clone(),
         SIM_TOKEN.to_string(),
-        String::from_utf8(PROBE_SECRET.to_vec()).unwrap(),
+        probe_token,
     ] {
         assert!(!text.contains(&secret_or_id), "{secret_or_id} in:\n{text}");
     }

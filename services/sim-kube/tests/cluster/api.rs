@@ -7,6 +7,7 @@ use crate::common::{eventually, start, start_with};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::ByteString;
 use kube::api::{
     Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
@@ -665,6 +666,12 @@ async fn discovery_lists_every_kind() {
             ("", "v1", "Pod", Scope::Namespaced),
             ("apps", "v1", "Deployment", Scope::Namespaced),
             (
+                "networking.k8s.io",
+                "v1",
+                "NetworkPolicy",
+                Scope::Namespaced,
+            ),
+            (
                 "rbac.authorization.k8s.io",
                 "v1",
                 "RoleBinding",
@@ -918,4 +925,76 @@ fn route_again(ar: &ApiResource) -> DynamicObject {
             "rules": [{"backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "llama"}]}]
         }
     }))
+}
+
+#[tokio::test]
+async fn network_policies_are_stored_validated_and_go_with_their_namespace() {
+    let (cluster, client) = start().await;
+    make_ns(&client, "di-np").await;
+    let policies: Api<NetworkPolicy> = Api::namespaced(client.clone(), "di-np");
+    let policy = |ingress: serde_json::Value| {
+        json!({
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "allow-gateway"},
+            "spec": {"podSelector": {"matchLabels": {"app": "vllm"}}, "policyTypes": ["Ingress"],
+                     "ingress": ingress},
+        })
+    };
+    let good = policy(json!([{
+        "from": [{"podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "gw"}}}],
+        "ports": [{"protocol": "TCP", "port": 8000}],
+    }]));
+    let ssa = PatchParams::apply("test").force();
+    policies
+        .patch("allow-gateway", &ssa, &Patch::Apply(&good))
+        .await
+        .unwrap();
+    let writes = cluster.write_count();
+    let stored = policies
+        .patch("allow-gateway", &ssa, &Patch::Apply(&good))
+        .await
+        .unwrap();
+    assert_eq!(
+        cluster.write_count(),
+        writes,
+        "an unchanged apply writes nothing"
+    );
+    let rule = &stored.spec.unwrap().ingress.unwrap()[0];
+    assert_eq!(
+        rule.ports.as_ref().unwrap()[0].port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(8000))
+    );
+    // What the API server refuses: an empty peer, two peer types, a bad port or policy type.
+    for bad in [
+        policy(json!([{"from": [{}]}])),
+        policy(json!([{"from": [{"podSelector": {}, "ipBlock": {"cidr": "10.0.0.0/8"}}]}])),
+        policy(json!([{"ports": [{"protocol": "TCP", "port": 70000}]}])),
+        policy(json!([{"ports": [{"protocol": "ICMP", "port": 1}]}])),
+        {
+            let mut p = policy(json!([]));
+            p["spec"]["policyTypes"] = json!(["Sideways"]);
+            p
+        },
+    ] {
+        let mut bad = bad;
+        bad["metadata"]["name"] = json!("bad");
+        assert_eq!(
+            api_code(policies.patch("bad", &ssa, &Patch::Apply(&bad)).await),
+            422,
+            "{bad}"
+        );
+    }
+    let nss: Api<Namespace> = Api::all(client.clone());
+    nss.delete("di-np", &DeleteParams::default()).await.unwrap();
+    eventually(Duration::from_secs(5), "namespace gone", || {
+        let nss = nss.clone();
+        async move { nss.get_opt("di-np").await.unwrap().is_none().then_some(()) }
+    })
+    .await;
+    assert!(cluster
+        .list_all()
+        .iter()
+        .all(|o| o["kind"] != "NetworkPolicy"));
+    cluster.shutdown().await;
 }

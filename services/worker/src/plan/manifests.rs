@@ -503,6 +503,95 @@ fn load_balancer(input: &ManifestInput, name: &str, which: &str, network: &str) 
     })
 }
 
+fn network_policy(di: &Uuid, name: &str, extra: &[(&str, String)], spec: Value) -> Value {
+    json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta(di, name, extra),
+        "spec": spec,
+    })
+}
+
+/// The pods of the DI's gateway, as a NetworkPolicy peer (same namespace).
+fn gateway_peer() -> Value {
+    json!({"podSelector": {"matchLabels": {names::GATEWAY_NAME_LABEL: names::GATEWAY}}})
+}
+
+fn tcp(port: u16) -> Value {
+    json!({"protocol": "TCP", "port": port})
+}
+
+/// The namespace's isolation (the DIs of a team share a cluster, one namespace each): a
+/// default deny of all ingress, then the narrow allows the data path needs. Ingress only:
+/// pods still reach the Kubernetes API (EPP), Hugging Face (vLLM) and their gateway's control
+/// plane. Kubelet probes come from the node, which the CNI admits without a rule.
+///
+/// - the gateway's pods admit TCP 443 from anywhere: that is the endpoint, which the load
+///   balancers forward to (from client or node addresses, depending on the CNI and traffic
+///   policy, so no peer can be named) and the worker's probe arrives through; every request
+///   there must carry one of the DI's tokens;
+/// - each model's EPP admits only the gateway, on its ext-proc gRPC port;
+/// - each model's vLLM pods admit only the gateway (requests) and their own EPP (it scrapes
+///   `/metrics` for its scorers), on the serving port.
+///
+/// Nothing admits another namespace, so another DI of the cluster reaches this one only as
+/// any client does: through the load balancer, with a token.
+fn network_policies(input: &ManifestInput) -> Vec<Value> {
+    let di = &input.di_id;
+    let mut out = vec![network_policy(
+        di,
+        names::GATEWAY_POLICY,
+        &[],
+        json!({
+            "podSelector": {"matchLabels": {names::GATEWAY_NAME_LABEL: names::GATEWAY}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": [tcp(HTTPS_PORT)]}],
+        }),
+    )];
+    for m in &input.models {
+        let extra = [(names::MODEL_ID_LABEL, m.model_id.to_string())];
+        let epp_pods = json!({names::EPP_LABEL: names::inference_pool(&m.model_id)});
+        out.push(network_policy(
+            di,
+            &names::epp(&m.model_id),
+            &extra,
+            json!({
+                "podSelector": {"matchLabels": epp_pods},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [gateway_peer()], "ports": [tcp(EPP_GRPC_PORT)]}],
+            }),
+        ));
+        out.push(network_policy(
+            di,
+            &names::vllm_deployment(&m.model_id),
+            &extra,
+            json!({
+                "podSelector": {"matchLabels": pool_selector(&m.model_id)},
+                "policyTypes": ["Ingress"],
+                "ingress": [{
+                    "from": [gateway_peer(), {"podSelector": {"matchLabels": epp_pods}}],
+                    "ports": [tcp(VLLM_PORT)],
+                }],
+            }),
+        ));
+    }
+    // Last in apply order, so that a namespace gaining these policies is never isolated before
+    // its allows exist.
+    out.push(network_policy(
+        di,
+        names::DEFAULT_DENY_POLICY,
+        &[],
+        json!({"podSelector": {}, "policyTypes": ["Ingress"]}),
+    ));
+    out
+}
+
+/// Whether `obj` is the namespace's default-deny policy (applied after everything else).
+pub fn is_default_deny(obj: &Value) -> bool {
+    obj["kind"] == "NetworkPolicy"
+        && obj.pointer("/metadata/name") == Some(&json!(names::DEFAULT_DENY_POLICY))
+}
+
 /// The Secret the gateway checks bearer tokens against: one key per token id, the value the hex
 /// SHA-256 of the token. Deterministic (sorted by id), so an unchanged set writes nothing.
 pub fn access_tokens_secret(di: &Uuid, tokens: &[AccessTokenHash]) -> Value {
@@ -522,7 +611,8 @@ pub fn access_tokens_secret(di: &Uuid, tokens: &[AccessTokenHash]) -> Value {
     })
 }
 
-/// Every object of one DI, in apply order: Namespace, Secrets, per model (EPP ConfigMap,
+/// Every object of one DI, in apply order: Namespace, Secrets, NetworkPolicies (the default
+/// deny last), per model (EPP ConfigMap,
 /// ServiceAccount, Role, RoleBinding, Service, Deployment; vLLM Deployment; InferencePool),
 /// Gateway, HTTPRoute, LoadBalancer Services. Deterministic: the same input gives the same
 /// bytes (access tokens are sorted by id).
@@ -550,6 +640,7 @@ pub fn manifests(input: &ManifestInput) -> Vec<Value> {
         "data": {"tls.crt": b64(&input.tls.cert_pem), "tls.key": b64(&input.tls.key_pem)},
     }));
     out.push(access_tokens_secret(di, &input.access_tokens));
+    out.extend(network_policies(input));
     for m in &input.models {
         out.extend(epp_objects(input, m));
         out.push(vllm_deployment(input, m));
@@ -611,7 +702,7 @@ pub fn prune(di_id: &Uuid, desired: &[Value], observed: &[Value]) -> Vec<ObjectK
     // Apply order by kind (see `manifests`); deletion goes the other way.
     let rank = |o: &Value| match o["kind"].as_str().unwrap_or("") {
         "Namespace" => 0,
-        "Secret" => 1,
+        "Secret" | "NetworkPolicy" => 1,
         "ConfigMap" | "ServiceAccount" | "Role" | "RoleBinding" => 2,
         "Service" if o.pointer("/spec/type") != Some(&json!("LoadBalancer")) => 3,
         "Deployment" => 4,
@@ -1010,10 +1101,93 @@ mod tests {
         assert!(gone.iter().all(|k| k.name.contains("bbbbbbbb")), "{gone:?}");
         assert_eq!(
             gone.len(),
-            8,
-            "6 EPP objects, vLLM Deployment, InferencePool"
+            10,
+            "6 EPP objects, vLLM Deployment, InferencePool, 2 NetworkPolicies"
         );
         assert_eq!(gone[0].kind, "InferencePool");
         assert!(prune(&di(), &after, &after).is_empty());
+    }
+
+    fn policies(objs: &[Value]) -> Vec<&Value> {
+        objs.iter()
+            .filter(|o| o["kind"] == "NetworkPolicy")
+            .collect()
+    }
+
+    #[test]
+    fn namespace_denies_ingress_by_default_then_allows_the_data_path() {
+        let objs = manifests(&two());
+        let ps = policies(&objs);
+        // Namespace-wide: the gateway's HTTPS and the default deny; per model: EPP and vLLM.
+        assert_eq!(ps.len(), 2 + 2 * 2);
+        for p in &ps {
+            assert_eq!(p["apiVersion"], "networking.k8s.io/v1");
+            assert_eq!(p["spec"]["policyTypes"], json!(["Ingress"]), "{p}");
+            // No rule admits another namespace or an address block: only peers of this
+            // namespace (a podSelector alone) or, for the gateway, any source.
+            for rule in p["spec"]["ingress"].as_array().into_iter().flatten() {
+                for peer in rule["from"].as_array().into_iter().flatten() {
+                    assert_eq!(
+                        peer.as_object().unwrap().keys().collect::<Vec<_>>(),
+                        ["podSelector"],
+                        "{p}"
+                    );
+                }
+            }
+        }
+        let deny = find(&objs, "NetworkPolicy", "default-deny-ingress");
+        assert_eq!(deny["spec"]["podSelector"], json!({}), "selects every pod");
+        assert!(deny["spec"].get("ingress").is_none(), "admits nothing");
+        // Applied after the allows: a running DI gaining policies is never cut off.
+        let pos = |name: &str| {
+            objs.iter()
+                .position(|o| o["kind"] == "NetworkPolicy" && o["metadata"]["name"] == name)
+                .unwrap()
+        };
+        assert!(ps
+            .iter()
+            .all(|p| pos(p["metadata"]["name"].as_str().unwrap()) <= pos("default-deny-ingress")));
+        assert!(is_default_deny(deny));
+        assert!(!is_default_deny(find(
+            &objs,
+            "NetworkPolicy",
+            "inference-gateway-https"
+        )));
+
+        let gw = find(&objs, "NetworkPolicy", "inference-gateway-https");
+        let gateway_pods = json!({"gateway.networking.k8s.io/gateway-name": "inference-gateway"});
+        assert_eq!(gw["spec"]["podSelector"]["matchLabels"], gateway_pods);
+        // The load balancers forward client or node addresses: any source, port 443 only.
+        assert_eq!(
+            gw["spec"]["ingress"],
+            json!([{"ports": [{"protocol": "TCP", "port": 443}]}])
+        );
+        let gateway_peer = json!({"podSelector": {"matchLabels": gateway_pods}});
+        for (m, model) in [(M1, "aaaaaaaa"), (M2, "bbbbbbbb")] {
+            let epp = find(&objs, "NetworkPolicy", &format!("pool-{model}-epp"));
+            let epp_pods = &find(&objs, "Deployment", &format!("pool-{model}-epp"))["spec"]
+                ["template"]["metadata"]["labels"];
+            for (k, v) in epp["spec"]["podSelector"]["matchLabels"]
+                .as_object()
+                .unwrap()
+            {
+                assert_eq!(&epp_pods[k], v, "selects the EPP's pods");
+            }
+            assert_eq!(
+                epp["spec"]["ingress"],
+                json!([{"from": [gateway_peer], "ports": [{"protocol": "TCP", "port": 9002}]}])
+            );
+            let vllm = find(&objs, "NetworkPolicy", &format!("vllm-{model}"));
+            assert_eq!(
+                vllm["spec"]["podSelector"]["matchLabels"],
+                pool_selector(&m.parse().unwrap())
+            );
+            assert_eq!(
+                vllm["spec"]["ingress"],
+                json!([{"from": [gateway_peer, {"podSelector": epp["spec"]["podSelector"]}],
+                        "ports": [{"protocol": "TCP", "port": 8000}]}])
+            );
+            assert_eq!(vllm["metadata"]["labels"][names::MODEL_ID_LABEL], m);
+        }
     }
 }

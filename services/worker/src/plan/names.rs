@@ -35,6 +35,9 @@ pub const GATEWAY: &str = "inference-gateway";
 pub const HTTP_ROUTE: &str = "inference-route";
 pub const PRIVATE_SERVICE: &str = "inference-private";
 pub const PUBLIC_SERVICE: &str = "inference-public";
+/// NetworkPolicies of the namespace as a whole (per-model ones take the model's object names).
+pub const DEFAULT_DENY_POLICY: &str = "default-deny-ingress";
+pub const GATEWAY_POLICY: &str = "inference-gateway-https";
 /// Request header that selects a model when a DI serves several.
 pub const MODEL_HEADER: &str = "X-Gateway-Model-Name";
 

@@ -22,7 +22,6 @@ use worker::runtime::{Config, Worker, WorkerHandle};
 pub const MODEL: &str = "qwen/qwen2.5-7b-instruct";
 pub const GPU: &str = "gpu-h100x1-80gb";
 pub const SIM_TOKEN: &str = "sim-token";
-pub const PROBE_SECRET: &[u8] = b"probe-secret-for-tests";
 
 pub fn init_logs() {
     init_logs_with("worker=info,warn");
@@ -123,7 +122,6 @@ impl Env {
             &self.seal_key,
             &self.sim.base_url(),
             SIM_TOKEN,
-            PROBE_SECRET,
         );
         c.concurrency = 4;
         c.lease = Duration::from_secs(5);
@@ -146,12 +144,7 @@ impl Env {
     /// Deletes DI `di`'s private load balancer Service behind the workers' back (the test has
     /// one cluster); the one a worker applies again gets another address.
     pub async fn delete_private_service(&self, di: Uuid) {
-        let cloud = self.cloud();
-        let cluster = cloud.cluster_list().await.unwrap().remove(0);
-        let kubeconfig = cloud.kubeconfig(&cluster.id).await.unwrap();
-        let kube = cloud_clients::KubeClient::from_kubeconfig_yaml(&kubeconfig, "a-test")
-            .await
-            .unwrap();
+        let kube = self.cluster_kube().await;
         let ns = worker::plan::names::namespace(&di);
         kube.delete(
             "v1",
@@ -161,6 +154,16 @@ impl Env {
         )
         .await
         .unwrap();
+    }
+
+    /// A Kubernetes client of the test's own for the region's one cluster.
+    pub async fn cluster_kube(&self) -> cloud_clients::KubeClient {
+        let cloud = self.cloud();
+        let cluster = cloud.cluster_list().await.unwrap().remove(0);
+        let kubeconfig = cloud.kubeconfig(&cluster.id).await.unwrap();
+        cloud_clients::KubeClient::from_kubeconfig_yaml(&kubeconfig, "a-test")
+            .await
+            .unwrap()
     }
 
     /// A reconciler of its own, as a worker builds it, whose DigitalOcean and Kubernetes
@@ -227,6 +230,29 @@ impl Env {
         (rec, token)
     }
 
+    /// Creates DIs of scale 1 (in the test VPC: they share its cluster) and waits until every
+    /// one is active; each with what a client needs to call it.
+    pub async fn create_active(&self, n: usize) -> Vec<Serving> {
+        let mut created = Vec::new();
+        for _ in 0..n {
+            created.push(self.create(1).await);
+        }
+        let mut serving = Vec::new();
+        for (rec, token) in created {
+            let active = self.wait_active(rec.id, 1).await;
+            serving.push(Serving {
+                client: ca_client(&self.store.ca_certificate(rec.id, self.team).await.unwrap()),
+                url: active
+                    .public_endpoint_fqdn
+                    .clone()
+                    .expect("a public endpoint"),
+                record: active,
+                token,
+            });
+        }
+        serving
+    }
+
     /// Stores `spec` as DI `id`'s next spec (`spec.version` is the latest one, as in a PATCH).
     pub async fn patch(&self, id: Uuid, spec: &Spec) -> Record {
         self.store
@@ -286,6 +312,16 @@ impl Env {
         .await
     }
 
+    /// Deletes DI `id` and waits until it is gone (other DIs may still use the region).
+    pub async fn delete_until_gone(&self, id: Uuid) {
+        self.store
+            .dedicated_inference_delete(id, self.team)
+            .await
+            .unwrap();
+        self.wait_for(id, "gone", Duration::from_secs(60), |r| r.gone)
+            .await;
+    }
+
     pub async fn wait_gone(&self, id: Uuid) {
         self.wait_for(id, "gone", Duration::from_secs(60), |r| r.gone)
             .await;
@@ -302,6 +338,14 @@ impl Env {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// An active DI: its record, its managed token, a client trusting its CA and its public URL.
+pub struct Serving {
+    pub record: Record,
+    pub token: String,
+    pub client: reqwest::Client,
+    pub url: String,
 }
 
 pub fn ca_client(ca_pem: &str) -> reqwest::Client {
