@@ -288,6 +288,8 @@ struct Admitted {
     /// its body names one).
     backend: String,
     backends: Vec<Backend>,
+    /// This request's turn in the round robin (one per request, whichever pods it may use).
+    turn: usize,
 }
 
 /// The gateway's checks, in a gateway's order: faults, route match, authentication, backend.
@@ -367,10 +369,11 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
             "no healthy upstream",
         ));
     }
-    let i = inner.next_backend.fetch_add(1, Ordering::Relaxed) % endpoints.len();
+    let turn = inner.next_backend.fetch_add(1, Ordering::Relaxed);
     Ok(Admitted {
-        backend: endpoints[i].pod.clone(),
+        backend: endpoints[turn % endpoints.len()].pod.clone(),
         backends: endpoints,
+        turn,
     })
 }
 
@@ -446,7 +449,7 @@ struct Common {
 
 /// Parses the common request fields, checks the model name the way vLLM does and sends the
 /// request to a pod serving that model.
-fn common(body: &Bytes, a: &mut Admitted, inner: &Inner) -> Result<Common, Box<Response>> {
+fn common(body: &Bytes, a: &mut Admitted) -> Result<Common, Box<Response>> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| Box::new(bad_request(format!("request body is not valid JSON: {e}"))))?;
     if !v.is_object() {
@@ -470,10 +473,7 @@ fn common(body: &Bytes, a: &mut Admitted, inner: &Inner) -> Result<Common, Box<R
             format!("The model `{model}` does not exist."),
         )));
     }
-    if !serving.iter().any(|b| b.pod == a.backend) {
-        let i = inner.next_backend.fetch_add(1, Ordering::Relaxed) % serving.len();
-        a.backend = serving[i].pod.clone();
-    }
+    a.backend = serving[a.turn % serving.len()].pod.clone();
     let max = v
         .get("max_completion_tokens")
         .filter(|m| !m.is_null())
@@ -526,7 +526,7 @@ async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
         max_tokens,
         stream,
         include_usage,
-    } = match common(&body, &mut a, &inner) {
+    } = match common(&body, &mut a) {
         Ok(x) => x,
         Err(r) => return with_backend(*r, &a.backend),
     };
@@ -609,7 +609,7 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
         max_tokens,
         stream,
         include_usage,
-    } = match common(&body, &mut a, &inner) {
+    } = match common(&body, &mut a) {
         Ok(x) => x,
         Err(r) => return with_backend(*r, &a.backend),
     };

@@ -426,47 +426,82 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default();
+    // Every rule leading to an InferencePool counts (the worker writes one per model
+    // deployment, each matching its model's name); the gateway sends a request to a pod serving
+    // the model it names, which is what those matches amount to.
     let mut paths = Vec::new();
-    let mut pool_name = None;
+    let mut pool_names = Vec::new();
     for rule in &rules {
         let backend = rule
             .get("backendRefs")
             .and_then(Value::as_array)
             .and_then(|bs| bs.first());
         let Some(b) = backend else { continue };
-        if b["kind"] == "InferencePool" && b["group"] == INFERENCE_GROUP {
-            pool_name = b["name"].as_str().map(str::to_string);
-            for m in rule
-                .get("matches")
-                .and_then(Value::as_array)
-                .cloned()
-                .unwrap_or_default()
-            {
-                let v = m
-                    .pointer("/path/value")
-                    .and_then(Value::as_str)
-                    .unwrap_or("/");
-                match m.pointer("/path/type").and_then(Value::as_str) {
-                    Some("Exact") => paths.push(format!("={v}")),
-                    _ => paths.push(v.to_string()),
-                }
+        if b["kind"] != "InferencePool" || b["group"] != INFERENCE_GROUP {
+            continue;
+        }
+        let Some(name) = b["name"].as_str() else {
+            continue;
+        };
+        if !pool_names.iter().any(|n| n == name) {
+            pool_names.push(name.to_string());
+        }
+        for m in rule
+            .get("matches")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+        {
+            let v = m
+                .pointer("/path/value")
+                .and_then(Value::as_str)
+                .unwrap_or("/");
+            let path = match m.pointer("/path/type").and_then(Value::as_str) {
+                Some("Exact") => format!("={v}"),
+                _ => v.to_string(),
+            };
+            if !paths.contains(&path) {
+                paths.push(path);
             }
-            break;
         }
     }
-    let Some(pool_name) = pool_name else {
+    if pool_names.is_empty() {
         w.problems.push(format!(
             "HTTPRoute {ns}/{} has no backendRef to an {INFERENCE_GROUP} InferencePool",
             name_of(route)
         ));
-        // A route to something that cannot be resolved: the gateway answers 5xx.
-        w.config.route = Route::Pool {
-            paths,
-            endpoints: Vec::new(),
-        };
-        return w;
+    }
+    let gateway = Source::Pod {
+        ns: &ns,
+        labels: &gateway_pods,
     };
-    let pool = find(objs, "InferencePool", INFERENCE_GROUP, &ns, &pool_name);
+    let mut endpoints = Vec::new();
+    for pool_name in &pool_names {
+        endpoints.extend(pool_endpoints(
+            objs,
+            &ns,
+            pool_name,
+            gateway,
+            &mut w.problems,
+        ));
+    }
+    endpoints.sort_by(|a, b| a.pod.cmp(&b.pod));
+    endpoints.dedup_by(|a, b| a.pod == b.pod);
+    // A route to nothing that resolves: the gateway answers 5xx.
+    w.config.route = Route::Pool { paths, endpoints };
+    w
+}
+
+/// The ready pods of InferencePool `pool_name` that the gateway may reach, with their models;
+/// what is missing or denied goes to `problems`.
+fn pool_endpoints(
+    objs: &[Arc<Value>],
+    ns: &str,
+    pool_name: &str,
+    gateway: Source,
+    problems: &mut Vec<String>,
+) -> Vec<Backend> {
+    let pool = find(objs, "InferencePool", INFERENCE_GROUP, ns, pool_name);
     let selector = pool.and_then(|p| {
         p.pointer("/spec/selector/matchLabels")
             .or_else(|| p.pointer("/spec/selector"))
@@ -479,14 +514,10 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
             })
     });
     let Some(selector) = selector else {
-        w.problems.push(format!(
+        problems.push(format!(
             "InferencePool {ns}/{pool_name} not found or has no selector"
         ));
-        w.config.route = Route::Pool {
-            paths,
-            endpoints: Vec::new(),
-        };
-        return w;
+        return Vec::new();
     };
     let pods: Vec<&Value> = objs
         .iter()
@@ -503,34 +534,28 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         .and_then(|p| p.pointer("/spec/targetPorts/0/number"))
         .and_then(Value::as_i64)
         .unwrap_or(0);
-    let gateway = Source::Pod {
-        ns: &ns,
-        labels: &gateway_pods,
-    };
     let (reachable, denied): (Vec<&&Value>, Vec<&&Value>) =
         pods.iter().filter(|p| pod_ready(p)).partition(|p| {
             let labels = p.pointer("/metadata/labels").unwrap_or(&Value::Null);
-            ingress_admits(objs, &ns, labels, target_port, gateway)
+            ingress_admits(objs, ns, labels, target_port, gateway)
         });
     if !denied.is_empty() {
-        w.problems.push(format!(
+        problems.push(format!(
             "network policy in {ns} denies the gateway port {target_port} of {} ready pods",
             denied.len()
         ));
     }
-    let mut endpoints: Vec<Backend> = reachable
+    let endpoints: Vec<Backend> = reachable
         .iter()
         .map(|p| Backend::new(name_of(p), pod_model(objs, p).as_deref()))
         .collect();
-    endpoints.sort_by(|a, b| a.pod.cmp(&b.pod));
     if endpoints.is_empty() {
-        w.problems.push(format!(
+        problems.push(format!(
             "InferencePool {ns}/{pool_name} has no ready pods ({} matching)",
             pods.len()
         ));
     }
-    w.config.route = Route::Pool { paths, endpoints };
-    w
+    endpoints
 }
 
 #[cfg(test)]
@@ -621,6 +646,40 @@ mod tests {
                 endpoints: vec![
                     Backend::new("vllm-new", Some("big")),
                     Backend::new("vllm-old", Some("org/small")),
+                ]
+            }
+        );
+    }
+
+    /// A DI with two model deployments: a rule and a pool per model; the endpoint serves both.
+    #[test]
+    fn every_rule_of_the_route_leads_to_its_pool() {
+        let mut objs = objects();
+        for o in objs.iter_mut() {
+            if o["kind"] == "HTTPRoute" {
+                let mut route = (**o).clone();
+                let mut second = route["spec"]["rules"][0].clone();
+                second["backendRefs"][0]["name"] = json!("pool-2");
+                route["spec"]["rules"].as_array_mut().unwrap().push(second);
+                *o = Arc::new(route);
+            }
+        }
+        objs.push(Arc::new(json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "pool-2", "namespace": "di-1"},
+            "spec": {"selector": {"matchLabels": {"app": "vllm-2"}}, "targetPorts": [{"number": 8000}]}})));
+        objs.push(Arc::new(json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "vllm-2-a", "namespace": "di-1", "labels": {"app": "vllm-2"}},
+            "spec": {"containers": [{"name": "vllm", "args": ["--model", "small"]}]},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})));
+        let w = wire(&svc(), &objs);
+        assert!(w.problems.is_empty(), "{:?}", w.problems);
+        assert_eq!(
+            w.config.route,
+            Route::Pool {
+                paths: vec!["/".into()],
+                endpoints: vec![
+                    Backend::new("vllm-1-a", Some("big")),
+                    Backend::new("vllm-2-a", Some("small")),
                 ]
             }
         );

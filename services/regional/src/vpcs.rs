@@ -51,10 +51,15 @@ impl Vpcs {
         match requested {
             Some(id) => match api.vpc_get(&id.to_string()).await {
                 Ok(vpc) if vpc.region == self.region => Ok(id),
-                Ok(_) | Err(DoError::NotFound { .. }) => Err(ApiError::Unprocessable(format!(
-                    "spec.vpc.uuid {id} is not one of your VPCs in {}.",
-                    self.region
-                ))),
+                Ok(_) | Err(DoError::NotFound { .. }) => {
+                    // A wrong API address answers 404 too: only when the team's own list works
+                    // is the VPC really not the team's (a refusal is final for the create).
+                    api.vpc_list().await.map_err(unavailable)?;
+                    Err(ApiError::Unprocessable(format!(
+                        "spec.vpc.uuid {id} is not one of your VPCs in {}.",
+                        self.region
+                    )))
+                }
                 Err(e) => Err(unavailable(e)),
             },
             None => {
@@ -62,9 +67,11 @@ impl Vpcs {
                 vpcs.iter()
                     .find(|v| v.default && v.region == self.region)
                     .and_then(|v| Uuid::parse_str(&v.id).ok())
+                    // An account whose default VPC in the region is not made yet: a retry
+                    // would not change that, so the customer is told what to send.
                     .ok_or_else(|| {
-                        ApiError::Unavailable(format!(
-                            "no default VPC for team {team} in {}",
+                        ApiError::Unprocessable(format!(
+                            "spec.vpc.uuid is required: you have no default VPC in {} yet; name one of your VPCs there.",
                             self.region
                         ))
                     })
