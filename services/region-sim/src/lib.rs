@@ -54,7 +54,14 @@ pub struct SimConfig {
     /// Defaults to 100 ms; benchmarks with many clusters raise it, as each look costs in
     /// proportion to the cluster's objects.
     pub cloud_controller_idle_ms: u64,
+    /// How long the cluster credentials the kubeconfig and credentials endpoints issue stay
+    /// valid when the request does not ask (`expiry_seconds` absent or 0): 7 days, as on DOKS.
+    /// Tests shorten it to see credentials expire.
+    pub credential_ttl: Duration,
 }
+
+/// DOKS's default lifetime of cluster credentials.
+pub const DEFAULT_CREDENTIAL_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 
 impl SimConfig {
     pub fn new(region: &str, token: &str) -> Self {
@@ -67,6 +74,7 @@ impl SimConfig {
             faults: FaultConfig::default(),
             model: ModelTiming::default(),
             cloud_controller_idle_ms: 100,
+            credential_ttl: DEFAULT_CREDENTIAL_TTL,
         }
     }
 }
@@ -339,6 +347,7 @@ impl RegionSim {
             clusters: clusters::Clusters::new(
                 cfg.delays.clone(),
                 Duration::from_millis(cfg.cloud_controller_idle_ms),
+                cfg.credential_ttl,
             ),
             model: Arc::new(RwLock::new(cfg.model.clone())),
             drive_lock: tokio::sync::Mutex::new(()),
