@@ -322,6 +322,11 @@ impl Tokens {
         token
     }
 
+    /// Every token issued so far stops working.
+    fn revoke_all(&self) {
+        self.live.lock().expect("tokens lock").clear();
+    }
+
     /// Whether `token` was issued for this cluster and has not expired.
     pub(crate) fn valid(&self, token: &str) -> bool {
         self.live
@@ -338,6 +343,8 @@ const MAX_CREDENTIAL_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Credentials for one cluster's API, as the credentials endpoint returns them.
 pub(crate) struct Credentials {
+    /// `do-<region>-<name>`: the kubeconfig's cluster, context and user names.
+    context: String,
     pub(crate) server: String,
     pub(crate) token: String,
     /// When the token stops being accepted.
@@ -440,17 +447,19 @@ impl Clusters {
         let expires_at = chrono::Utc::now()
             + chrono::Duration::from_std(ttl).unwrap_or_else(|_| chrono::Duration::days(365));
         Some(Credentials {
+            context: side.context.clone(),
             server: side.server.clone(),
             token,
             expires_at,
         })
     }
 
-    /// A kubeconfig with new credentials (see [`Clusters::credentials`]).
-    pub(crate) fn kubeconfig(&self, id: &str, expiry_seconds: Option<u64>) -> Option<String> {
-        let side = self.get(id)?;
-        let creds = self.credentials(id, expiry_seconds)?;
-        Some(kubeconfig_yaml(&side.context, &creds.server, &creds.token))
+    /// Revokes every credential issued so far for every cluster, as revoking the DigitalOcean
+    /// API token they were issued with does; new ones can be fetched at once.
+    pub(crate) fn revoke_credentials(&self) {
+        for side in self.map.lock().expect("clusters lock").values() {
+            side.tokens.revoke_all();
+        }
     }
 
     pub(crate) fn set_delays(&self, d: &Delays) {
@@ -569,11 +578,14 @@ impl Clusters {
     }
 }
 
-/// A kubeconfig in the shape DigitalOcean returns (`do-<region>-<name>` names, token user).
-fn kubeconfig_yaml(ctx: &str, server: &str, token: &str) -> String {
-    format!(
+impl Credentials {
+    /// A kubeconfig in the shape DigitalOcean returns (`do-<region>-<name>` names, token user).
+    pub(crate) fn kubeconfig_yaml(&self) -> String {
+        let (ctx, server, token) = (&self.context, &self.server, &self.token);
+        format!(
         "apiVersion: v1\nclusters:\n- cluster:\n    server: {server}\n  name: {ctx}\ncontexts:\n- context:\n    cluster: {ctx}\n    user: {ctx}-admin\n  name: {ctx}\ncurrent-context: {ctx}\nkind: Config\npreferences: {{}}\nusers:\n- name: {ctx}-admin\n  user:\n    token: {token}\n"
     )
+    }
 }
 
 async fn stop_side(side: &ClusterSide) {

@@ -324,19 +324,27 @@ fn expiry_seconds(q: &HashMap<String, String>) -> Result<Option<u64>, ApiError> 
         .transpose()
 }
 
+/// New credentials for cluster `id`, as the kubeconfig and credentials endpoints issue them.
+fn issue_credentials(
+    s: &Shared,
+    id: &str,
+    q: &HashMap<String, String>,
+) -> Result<crate::clusters::Credentials, ApiError> {
+    let expiry = expiry_seconds(q)?;
+    if !s.world.cluster_exists(id) {
+        return Err(ApiError::not_found());
+    }
+    s.clusters
+        .credentials(id, expiry)
+        .ok_or_else(ApiError::not_found)
+}
+
 async fn kubeconfig(
     State(s): State<Arc<Shared>>,
     Path(id): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult {
-    let expiry = expiry_seconds(&q)?;
-    if !s.world.cluster_exists(&id) {
-        return Err(ApiError::not_found());
-    }
-    let yaml = s
-        .clusters
-        .kubeconfig(&id, expiry)
-        .ok_or_else(ApiError::not_found)?;
+    let yaml = issue_credentials(&s, &id, &q)?.kubeconfig_yaml();
     Ok((
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/yaml")],
@@ -350,14 +358,7 @@ async fn credentials(
     Path(id): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult {
-    let expiry = expiry_seconds(&q)?;
-    if !s.world.cluster_exists(&id) {
-        return Err(ApiError::not_found());
-    }
-    let creds = s
-        .clusters
-        .credentials(&id, expiry)
-        .ok_or_else(ApiError::not_found)?;
+    let creds = issue_credentials(&s, &id, &q)?;
     reply(
         StatusCode::OK,
         json!({

@@ -8,8 +8,8 @@
 //! wired to a gateway. It also offers fault injection and an inventory of everything it holds,
 //! under `/_sim/`. It must not contain control-plane logic (it only reacts to what a real cloud
 //! would see), must not reach any network beyond loopback, and production code must never need
-//! to know it is talking to it: a base URL, a token and the kubeconfig it hands out are the
-//! whole interface.
+//! to know it is talking to it: a base URL, a token and the cluster credentials (kubeconfig) it
+//! hands out, which expire as DOKS's do, are the whole interface.
 
 pub mod data_plane;
 pub mod do_api;
@@ -113,6 +113,23 @@ pub struct StatsSnapshot {
     /// Requests the data-plane endpoints that exist now have served (not cleared by a reset).
     #[serde(default)]
     pub data_plane_requests: u64,
+}
+
+impl StatsSnapshot {
+    /// Cluster credentials requested so far: kubeconfig and credentials calls (each issues a
+    /// token).
+    pub fn credential_requests(&self) -> u64 {
+        self.requests
+            .get("do")
+            .map(|kinds| {
+                kinds
+                    .iter()
+                    .filter(|(k, _)| k.ends_with("/credentials") || k.ends_with("/kubeconfig"))
+                    .map(|(_, n)| n)
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
 }
 
 fn is_mutating(method: &http::Method) -> bool {
@@ -501,6 +518,13 @@ impl RegionSim {
     /// Number of mutating Kubernetes API calls (to any cluster) so far.
     pub fn kube_mutations(&self) -> u64 {
         self.shared.stats.kube_mutations.load(Ordering::SeqCst)
+    }
+
+    /// Revokes every cluster credential (kubeconfig or credentials token) issued so far, as
+    /// revoking the DigitalOcean API token they were issued with does: the clusters' APIs refuse
+    /// them (401) from now on, before they expire. Credentials fetched afterwards work.
+    pub fn revoke_cluster_credentials(&self) {
+        self.shared.clusters.revoke_credentials();
     }
 
     /// Kills a node (by its Kubernetes name): NotReady at once, replaced after the delays.
