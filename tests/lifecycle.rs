@@ -1278,6 +1278,7 @@ async fn a_killed_worker_is_replaced_without_duplicating_anything() {
         workers: 1,
         delays: gated.clone(),
         lease: Duration::from_secs(1),
+        ..CloudOptions::default()
     })
     .await;
     let region = "atl1";

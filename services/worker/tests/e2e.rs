@@ -536,3 +536,59 @@ async fn a_phase_without_progress_becomes_an_event_then_an_error() {
     w.shutdown().await;
     env.sim.shutdown().await;
 }
+
+/// A cluster that refuses the worker's credentials before they are due for renewal (revoked):
+/// the pass that meets the 401 fetches fresh ones and finishes, in a resync and in an update,
+/// instead of failing and waiting for a retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_cluster_credentials_are_replaced_within_the_pass() {
+    let env = env_with(None).await;
+    let (rec, _token) = env.create(1).await;
+    // No retries inside the clients: a pass that fails shows.
+    let r = env.reconciler(cloud_clients::RetryConfig::none());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while r.reconcile(rec.id).await.unwrap().waiting.is_some() {
+        assert!(Instant::now() < deadline, "not active");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A resync: the worker reaches the cluster with the client it keeps.
+    let fetched = env.sim.stats().credential_requests();
+    let pass = r.reconcile(rec.id).await.unwrap();
+    assert_eq!(pass.waiting, None, "{pass:?}");
+    assert_eq!(
+        env.sim.stats().credential_requests(),
+        fetched,
+        "a fresh client is kept"
+    );
+
+    env.sim.revoke_cluster_credentials();
+    let pass = r
+        .reconcile(rec.id)
+        .await
+        .expect("a resync on revoked credentials renews them and succeeds");
+    assert_eq!(pass.waiting, None, "{pass:?}");
+    assert_eq!(env.sim.stats().credential_requests(), fetched + 1);
+
+    // An update: the first pass of the rollout meets revoked credentials.
+    let active = env.wait_active(rec.id, 1).await;
+    let mut spec = env.spec(
+        2,
+        active.spec.as_ref().unwrap().model_deployments[0].model_id,
+    );
+    spec.version = 1;
+    env.patch(rec.id, &spec).await;
+    env.sim.revoke_cluster_credentials();
+    let pass = r
+        .reconcile(rec.id)
+        .await
+        .expect("an update's pass on revoked credentials renews them and goes on");
+    assert_eq!(pass.status, Some(Status::Updating), "{pass:?}");
+    assert_eq!(env.sim.stats().credential_requests(), fetched + 2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while r.reconcile(rec.id).await.unwrap().waiting.is_some() {
+        assert!(Instant::now() < deadline, "the update did not finish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    env.wait_active(rec.id, 2).await;
+    env.sim.shutdown().await;
+}
