@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use base64::Engine;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
@@ -108,10 +109,68 @@ mod kube {
     }
 }
 
+mod pki {
+    //! A cluster's certificate authority and its API server's certificate, as DOKS gives every
+    //! cluster its own CA (handed out as the kubeconfig's `certificate-authority-data`).
+
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::sync::Arc;
+
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+        KeyUsagePurpose, SanType,
+    };
+    use rustls::ServerConfig;
+
+    pub struct ClusterPki {
+        /// The CA certificate, PEM.
+        pub ca_pem: String,
+        /// The API server's TLS configuration: a certificate for `127.0.0.1` and `localhost`
+        /// signed by the CA.
+        pub server: Arc<ServerConfig>,
+    }
+
+    pub fn generate(cluster_name: &str) -> anyhow::Result<ClusterPki> {
+        let mut ca = CertificateParams::new(Vec::<String>::new())?;
+        ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        ca.distinguished_name.push(
+            DnType::CommonName,
+            format!("k8saas Cluster CA {cluster_name}"),
+        );
+        ca.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_key = KeyPair::generate()?;
+        let ca_cert = ca.self_signed(&ca_key)?;
+        let mut server = CertificateParams::new(vec!["localhost".to_string()])?;
+        server
+            .subject_alt_names
+            .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+        server
+            .distinguished_name
+            .push(DnType::CommonName, "kube-apiserver");
+        server.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        server.use_authority_key_identifier_extension = true;
+        let key = KeyPair::generate()?;
+        let cert = server.signed_by(&key, &ca_cert, &ca_key)?;
+        Ok(ClusterPki {
+            ca_pem: ca_cert.pem(),
+            server: crate::data_plane::tls_config(&cert.pem(), &key.serialize_pem())?,
+        })
+    }
+}
+
 mod proxy {
     //! The address the kubeconfig points at: a thin reverse proxy in front of the cluster's
-    //! simulated API server that checks the bearer token against the cluster's live credentials
-    //! (see [`super::Tokens`]) and injects the `kube` faults.
+    //! simulated API server that serves HTTPS with a certificate from the cluster's CA, checks
+    //! the bearer token against the cluster's live credentials (see [`super::Tokens`]) and
+    //! injects the `kube` faults.
 
     use std::sync::Arc;
 
@@ -245,13 +304,14 @@ mod proxy {
             .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
     }
 
-    /// Starts the proxy on a loopback port; returns its URL.
+    /// Starts the proxy on a loopback port, serving HTTPS with `tls`; returns its URL.
     pub async fn start(
         upstream: String,
+        tls: Arc<rustls::ServerConfig>,
         tokens: Arc<Tokens>,
         faults: Arc<Faults>,
         stats: Arc<Stats>,
-        mut stop: watch::Receiver<bool>,
+        stop: watch::Receiver<bool>,
     ) -> anyhow::Result<String> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -262,15 +322,14 @@ mod proxy {
             stats,
             http: reqwest::Client::new(),
         }));
-        tokio::spawn(async move {
-            let serve = axum::serve(listener, app);
-            tokio::select! {
-                _ = serve => {}
-                // Dropping the server closes open watches too, as a deleted cluster would.
-                _ = stop.changed() => {}
-            }
-        });
-        Ok(format!("http://{addr}"))
+        // Stopping closes open watches too, as a deleted cluster would.
+        tokio::spawn(crate::data_plane::serve_tls(
+            listener,
+            move || Some(tls.clone()),
+            app,
+            stop,
+        ));
+        Ok(format!("https://{addr}"))
     }
 }
 
@@ -346,6 +405,8 @@ pub(crate) struct Credentials {
     /// `do-<region>-<name>`: the kubeconfig's cluster, context and user names.
     context: String,
     pub(crate) server: String,
+    /// Base64 of the cluster CA's PEM certificate.
+    pub(crate) certificate_authority_data: String,
     pub(crate) token: String,
     /// When the token stops being accepted.
     pub(crate) expires_at: chrono::DateTime<chrono::Utc>,
@@ -356,6 +417,8 @@ struct ClusterSide {
     /// `do-<region>-<name>`: the kubeconfig's cluster, context and user names.
     context: String,
     server: String,
+    /// Base64 of the cluster CA's PEM certificate, as credentials carry it.
+    ca_data: String,
     tokens: Arc<Tokens>,
     stop: watch::Sender<bool>,
     endpoints: Mutex<BTreeMap<(String, String), EndpointSlot>>,
@@ -404,8 +467,10 @@ impl Clusters {
         let handle = kube::Handle::start(name, &delays).await?;
         let (stop, stop_rx) = watch::channel(false);
         let tokens = Arc::new(Tokens::new());
+        let pki = pki::generate(name)?;
         let url = proxy::start(
             handle.url(),
+            pki.server,
             tokens.clone(),
             shared.faults.clone(),
             shared.stats.clone(),
@@ -416,6 +481,7 @@ impl Clusters {
         let side = Arc::new(ClusterSide {
             context: format!("do-{}-{name}", shared.world.region()),
             server: url,
+            ca_data: base64::engine::general_purpose::STANDARD.encode(&pki.ca_pem),
             tokens,
             kube: handle,
             stop,
@@ -449,6 +515,7 @@ impl Clusters {
         Some(Credentials {
             context: side.context.clone(),
             server: side.server.clone(),
+            certificate_authority_data: side.ca_data.clone(),
             token,
             expires_at,
         })
@@ -582,9 +649,10 @@ impl Credentials {
     /// A kubeconfig in the shape DigitalOcean returns (`do-<region>-<name>` names, token user).
     pub(crate) fn kubeconfig_yaml(&self) -> String {
         let (ctx, server, token) = (&self.context, &self.server, &self.token);
+        let ca = &self.certificate_authority_data;
         format!(
-        "apiVersion: v1\nclusters:\n- cluster:\n    server: {server}\n  name: {ctx}\ncontexts:\n- context:\n    cluster: {ctx}\n    user: {ctx}-admin\n  name: {ctx}\ncurrent-context: {ctx}\nkind: Config\npreferences: {{}}\nusers:\n- name: {ctx}-admin\n  user:\n    token: {token}\n"
-    )
+            "apiVersion: v1\nclusters:\n- cluster:\n    certificate-authority-data: {ca}\n    server: {server}\n  name: {ctx}\ncontexts:\n- context:\n    cluster: {ctx}\n    user: {ctx}-admin\n  name: {ctx}\ncurrent-context: {ctx}\nkind: Config\npreferences: {{}}\nusers:\n- name: {ctx}-admin\n  user:\n    token: {token}\n"
+        )
     }
 }
 

@@ -363,8 +363,7 @@ async fn credentials(
         StatusCode::OK,
         json!({
             "server": creds.server,
-            // The simulated API server speaks plain HTTP on loopback: there is no CA.
-            "certificate_authority_data": "",
+            "certificate_authority_data": creds.certificate_authority_data,
             "client_certificate_data": null,
             "client_key_data": null,
             "token": creds.token,

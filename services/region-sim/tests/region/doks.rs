@@ -51,6 +51,19 @@ async fn do_call(
     )
 }
 
+/// An HTTPS client that trusts exactly the CA in `ca_data` (base64 of PEM, as kubeconfigs and
+/// credentials carry it), and no other.
+fn trusting(ca_data: &str) -> Client {
+    let pem = base64::engine::general_purpose::STANDARD
+        .decode(ca_data)
+        .expect("the CA data is base64");
+    Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(&pem).expect("the CA is PEM"))
+        .build()
+        .unwrap()
+}
+
 /// A client built from the kubeconfig the DO API hands out.
 struct Kube {
     server: String,
@@ -84,7 +97,11 @@ impl Kube {
                 .as_str()
                 .unwrap()
                 .to_string(),
-            http: Client::new(),
+            http: trusting(
+                cfg["clusters"][0]["cluster"]["certificate-authority-data"]
+                    .as_str()
+                    .expect("the kubeconfig carries the cluster's CA"),
+            ),
         }
     }
 
@@ -192,11 +209,12 @@ async fn kubeconfig_reaches_the_cluster_api_with_its_token_and_faults() {
     let other = Kube {
         server: kube.server.clone(),
         token: creds["token"].as_str().unwrap().to_string(),
-        http: Client::new(),
+        http: trusting(creds["certificate_authority_data"].as_str().unwrap()),
     };
     assert_eq!(other.get("/version").await.0, 200);
     // No token, no access.
-    let r = Client::new()
+    let r = kube
+        .http
         .get(format!("{}/version", kube.server))
         .send()
         .await
@@ -287,7 +305,7 @@ async fn cluster_credentials_expire() {
     let client = |c: &Value| Kube {
         server: c["server"].as_str().unwrap().to_string(),
         token: c["token"].as_str().unwrap().to_string(),
-        http: Client::new(),
+        http: trusting(c["certificate_authority_data"].as_str().unwrap()),
     };
     let (default, long) = (client(&default), client(&long));
     // A kubeconfig asked for with a lifetime of its own.
@@ -307,7 +325,7 @@ async fn cluster_credentials_expire() {
             .as_str()
             .unwrap()
             .to_string(),
-        http: Client::new(),
+        http: short.http.clone(),
     };
     for k in [&short, &default, &long, &long_kubeconfig] {
         assert_eq!(k.get("/api/v1/nodes").await.0, 200);
@@ -721,7 +739,8 @@ async fn load_balancer_services_are_mirrored_and_serve_the_model() {
     })
     .await;
     assert!(sim.inventory().kubernetes.is_empty());
-    assert!(Client::new()
+    assert!(kube
+        .http
         .get(format!("{}/version", kube.server))
         .bearer_auth(&kube.token)
         .send()
@@ -773,7 +792,8 @@ async fn kubernetes_and_do_calls_are_counted_by_kind() {
         .await;
     assert!(s.is_success(), "{s}");
     // Not authenticated: not a call.
-    let r = Client::new()
+    let r = kube
+        .http
         .delete(format!("{}/api/v1/namespaces/counted", kube.server))
         .send()
         .await
