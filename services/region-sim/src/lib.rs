@@ -3,7 +3,8 @@
 //! pools, nodes, load balancers, GPU capacity) behind a DigitalOcean API subset, in which the
 //! platform's credential can act for one customer account (`X-Acting-Account`, see
 //! [`do_api::ACTING_ACCOUNT_HEADER`]), starts one simulated Kubernetes API
-//! server (the `sim-kube` crate) per cluster and plays the cloud's part in it (nodes, load
+//! server (the `sim-kube` crate) per cluster behind an HTTPS front with the cluster's own CA and
+//! expiring credentials, and plays the cloud's part in it (nodes, load
 //! balancer addresses), and serves a fake OpenAI-compatible data plane for every load balancer
 //! wired to a gateway. It also offers fault injection and an inventory of everything it holds,
 //! under `/_sim/`. It must not contain control-plane logic (it only reacts to what a real cloud
