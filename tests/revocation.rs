@@ -19,7 +19,7 @@ use crate::lifecycle::{
 const MODEL: &str = "qwen/qwen2.5-7b-instruct";
 
 /// A second token for `di`; returns (id, value) once the endpoint accepts it.
-async fn second_token(
+pub(crate) async fn second_token(
     sys: &System,
     api: &str,
     di: &Created,

@@ -60,6 +60,10 @@ pub struct CloudOptions {
     pub delays: region_sim::Delays,
     /// The workers' lease: how long a killed worker's DI waits before another takes it over.
     pub lease: Duration,
+    /// How long the simulators' cluster credentials live (DOKS: 7 days, the default).
+    pub credential_ttl: Duration,
+    /// How soon the workers look again at a converged DI; `None`: the worker's default.
+    pub resync: Option<Duration>,
 }
 
 impl CloudOptions {
@@ -83,6 +87,8 @@ impl Default for CloudOptions {
             workers: 1,
             delays: Self::quick_delays(),
             lease: Duration::from_secs(3),
+            credential_ttl: region_sim::DEFAULT_CREDENTIAL_TTL,
+            resync: None,
         }
     }
 }
@@ -100,6 +106,7 @@ impl Cloud {
     async fn start(region: &str, options: &CloudOptions) -> Cloud {
         let mut cfg = region_sim::SimConfig::new(region, SIM_TOKEN);
         cfg.delays = options.delays.clone();
+        cfg.credential_ttl = options.credential_ttl;
         let sim = region_sim::RegionSim::start(cfg)
             .await
             .expect("region simulator starts");
@@ -162,6 +169,9 @@ impl Cloud {
         c.settings.poll = Duration::from_millis(150);
         c.settings.system_pool_size = "s-2vcpu-4gb".into();
         c.settings.system_pool_count = 1;
+        if let Some(resync) = self.options.resync {
+            c.settings.resync = resync;
+        }
         let handle = worker::runtime::Worker::start(c)
             .await
             .expect("worker starts");

@@ -397,6 +397,81 @@ pub struct Cluster {
     pub updated_at: String,
 }
 
+/// Token credentials for a DOKS cluster's API (`GET /v2/kubernetes/clusters/{id}/credentials`).
+/// `Debug` leaves the token out.
+#[derive(Clone, PartialEq)]
+pub struct ClusterCredentials {
+    /// The API server's URL.
+    pub server: String,
+    /// Base64 of the PEM CA certificate(s) the API server's certificate chains to, as the API
+    /// returns it (and as a kubeconfig's `certificate-authority-data` carries it); empty when
+    /// the response has none.
+    pub certificate_authority_data: String,
+    pub token: String,
+    /// When the token stops being accepted; `None` when the response does not say.
+    pub expires_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+impl fmt::Debug for ClusterCredentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClusterCredentials")
+            .field("server", &self.server)
+            .field("expires_at", &self.expires_at)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClusterCredentials {
+    /// How long the token has left at `now`: zero once expired, `None` when the response did
+    /// not say when it expires.
+    pub fn expires_in(&self, now: std::time::SystemTime) -> Option<Duration> {
+        let at = std::time::SystemTime::from(self.expires_at?);
+        Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+    }
+
+    /// Parses a credentials response. Errors never quote the body: it holds the token.
+    fn from_body(body: &[u8]) -> Result<Self, String> {
+        #[derive(Deserialize)]
+        struct Wire {
+            server: String,
+            #[serde(default)]
+            certificate_authority_data: Option<String>,
+            #[serde(default)]
+            token: Option<String>,
+            #[serde(default)]
+            expires_at: Option<String>,
+        }
+        let w: Wire = serde_json::from_slice(body).map_err(|e| {
+            format!(
+                "credentials are not the documented shape ({:?} error at line {} column {})",
+                e.classify(),
+                e.line(),
+                e.column()
+            )
+        })?;
+        let token = w.token.filter(|t| !t.is_empty()).ok_or_else(|| {
+            "the credentials carry no token (certificate-only clusters are not supported)"
+                .to_string()
+        })?;
+        // RFC 3339; DigitalOcean's examples also write a space for the `T`, which the relaxed
+        // parser of `FromStr` accepts.
+        let expires_at = match w.expires_at.filter(|s| !s.is_empty()) {
+            None => None,
+            Some(s) => Some(
+                s.parse::<chrono::DateTime<chrono::FixedOffset>>()
+                    .map_err(|_| format!("expires_at {s:?} is not a date-time"))?
+                    .with_timezone(&chrono::Utc),
+            ),
+        };
+        Ok(ClusterCredentials {
+            server: w.server,
+            certificate_authority_data: w.certificate_authority_data.unwrap_or_default(),
+            token,
+            expires_at,
+        })
+    }
+}
+
 /// Body of `POST /v2/kubernetes/clusters/{id}/node_pools`, and a pool in a cluster create.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct NodePoolCreateRequest {
@@ -852,6 +927,25 @@ impl DoClient {
         })
     }
 
+    /// New token credentials for the cluster's API, valid for the API's default lifetime (7
+    /// days on DOKS); `expires_at` says until when.
+    pub async fn cluster_credentials(
+        &self,
+        cluster_id: &str,
+    ) -> Result<ClusterCredentials, DoError> {
+        let reply = self
+            .send(
+                Method::GET,
+                &format!("/v2/kubernetes/clusters/{}/credentials", seg(cluster_id)),
+                None,
+            )
+            .await?;
+        ClusterCredentials::from_body(&reply.body).map_err(|detail| DoError::Decode {
+            status: reply.status.as_u16(),
+            detail,
+        })
+    }
+
     // -------------------------------------------------------------- node pools
 
     pub async fn node_pool_list(&self, cluster_id: &str) -> Result<Vec<NodePool>, DoError> {
@@ -1070,6 +1164,39 @@ mod tests {
     fn debug_never_shows_the_token() {
         let c = DoClient::new("http://127.0.0.1:1", "dop_v1_secret_value").unwrap();
         assert!(!format!("{c:?}").contains("secret_value"));
+    }
+
+    #[test]
+    fn credentials_parse_and_never_show_the_token() {
+        // As DigitalOcean's own example writes it: a space for the `T`.
+        let c = ClusterCredentials::from_body(
+            br#"{"server":"https://k.example","certificate_authority_data":"TFMw","client_certificate_data":null,"client_key_data":null,"token":"tok_secret_value","expires_at":"2019-11-09 11:50:28.889080+00:00"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.token, "tok_secret_value");
+        assert_eq!(c.certificate_authority_data, "TFMw");
+        assert_eq!(
+            c.expires_at.unwrap().to_rfc3339(),
+            "2019-11-09T11:50:28.889080+00:00"
+        );
+        assert!(!format!("{c:?}").contains("secret_value"));
+        let z = ClusterCredentials::from_body(
+            br#"{"server":"https://k","token":"t","expires_at":"2026-01-01T00:00:00.5Z"}"#,
+        )
+        .unwrap();
+        assert_eq!(z.expires_at.unwrap().timestamp_millis() % 1000, 500);
+        assert_eq!(z.certificate_authority_data, "");
+        let none = ClusterCredentials::from_body(br#"{"server":"https://k","token":"t"}"#).unwrap();
+        assert_eq!(none.expires_at, None);
+        // Errors name what is wrong without echoing the body.
+        for bad in [
+            &br#"{"server":"https://k","token":42,"x":"tok_secret_value"}"#[..],
+            br#"{"server":"https://k","token":"tok_secret_value","expires_at":"soon"}"#,
+            br#"{"server":"https://k","token":""}"#,
+        ] {
+            let e = ClusterCredentials::from_body(bad).unwrap_err();
+            assert!(!e.contains("secret_value"), "{e}");
+        }
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! retry policy and its time bound holds. Every request sent is counted by verb and outcome
 //! ([`crate::metrics`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,6 +72,12 @@ impl KubeError {
 
     pub fn is_forbidden(&self) -> bool {
         matches!(self, KubeError::Api { code: 403, .. })
+    }
+
+    /// 401: the server no longer accepts the client's credentials (they expired or were
+    /// revoked). Permanent for this client; a client with fresh credentials may succeed.
+    pub fn is_unauthorized(&self) -> bool {
+        matches!(self, KubeError::Api { code: 401, .. })
     }
 
     /// The HTTP status of an API error.
@@ -252,6 +258,8 @@ impl Default for KubeClientOptions {
 struct Counters {
     mutating: AtomicU64,
     changes: AtomicU64,
+    /// The server answered 401 to a request of this client (see [`KubeClient::credentials_rejected`]).
+    rejected: AtomicBool,
 }
 
 /// A client for one cluster's API server, writing under one field manager. Cheap to clone;
@@ -287,16 +295,52 @@ impl KubeClient {
         field_manager: &str,
         options: KubeClientOptions,
     ) -> Result<KubeClient, KubeError> {
-        if field_manager.is_empty() {
-            return Err(KubeError::Config(
-                "the field manager must not be empty".into(),
-            ));
-        }
         // Errors from here may quote the document; say what failed without echoing it (it
         // carries the cluster token).
         let kubeconfig = Kubeconfig::from_yaml(yaml).map_err(|_| {
             KubeError::Config("the kubeconfig is not valid YAML of a kubeconfig".into())
         })?;
+        Self::from_kubeconfig(kubeconfig, field_manager, options).await
+    }
+
+    /// A client from a cluster's token credentials, as DigitalOcean's
+    /// `/v2/kubernetes/clusters/{id}/credentials` returns them: the server is trusted through
+    /// exactly the CA they carry (the system's roots when there is none).
+    pub async fn from_credentials(
+        credentials: &crate::digitalocean::ClusterCredentials,
+        field_manager: &str,
+        options: KubeClientOptions,
+    ) -> Result<KubeClient, KubeError> {
+        // The same document a kubeconfig download holds, so that both paths build clients the
+        // same way (kube decodes the CA data and sets up TLS from it).
+        let mut cluster = serde_json::json!({"server": credentials.server});
+        if !credentials.certificate_authority_data.is_empty() {
+            cluster["certificate-authority-data"] =
+                credentials.certificate_authority_data.clone().into();
+        }
+        let doc = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "cluster", "cluster": cluster}],
+            "users": [{"name": "user", "user": {"token": credentials.token}}],
+            "contexts": [{"name": "context", "context": {"cluster": "cluster", "user": "user"}}],
+            "current-context": "context",
+        });
+        let kubeconfig: Kubeconfig = serde_json::from_value(doc)
+            .map_err(|_| KubeError::Config("the credentials do not make a kubeconfig".into()))?;
+        Self::from_kubeconfig(kubeconfig, field_manager, options).await
+    }
+
+    async fn from_kubeconfig(
+        kubeconfig: Kubeconfig,
+        field_manager: &str,
+        options: KubeClientOptions,
+    ) -> Result<KubeClient, KubeError> {
+        if field_manager.is_empty() {
+            return Err(KubeError::Config(
+                "the field manager must not be empty".into(),
+            ));
+        }
         let mut config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
             .await
             .map_err(|e| {
@@ -355,6 +399,23 @@ impl KubeClient {
     /// object. A second reconcile pass over an unchanged spec leaves this unchanged.
     pub fn changes(&self) -> u64 {
         self.counters.changes.load(Ordering::SeqCst)
+    }
+
+    /// Whether the server has refused this client's credentials (401) since it was made: they
+    /// expired or were revoked, and every later call will be refused too. A caller that caches
+    /// clients makes a new one from fresh credentials.
+    pub fn credentials_rejected(&self) -> bool {
+        self.counters.rejected.load(Ordering::SeqCst)
+    }
+
+    /// Notes a 401 in `result` (see [`KubeClient::credentials_rejected`]).
+    fn noted<T>(&self, result: Result<T, KubeError>) -> Result<T, KubeError> {
+        if let Err(e) = &result {
+            if e.is_unauthorized() {
+                self.counters.rejected.store(true, Ordering::SeqCst);
+            }
+        }
+        result
     }
 
     fn api(
@@ -418,7 +479,8 @@ impl KubeClient {
                 object: b.clone(),
             });
         }
-        let before = retry(&self.retry, "kubernetes get", || get_opt(&api, name)).await?;
+        let before =
+            self.noted(retry(&self.retry, "kubernetes get", || get_opt(&api, name)).await)?;
         let before = before
             .map(|b| serde_json::to_value(&b))
             .transpose()
@@ -437,7 +499,8 @@ impl KubeClient {
             self.counters.mutating.fetch_add(1, Ordering::SeqCst);
             counted("apply", api.patch(name, &params, &Patch::Apply(obj)).await)
         })
-        .await?;
+        .await;
+        let after = self.noted(after)?;
         let after = serde_json::to_value(&after)
             .map_err(|e| KubeError::InvalidObject(format!("response: {e}")))?;
         let changed = match before {
@@ -464,7 +527,7 @@ impl KubeClient {
         name: &str,
     ) -> Result<Option<Value>, KubeError> {
         let (api, ar) = self.api(api_version, kind, namespace, false)?;
-        let got = retry(&self.retry, "kubernetes get", || get_opt(&api, name)).await?;
+        let got = self.noted(retry(&self.retry, "kubernetes get", || get_opt(&api, name)).await)?;
         got.map(|o| to_value(o, &ar)).transpose()
     }
 
@@ -485,7 +548,8 @@ impl KubeClient {
         let list = retry(&self.retry, "kubernetes list", || async {
             counted("list", api.list(&params).await)
         })
-        .await?;
+        .await;
+        let list = self.noted(list)?;
         list.items.into_iter().map(|o| to_value(o, &ar)).collect()
     }
 
@@ -510,7 +574,8 @@ impl KubeClient {
                 Err(e) => Err(e),
             }
         })
-        .await?;
+        .await;
+        let outcome = self.noted(outcome)?;
         if outcome != Deleted::AlreadyGone {
             self.counters.changes.fetch_add(1, Ordering::SeqCst);
         }

@@ -1,6 +1,7 @@
 //! Production clients for the clouds the control plane drives: DigitalOcean's public API (VPCs,
-//! DOKS clusters and their kubeconfigs, node pools, load balancers) and the Kubernetes API servers
-//! of those clusters (server-side apply, get, list and delete of the kinds we render). This crate
+//! DOKS clusters with their kubeconfigs and expiring credentials, node pools, load balancers) and
+//! the Kubernetes API servers of those clusters (server-side apply, get, list and delete of the
+//! kinds we render; a client notes when its credentials are refused). This crate
 //! owns transport concerns only: authentication, timeouts, typed request and response shapes,
 //! classifying errors as transient or permanent, retrying transient ones with jittered backoff,
 //! and counting the writes it sends and every call it makes (in the process-wide Prometheus

@@ -83,7 +83,7 @@ async fn cluster_and_node_pool_crud() {
     })
     .await;
     assert!(
-        running.endpoint.starts_with("http://"),
+        running.endpoint.starts_with("https://"),
         "{}",
         running.endpoint
     );

@@ -4,8 +4,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use base64::Engine;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
@@ -108,9 +109,68 @@ mod kube {
     }
 }
 
+mod pki {
+    //! A cluster's certificate authority and its API server's certificate, as DOKS gives every
+    //! cluster its own CA (handed out as the kubeconfig's `certificate-authority-data`).
+
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::sync::Arc;
+
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+        KeyUsagePurpose, SanType,
+    };
+    use rustls::ServerConfig;
+
+    pub struct ClusterPki {
+        /// The CA certificate, PEM.
+        pub ca_pem: String,
+        /// The API server's TLS configuration: a certificate for `127.0.0.1` and `localhost`
+        /// signed by the CA.
+        pub server: Arc<ServerConfig>,
+    }
+
+    pub fn generate(cluster_name: &str) -> anyhow::Result<ClusterPki> {
+        let mut ca = CertificateParams::new(Vec::<String>::new())?;
+        ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        ca.distinguished_name.push(
+            DnType::CommonName,
+            format!("k8saas Cluster CA {cluster_name}"),
+        );
+        ca.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_key = KeyPair::generate()?;
+        let ca_cert = ca.self_signed(&ca_key)?;
+        let mut server = CertificateParams::new(vec!["localhost".to_string()])?;
+        server
+            .subject_alt_names
+            .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+        server
+            .distinguished_name
+            .push(DnType::CommonName, "kube-apiserver");
+        server.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        server.use_authority_key_identifier_extension = true;
+        let key = KeyPair::generate()?;
+        let cert = server.signed_by(&key, &ca_cert, &ca_key)?;
+        Ok(ClusterPki {
+            ca_pem: ca_cert.pem(),
+            server: crate::data_plane::tls_config(&cert.pem(), &key.serialize_pem())?,
+        })
+    }
+}
+
 mod proxy {
     //! The address the kubeconfig points at: a thin reverse proxy in front of the cluster's
-    //! simulated API server that checks the kubeconfig's token and injects the `kube` faults.
+    //! simulated API server that serves HTTPS with a certificate from the cluster's CA, checks
+    //! the bearer token against the cluster's live credentials (see [`super::Tokens`]) and
+    //! injects the `kube` faults.
 
     use std::sync::Arc;
 
@@ -122,12 +182,13 @@ mod proxy {
     use serde_json::json;
     use tokio::sync::watch;
 
+    use super::Tokens;
     use crate::faults::{Api, CallVerdict, Faults, Verdict};
     use crate::Stats;
 
     struct Proxy {
         upstream: String,
-        token: String,
+        tokens: Arc<Tokens>,
         faults: Arc<Faults>,
         stats: Arc<Stats>,
         http: reqwest::Client,
@@ -151,7 +212,8 @@ mod proxy {
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
-            == Some(p.token.as_str());
+            .is_some_and(|t| p.tokens.valid(t));
+        // An expired token is refused exactly like an unknown one, as the real API server does.
         if !authorized {
             return status(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized");
         }
@@ -242,32 +304,32 @@ mod proxy {
             .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
     }
 
-    /// Starts the proxy on a loopback port; returns its URL.
+    /// Starts the proxy on a loopback port, serving HTTPS with `tls`; returns its URL.
     pub async fn start(
         upstream: String,
-        token: String,
+        tls: Arc<rustls::ServerConfig>,
+        tokens: Arc<Tokens>,
         faults: Arc<Faults>,
         stats: Arc<Stats>,
-        mut stop: watch::Receiver<bool>,
+        stop: watch::Receiver<bool>,
     ) -> anyhow::Result<String> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let app = Router::new().fallback(forward).with_state(Arc::new(Proxy {
             upstream,
-            token,
+            tokens,
             faults,
             stats,
             http: reqwest::Client::new(),
         }));
-        tokio::spawn(async move {
-            let serve = axum::serve(listener, app);
-            tokio::select! {
-                _ = serve => {}
-                // Dropping the server closes open watches too, as a deleted cluster would.
-                _ = stop.changed() => {}
-            }
-        });
-        Ok(format!("http://{addr}"))
+        // Stopping closes open watches too, as a deleted cluster would.
+        tokio::spawn(crate::data_plane::serve_tls(
+            listener,
+            move || Some(tls.clone()),
+            app,
+            stop,
+        ));
+        Ok(format!("https://{addr}"))
     }
 }
 
@@ -276,12 +338,88 @@ struct EndpointSlot {
     problems: Vec<String>,
 }
 
+/// Live bearer tokens of one cluster's API. Every kubeconfig or credentials request issues a new
+/// one, valid for its own lifetime (as DOKS does); the proxy accepts a token until it expires.
+pub(crate) struct Tokens {
+    live: Mutex<HashMap<String, Instant>>,
+}
+
+impl Tokens {
+    /// At most this many live tokens per cluster: a client fetching credentials in a loop with
+    /// long lifetimes must not grow the simulator without bound. Past it, the token closest to
+    /// expiring goes first.
+    const MAX_LIVE: usize = 1024;
+
+    fn new() -> Self {
+        Self {
+            live: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A new token valid for `ttl` from now. Expired tokens are pruned here, so memory is bounded
+    /// by what is live (and by [`Tokens::MAX_LIVE`]).
+    fn issue(&self, ttl: Duration) -> String {
+        let token = format!(
+            "{:x}{:x}",
+            uuid::Uuid::new_v4().as_u128(),
+            uuid::Uuid::new_v4().as_u128()
+        );
+        let now = Instant::now();
+        let mut live = self.live.lock().expect("tokens lock");
+        live.retain(|_, expires| *expires > now);
+        while live.len() >= Self::MAX_LIVE {
+            let soonest = live
+                .iter()
+                .min_by_key(|(_, expires)| **expires)
+                .map(|(t, _)| t.clone());
+            match soonest {
+                Some(t) => live.remove(&t),
+                None => break,
+            };
+        }
+        live.insert(token.clone(), now + ttl);
+        token
+    }
+
+    /// Every token issued so far stops working.
+    fn revoke_all(&self) {
+        self.live.lock().expect("tokens lock").clear();
+    }
+
+    /// Whether `token` was issued for this cluster and has not expired.
+    pub(crate) fn valid(&self, token: &str) -> bool {
+        self.live
+            .lock()
+            .expect("tokens lock")
+            .get(token)
+            .is_some_and(|expires| *expires > Instant::now())
+    }
+}
+
+/// A longest credential lifetime the simulator grants (a year), so that an absurd
+/// `expiry_seconds` cannot overflow the clock.
+const MAX_CREDENTIAL_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Credentials for one cluster's API, as the credentials endpoint returns them.
+pub(crate) struct Credentials {
+    /// `do-<region>-<name>`: the kubeconfig's cluster, context and user names.
+    context: String,
+    pub(crate) server: String,
+    /// Base64 of the cluster CA's PEM certificate.
+    pub(crate) certificate_authority_data: String,
+    pub(crate) token: String,
+    /// When the token stops being accepted.
+    pub(crate) expires_at: chrono::DateTime<chrono::Utc>,
+}
+
 struct ClusterSide {
     kube: kube::Handle,
-    /// The kubeconfig handed out by the DO API (server = the proxy, token user).
-    kubeconfig: String,
+    /// `do-<region>-<name>`: the kubeconfig's cluster, context and user names.
+    context: String,
     server: String,
-    token: String,
+    /// Base64 of the cluster CA's PEM certificate, as credentials carry it.
+    ca_data: String,
+    tokens: Arc<Tokens>,
     stop: watch::Sender<bool>,
     endpoints: Mutex<BTreeMap<(String, String), EndpointSlot>>,
 }
@@ -292,16 +430,20 @@ pub(crate) struct Clusters {
     delays: RwLock<Delays>,
     /// How often a settled cluster is re-derived without a change (see `watch_cluster`).
     idle: Duration,
+    /// How long issued credentials stay valid when the request does not say (`expiry_seconds`
+    /// absent or 0).
+    credential_ttl: Duration,
     /// Serialises starts so two calls for one cluster do not start two API servers.
     start_lock: tokio::sync::Mutex<()>,
 }
 
 impl Clusters {
-    pub(crate) fn new(delays: Delays, idle: Duration) -> Self {
+    pub(crate) fn new(delays: Delays, idle: Duration, credential_ttl: Duration) -> Self {
         Self {
             map: Mutex::new(HashMap::new()),
             delays: RwLock::new(delays),
             idle,
+            credential_ttl,
             start_lock: tokio::sync::Mutex::new(()),
         }
     }
@@ -324,14 +466,12 @@ impl Clusters {
         let delays = self.delays.read().expect("delays lock").clone();
         let handle = kube::Handle::start(name, &delays).await?;
         let (stop, stop_rx) = watch::channel(false);
-        let token = format!(
-            "{:x}{:x}",
-            uuid::Uuid::new_v4().as_u128(),
-            uuid::Uuid::new_v4().as_u128()
-        );
+        let tokens = Arc::new(Tokens::new());
+        let pki = pki::generate(name)?;
         let url = proxy::start(
             handle.url(),
-            token.clone(),
+            pki.server,
+            tokens.clone(),
             shared.faults.clone(),
             shared.stats.clone(),
             stop_rx.clone(),
@@ -339,9 +479,10 @@ impl Clusters {
         .await?;
         shared.world.set_cluster_endpoint(id, &url);
         let side = Arc::new(ClusterSide {
-            kubeconfig: kubeconfig_yaml(shared.world.region(), name, &url, &token),
+            context: format!("do-{}-{name}", shared.world.region()),
             server: url,
-            token,
+            ca_data: base64::engine::general_purpose::STANDARD.encode(&pki.ca_pem),
+            tokens,
             kube: handle,
             stop,
             endpoints: Mutex::new(BTreeMap::new()),
@@ -359,13 +500,33 @@ impl Clusters {
         Ok(())
     }
 
-    pub(crate) fn kubeconfig(&self, id: &str) -> Option<String> {
-        self.get(id).map(|s| s.kubeconfig.clone())
+    /// New credentials for the cluster's API, valid for `expiry_seconds` (absent or 0: the
+    /// default lifetime, 7 days unless configured otherwise).
+    pub(crate) fn credentials(&self, id: &str, expiry_seconds: Option<u64>) -> Option<Credentials> {
+        let side = self.get(id)?;
+        let ttl = match expiry_seconds {
+            None | Some(0) => self.credential_ttl,
+            Some(secs) => Duration::from_secs(secs),
+        }
+        .min(MAX_CREDENTIAL_TTL);
+        let token = side.tokens.issue(ttl);
+        let expires_at = chrono::Utc::now()
+            + chrono::Duration::from_std(ttl).unwrap_or_else(|_| chrono::Duration::days(365));
+        Some(Credentials {
+            context: side.context.clone(),
+            server: side.server.clone(),
+            certificate_authority_data: side.ca_data.clone(),
+            token,
+            expires_at,
+        })
     }
 
-    /// (server, token) of the cluster's API, for the credentials endpoint.
-    pub(crate) fn credentials(&self, id: &str) -> Option<(String, String)> {
-        self.get(id).map(|s| (s.server.clone(), s.token.clone()))
+    /// Revokes every credential issued so far for every cluster, as revoking the DigitalOcean
+    /// API token they were issued with does; new ones can be fetched at once.
+    pub(crate) fn revoke_credentials(&self) {
+        for side in self.map.lock().expect("clusters lock").values() {
+            side.tokens.revoke_all();
+        }
     }
 
     pub(crate) fn set_delays(&self, d: &Delays) {
@@ -489,12 +650,15 @@ impl Clusters {
     }
 }
 
-/// A kubeconfig in the shape DigitalOcean returns (`do-<region>-<name>` names, token user).
-fn kubeconfig_yaml(region: &str, name: &str, server: &str, token: &str) -> String {
-    let ctx = format!("do-{region}-{name}");
-    format!(
-        "apiVersion: v1\nclusters:\n- cluster:\n    server: {server}\n  name: {ctx}\ncontexts:\n- context:\n    cluster: {ctx}\n    user: {ctx}-admin\n  name: {ctx}\ncurrent-context: {ctx}\nkind: Config\npreferences: {{}}\nusers:\n- name: {ctx}-admin\n  user:\n    token: {token}\n"
-    )
+impl Credentials {
+    /// A kubeconfig in the shape DigitalOcean returns (`do-<region>-<name>` names, token user).
+    pub(crate) fn kubeconfig_yaml(&self) -> String {
+        let (ctx, server, token) = (&self.context, &self.server, &self.token);
+        let ca = &self.certificate_authority_data;
+        format!(
+            "apiVersion: v1\nclusters:\n- cluster:\n    certificate-authority-data: {ca}\n    server: {server}\n  name: {ctx}\ncontexts:\n- context:\n    cluster: {ctx}\n    user: {ctx}-admin\n  name: {ctx}\ncurrent-context: {ctx}\nkind: Config\npreferences: {{}}\nusers:\n- name: {ctx}-admin\n  user:\n    token: {token}\n"
+        )
+    }
 }
 
 async fn stop_side(side: &ClusterSide) {
@@ -679,4 +843,35 @@ async fn reconcile(shared: &Arc<Shared>, id: &str, side: &ClusterSide) -> anyhow
         side.kube.set_service_ingress(&ns, &name, ingress).await?;
     }
     Ok(settled)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expired_tokens_are_pruned_and_live_ones_are_bounded() {
+        let tokens = Tokens::new();
+        let short = tokens.issue(Duration::from_millis(30));
+        assert!(tokens.valid(&short));
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(!tokens.valid(&short), "an expired token is refused");
+        let long = tokens.issue(Duration::from_secs(600));
+        assert_eq!(
+            tokens.live.lock().unwrap().len(),
+            1,
+            "the expired one is gone"
+        );
+        let mut last = long.clone();
+        for _ in 0..Tokens::MAX_LIVE + 10 {
+            last = tokens.issue(Duration::from_secs(3600));
+        }
+        assert_eq!(tokens.live.lock().unwrap().len(), Tokens::MAX_LIVE);
+        assert!(tokens.valid(&last), "the newest token is live");
+        assert!(
+            !tokens.valid(&long),
+            "the one closest to expiry made room first"
+        );
+        assert!(!tokens.valid("never-issued"));
+    }
 }

@@ -227,6 +227,24 @@ async fn accept_loop(
     listener: TcpListener,
     inner: Arc<Inner>,
     app: Router,
+    stop: watch::Receiver<bool>,
+) {
+    serve_tls(
+        listener,
+        move || inner.tls.read().expect("tls lock").clone(),
+        app,
+        stop,
+    )
+    .await
+}
+
+/// Serves `app` over HTTPS (HTTP/1.1) on `listener` until `stop` changes, with the certificate
+/// `tls` gives for each connection; without one, the connection is closed (the client sees a
+/// handshake failure). Stopping closes open connections too.
+pub(crate) async fn serve_tls(
+    listener: TcpListener,
+    tls: impl Fn() -> Option<Arc<ServerConfig>>,
+    app: Router,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -237,7 +255,7 @@ async fn accept_loop(
                 Err(_) => continue,
             },
         };
-        let Some(cfg) = inner.tls.read().expect("tls lock").clone() else {
+        let Some(cfg) = tls() else {
             // No usable certificate: close the connection, the client sees a handshake failure.
             drop(stream);
             continue;
@@ -257,7 +275,7 @@ async fn accept_loop(
                 hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(tls), svc);
             tokio::select! {
                 _ = conn => {}
-                // The load balancer went away: its connections go with it.
+                // The server went away (a load balancer, a cluster): its connections go with it.
                 _ = stop.changed() => {}
             }
         });

@@ -312,11 +312,39 @@ async fn clusters_delete(State(s): State<Arc<Shared>>, Path(id): Path<String>) -
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn kubeconfig(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
-    if !s.world.cluster_exists(&id) {
+/// `expiry_seconds` of the kubeconfig and credentials endpoints: how long the issued token is
+/// valid; absent or 0 means the default.
+fn expiry_seconds(q: &HashMap<String, String>) -> Result<Option<u64>, ApiError> {
+    q.get("expiry_seconds")
+        .map(|v| {
+            v.trim()
+                .parse::<u64>()
+                .map_err(|_| ApiError::bad_request("expiry_seconds must be a non-negative integer"))
+        })
+        .transpose()
+}
+
+/// New credentials for cluster `id`, as the kubeconfig and credentials endpoints issue them.
+fn issue_credentials(
+    s: &Shared,
+    id: &str,
+    q: &HashMap<String, String>,
+) -> Result<crate::clusters::Credentials, ApiError> {
+    let expiry = expiry_seconds(q)?;
+    if !s.world.cluster_exists(id) {
         return Err(ApiError::not_found());
     }
-    let yaml = s.clusters.kubeconfig(&id).ok_or_else(ApiError::not_found)?;
+    s.clusters
+        .credentials(id, expiry)
+        .ok_or_else(ApiError::not_found)
+}
+
+async fn kubeconfig(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult {
+    let yaml = issue_credentials(&s, &id, &q)?.kubeconfig_yaml();
     Ok((
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/yaml")],
@@ -325,25 +353,21 @@ async fn kubeconfig(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> Api
         .into_response())
 }
 
-async fn credentials(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult {
-    if !s.world.cluster_exists(&id) {
-        return Err(ApiError::not_found());
-    }
-    let (server, token) = s
-        .clusters
-        .credentials(&id)
-        .ok_or_else(ApiError::not_found)?;
-    let expires = chrono::Utc::now() + chrono::Duration::days(7);
+async fn credentials(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult {
+    let creds = issue_credentials(&s, &id, &q)?;
     reply(
         StatusCode::OK,
         json!({
-            "server": server,
-            // The simulated API server speaks plain HTTP on loopback: there is no CA.
-            "certificate_authority_data": "",
+            "server": creds.server,
+            "certificate_authority_data": creds.certificate_authority_data,
             "client_certificate_data": null,
             "client_key_data": null,
-            "token": token,
-            "expires_at": expires.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            "token": creds.token,
+            "expires_at": creds.expires_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
         }),
     )
 }

@@ -3,13 +3,14 @@
 //! pools, nodes, load balancers, GPU capacity) behind a DigitalOcean API subset, in which the
 //! platform's credential can act for one customer account (`X-Acting-Account`, see
 //! [`do_api::ACTING_ACCOUNT_HEADER`]), starts one simulated Kubernetes API
-//! server (the `sim-kube` crate) per cluster and plays the cloud's part in it (nodes, load
+//! server (the `sim-kube` crate) per cluster behind an HTTPS front with the cluster's own CA and
+//! expiring credentials, and plays the cloud's part in it (nodes, load
 //! balancer addresses), and serves a fake OpenAI-compatible data plane for every load balancer
 //! wired to a gateway. It also offers fault injection and an inventory of everything it holds,
 //! under `/_sim/`. It must not contain control-plane logic (it only reacts to what a real cloud
 //! would see), must not reach any network beyond loopback, and production code must never need
-//! to know it is talking to it: a base URL, a token and the kubeconfig it hands out are the
-//! whole interface.
+//! to know it is talking to it: a base URL, a token and the cluster credentials (kubeconfig) it
+//! hands out, which expire as DOKS's do, are the whole interface.
 
 pub mod data_plane;
 pub mod do_api;
@@ -54,7 +55,14 @@ pub struct SimConfig {
     /// Defaults to 100 ms; benchmarks with many clusters raise it, as each look costs in
     /// proportion to the cluster's objects.
     pub cloud_controller_idle_ms: u64,
+    /// How long the cluster credentials the kubeconfig and credentials endpoints issue stay
+    /// valid when the request does not ask (`expiry_seconds` absent or 0): 7 days, as on DOKS.
+    /// Tests shorten it to see credentials expire.
+    pub credential_ttl: Duration,
 }
+
+/// DOKS's default lifetime of cluster credentials.
+pub const DEFAULT_CREDENTIAL_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 
 impl SimConfig {
     pub fn new(region: &str, token: &str) -> Self {
@@ -67,6 +75,7 @@ impl SimConfig {
             faults: FaultConfig::default(),
             model: ModelTiming::default(),
             cloud_controller_idle_ms: 100,
+            credential_ttl: DEFAULT_CREDENTIAL_TTL,
         }
     }
 }
@@ -105,6 +114,23 @@ pub struct StatsSnapshot {
     /// Requests the data-plane endpoints that exist now have served (not cleared by a reset).
     #[serde(default)]
     pub data_plane_requests: u64,
+}
+
+impl StatsSnapshot {
+    /// Cluster credentials requested so far: kubeconfig and credentials calls (each issues a
+    /// token).
+    pub fn credential_requests(&self) -> u64 {
+        self.requests
+            .get("do")
+            .map(|kinds| {
+                kinds
+                    .iter()
+                    .filter(|(k, _)| k.ends_with("/credentials") || k.ends_with("/kubeconfig"))
+                    .map(|(_, n)| n)
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
 }
 
 fn is_mutating(method: &http::Method) -> bool {
@@ -339,6 +365,7 @@ impl RegionSim {
             clusters: clusters::Clusters::new(
                 cfg.delays.clone(),
                 Duration::from_millis(cfg.cloud_controller_idle_ms),
+                cfg.credential_ttl,
             ),
             model: Arc::new(RwLock::new(cfg.model.clone())),
             drive_lock: tokio::sync::Mutex::new(()),
@@ -492,6 +519,13 @@ impl RegionSim {
     /// Number of mutating Kubernetes API calls (to any cluster) so far.
     pub fn kube_mutations(&self) -> u64 {
         self.shared.stats.kube_mutations.load(Ordering::SeqCst)
+    }
+
+    /// Revokes every cluster credential (kubeconfig or credentials token) issued so far, as
+    /// revoking the DigitalOcean API token they were issued with does: the clusters' APIs refuse
+    /// them (401) from now on, before they expire. Credentials fetched afterwards work.
+    pub fn revoke_cluster_credentials(&self) {
+        self.shared.clusters.revoke_credentials();
     }
 
     /// Kills a node (by its Kubernetes name): NotReady at once, replaced after the delays.

@@ -65,6 +65,10 @@ struct Args {
         default_value_t = 100
     )]
     cloud_controller_idle_ms: u64,
+    /// Lifetime of the cluster credentials the kubeconfig and credentials endpoints issue when
+    /// the request has no `expiry_seconds` (default 7 days, as DOKS).
+    #[arg(long, env = "REGION_SIM_CREDENTIAL_TTL_SECS", default_value_t = region_sim::DEFAULT_CREDENTIAL_TTL.as_secs())]
+    credential_ttl_secs: u64,
     /// Fake model: time to first token.
     #[arg(long, env = "REGION_SIM_TTFT_MS")]
     ttft_ms: Option<u64>,
@@ -99,6 +103,7 @@ async fn main() -> anyhow::Result<()> {
     let mut cfg = SimConfig::new(&a.region, &a.token);
     cfg.listen = a.listen;
     cfg.cloud_controller_idle_ms = a.cloud_controller_idle_ms;
+    cfg.credential_ttl = std::time::Duration::from_secs(a.credential_ttl_secs.max(1));
     if !a.gpu_capacity.is_empty() {
         cfg.gpu_capacity = parse_capacity(&a.gpu_capacity)?;
     }

@@ -23,6 +23,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
+use crate::cluster_clients::{self, ClusterClients};
 use crate::metrics::{self, Outcome, Phase};
 use crate::plan::{self, names, AccessTokenHash, Images, ManifestInput, PoolAction, TlsPair};
 
@@ -105,6 +106,12 @@ impl Settings {
 pub enum ReconcileError {
     #[error("transient: {0}")]
     Transient(String),
+    /// A cluster refused the worker's credentials for it (401): they expired or were revoked.
+    /// Not an ordinary transient failure: the reconciler fetches fresh credentials and runs the
+    /// pass again at once, and only when those are refused too does the queue retry it, as it
+    /// retries a transient failure.
+    #[error("cluster credentials refused: {0}")]
+    CredentialsRefused(String),
     #[error("{reason}: {message}")]
     Permanent {
         reason: String,
@@ -117,7 +124,10 @@ pub enum ReconcileError {
 
 impl ReconcileError {
     pub fn is_transient(&self) -> bool {
-        matches!(self, ReconcileError::Transient(_))
+        matches!(
+            self,
+            ReconcileError::Transient(_) | ReconcileError::CredentialsRefused(_)
+        )
     }
 
     fn permanent(reason: &str, message: impl Into<String>) -> Self {
@@ -178,7 +188,7 @@ impl From<KubeError> for ReconcileError {
             e if e.is_transient() || e.is_not_found() || e.is_forbidden() => {
                 ReconcileError::Transient(e.to_string())
             }
-            KubeError::Api { code: 401, .. } => ReconcileError::Transient(e.to_string()),
+            e if e.is_unauthorized() => ReconcileError::CredentialsRefused(e.to_string()),
             KubeError::Api { code, message, .. } if (400..500).contains(code) => {
                 ReconcileError::permanent(
                     "KubernetesRejected",
@@ -251,9 +261,8 @@ pub struct Reconciler {
     store: Store,
     cloud: DoClient,
     settings: Settings,
-    kube: Mutex<HashMap<String, KubeClient>>,
-    /// Transport settings of the cluster clients made from kubeconfigs.
-    kube_options: KubeClientOptions,
+    /// A client per cluster, renewed before its credentials expire.
+    kube: ClusterClients,
     /// Cluster ids by name, so that a pass reads its one cluster instead of listing them all.
     cluster_ids: Mutex<HashMap<String, String>>,
     kube_writes_total: AtomicU64,
@@ -459,18 +468,17 @@ impl Reconciler {
         Reconciler {
             store,
             cloud,
-            settings,
-            kube: Mutex::new(HashMap::new()),
-            kube_options: KubeClientOptions::default(),
+            kube: ClusterClients::new(&settings.field_manager, KubeClientOptions::default()),
             cluster_ids: Mutex::new(HashMap::new()),
             kube_writes_total: AtomicU64::new(0),
+            settings,
         }
     }
 
     /// The same reconciler, making its cluster clients with `options` (the DigitalOcean client
     /// comes configured; tests that drive passes one by one want few or quick retries).
     pub fn with_kube_options(mut self, options: KubeClientOptions) -> Self {
-        self.kube_options = options;
+        self.kube.set_options(options);
         self
     }
 
@@ -513,7 +521,9 @@ impl Reconciler {
         let outcome = match &result {
             Ok(pass) if pass.waiting.is_none() => Outcome::Converged,
             Ok(_) => Outcome::Progress,
-            Err(ReconcileError::Transient(_)) => Outcome::Retry,
+            Err(ReconcileError::Transient(_) | ReconcileError::CredentialsRefused(_)) => {
+                Outcome::Retry
+            }
             Err(ReconcileError::Permanent { .. }) => Outcome::Error,
         };
         metrics::pass(phase, outcome, started.elapsed());
@@ -530,12 +540,44 @@ impl Reconciler {
         }
         let kube_before = self.kube_writes();
         let do_before = self.cloud.mutating_calls();
-        let version = rec
-            .pending_spec
-            .as_ref()
-            .or(rec.spec.as_ref())
-            .map(|s| s.version);
-        let mut pass = match rec.status {
+        let target = |rec: &Record| {
+            rec.pending_spec
+                .as_ref()
+                .or(rec.spec.as_ref())
+                .map(|s| s.version)
+        };
+        let mut version = target(rec);
+        let mut pass = match self.pass_for(rec, version).await {
+            Err(ReconcileError::CredentialsRefused(why)) => {
+                // The cluster's credentials lapsed or were revoked under this pass. The client
+                // that met the 401 is never handed out again, so running the pass again fetches
+                // fresh ones; nothing else was wrong, so it runs now rather than after a
+                // failure's backoff. Passes are idempotent: what the first one did is found done;
+                // the DI is read again, as the first one may have moved its status.
+                tracing::info!(di = %rec.id, reason = %why, "cluster credentials refused; running the pass again with fresh ones");
+                let rec = self.store.dedicated_inference_any(rec.id).await?;
+                if rec.gone {
+                    return Ok(Pass::gone(self.settings.resync));
+                }
+                version = target(&rec);
+                match self.pass_for(&rec, version).await {
+                    Err(ReconcileError::CredentialsRefused(why)) => Err(ReconcileError::Transient(
+                        format!("fresh cluster credentials refused too: {why}"),
+                    )),
+                    r => r,
+                }
+            }
+            r => r,
+        }?;
+        pass.version = version;
+        pass.kube_writes = self.kube_writes() - kube_before;
+        pass.do_writes = self.cloud.mutating_calls() - do_before;
+        Ok(pass)
+    }
+
+    /// The pass the DI's status calls for.
+    async fn pass_for(&self, rec: &Record, version: Option<i32>) -> Result<Pass> {
+        Ok(match rec.status {
             // Deletion wins over everything: a refusal while tearing down is retried, never
             // parked in `error` (the store would not apply it to a deleting DI anyway).
             Status::Deleting => self.teardown(rec).await.map_err(|e| match e {
@@ -551,11 +593,7 @@ impl Reconciler {
             Status::New | Status::Provisioning | Status::Active | Status::Updating => {
                 self.converge(rec).await.map_err(|e| e.during(version))?
             }
-        };
-        pass.version = version;
-        pass.kube_writes = self.kube_writes() - kube_before;
-        pass.do_writes = self.cloud.mutating_calls() - do_before;
-        Ok(pass)
+        })
     }
 
     // -----------------------------------------------------------------------------------------
@@ -770,7 +808,7 @@ impl Reconciler {
             Some(reached) => reached,
             None => match self.find_cluster(&name, false).await? {
                 Some(c) if c.status.state == ClusterState::Running => {
-                    (c.id.clone(), self.kube_for(&c).await?)
+                    (c.id.clone(), self.kube_for(&c.id).await?)
                 }
                 // No cluster: nothing serves.
                 _ => return Ok(done),
@@ -941,11 +979,12 @@ impl Reconciler {
                 .clone()
                 .wait(format!("cluster {name}: {state}"), poll)));
         }
-        Ok(Ok((cluster.id.clone(), self.kube_for(&cluster).await?)))
+        Ok(Ok((cluster.id.clone(), self.kube_for(&cluster.id).await?)))
     }
 
     /// The cluster `name` as the last pass that reached it left it: its id and a client, when
-    /// both are still known.
+    /// both are still known and the client's credentials are not due for renewal (then the pass
+    /// asks DigitalOcean, for the cluster and new credentials).
     fn trusted_cluster(&self, name: &str) -> Option<(String, KubeClient)> {
         let id = self
             .cluster_ids
@@ -953,7 +992,7 @@ impl Reconciler {
             .expect("cluster ids")
             .get(name)
             .cloned()?;
-        let kube = self.kube.lock().expect("kube cache").get(&id).cloned()?;
+        let kube = self.kube.fresh(&id)?;
         Some((id, kube))
     }
 
@@ -1035,27 +1074,19 @@ impl Reconciler {
         Ok(clusters.into_iter().find(fits))
     }
 
-    async fn kube_for(&self, cluster: &Cluster) -> Result<KubeClient> {
-        if let Some(k) = self.kube.lock().expect("kube cache").get(&cluster.id) {
-            return Ok(k.clone());
-        }
-        let yaml = self.cloud.kubeconfig(&cluster.id).await?;
-        let client = KubeClient::from_kubeconfig_yaml_with(
-            &yaml,
-            &self.settings.field_manager,
-            self.kube_options.clone(),
-        )
-        .await
-        .map_err(|e| ReconcileError::Transient(e.to_string()))?;
+    /// A client of cluster `cluster_id` (see [`ClusterClients::get`]).
+    async fn kube_for(&self, cluster_id: &str) -> Result<KubeClient> {
         self.kube
-            .lock()
-            .expect("kube cache")
-            .insert(cluster.id.clone(), client.clone());
-        Ok(client)
+            .get(&self.cloud, cluster_id)
+            .await
+            .map_err(|e| match e {
+                cluster_clients::Error::Cloud(e) => e.into(),
+                cluster_clients::Error::Kube(e) => ReconcileError::Transient(e.to_string()),
+            })
     }
 
     fn forget_kube(&self, cluster_id: &str) {
-        self.kube.lock().expect("kube cache").remove(cluster_id);
+        self.kube.forget(cluster_id);
     }
 
     /// The DI's rendered objects, its pods and its nodes.
@@ -1154,14 +1185,8 @@ impl Reconciler {
                         self.store.ledger_remove(id, &e.kind, &e.name).await?;
                         continue;
                     };
-                    let kube = self.kube_for(c).await?;
-                    let deleted = match kube.delete("v1", "Namespace", None, &e.name).await {
-                        Err(err) if matches!(err, KubeError::Api { code: 401, .. }) => {
-                            self.forget_kube(&c.id);
-                            return Err(err.into());
-                        }
-                        r => r?,
-                    };
+                    let kube = self.kube_for(&c.id).await?;
+                    let deleted = kube.delete("v1", "Namespace", None, &e.name).await?;
                     if deleted != Deleted::AlreadyGone {
                         self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
                     }

@@ -373,7 +373,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
     };
     drop(keep);
     let cfg = &shared.config;
-    let retry = matches!(outcome, Some(Err(ReconcileError::Transient(_))));
+    let retry = matches!(&outcome, Some(Err(e)) if e.is_transient());
     let next = match outcome {
         None => {
             shared.stats.lock().expect("stats").leases_lost += 1;
@@ -391,7 +391,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
                 _ => pass.next_check,
             }
         }
-        Some(Err(ReconcileError::Transient(why))) => {
+        Some(Err(ReconcileError::Transient(why) | ReconcileError::CredentialsRefused(why))) => {
             let attempt = {
                 let mut a = shared.attempts.lock().expect("attempts");
                 let n = a.entry(id).or_insert(0);

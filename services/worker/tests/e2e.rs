@@ -705,3 +705,100 @@ async fn the_probe_credential_is_one_dis_own_and_revocable() {
     w.shutdown().await;
     env.sim.shutdown().await;
 }
+
+/// Runs passes of `r` over DI `id` until one has nothing left to wait for.
+async fn converge(r: &Reconciler, id: uuid::Uuid, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while r.reconcile(id).await.unwrap().waiting.is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not converged within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A cluster that refuses the worker's credentials before they are due for renewal (revoked):
+/// the pass that meets the 401 fetches fresh ones and finishes, in a resync and in an update,
+/// instead of failing and waiting for a retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_cluster_credentials_are_replaced_within_the_pass() {
+    let env = env_with(None).await;
+    let (rec, _token) = env.create(1).await;
+    // No retries inside the clients: a pass that fails shows.
+    let r = env.reconciler(cloud_clients::RetryConfig::none());
+    converge(&r, rec.id, "active").await;
+    // A resync: the worker reaches the cluster with the client it keeps.
+    let fetched = env.sim.stats().credential_requests();
+    let pass = r.reconcile(rec.id).await.unwrap();
+    assert_eq!(pass.waiting, None, "{pass:?}");
+    assert_eq!(
+        env.sim.stats().credential_requests(),
+        fetched,
+        "a fresh client is kept"
+    );
+
+    env.sim.revoke_cluster_credentials();
+    let pass = r
+        .reconcile(rec.id)
+        .await
+        .expect("a resync on revoked credentials renews them and succeeds");
+    assert_eq!(pass.waiting, None, "{pass:?}");
+    assert_eq!(env.sim.stats().credential_requests(), fetched + 1);
+
+    // An update: the first pass of the rollout meets revoked credentials.
+    let active = env.wait_active(rec.id, 1).await;
+    let mut spec = env.spec(
+        2,
+        active.spec.as_ref().unwrap().model_deployments[0].model_id,
+    );
+    spec.version = 1;
+    env.patch(rec.id, &spec).await;
+    env.sim.revoke_cluster_credentials();
+    let pass = r
+        .reconcile(rec.id)
+        .await
+        .expect("an update's pass on revoked credentials renews them and goes on");
+    assert_eq!(pass.status, Some(Status::Updating), "{pass:?}");
+    assert_eq!(env.sim.stats().credential_requests(), fetched + 2);
+    converge(&r, rec.id, "the update").await;
+    env.wait_active(rec.id, 2).await;
+    env.sim.shutdown().await;
+}
+
+/// Credentials due for renewal while DigitalOcean fails the renewal: the worker goes on with the
+/// current ones, which the cluster still accepts, and renews them at the next chance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_renewal_goes_on_with_credentials_still_valid() {
+    // Renewal is due two thirds into the 3 s: after 2 s, with 1 s still valid.
+    let env = env_with_sim(|cfg| cfg.credential_ttl = Duration::from_secs(3)).await;
+    let (rec, _token) = env.create(1).await;
+    let r = env.reconciler(cloud_clients::RetryConfig::none());
+    converge(&r, rec.id, "active").await;
+    // Fresh credentials for the resyncs to come, then wait until they are due.
+    env.sim.revoke_cluster_credentials();
+    r.reconcile(rec.id).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    // The resync reads the cluster (call 0), then asks for credentials (call 1): refused.
+    let fetched = env.sim.stats().credential_requests();
+    env.sim
+        .arm_fault(region_sim::Api::Do, 1, region_sim::ArmedKind::Refuse)
+        .unwrap();
+    let pass = r
+        .reconcile(rec.id)
+        .await
+        .expect("the pass goes on with the credentials still valid");
+    assert_eq!(pass.waiting, None, "{pass:?}");
+    let fired = env.sim.fired_faults();
+    assert!(
+        fired
+            .last()
+            .is_some_and(|f| f.request.ends_with("/credentials")),
+        "the renewal was refused: {fired:?}"
+    );
+    assert_eq!(env.sim.stats().credential_requests(), fetched + 1);
+    // The next pass renews them.
+    r.reconcile(rec.id).await.unwrap();
+    assert_eq!(env.sim.stats().credential_requests(), fetched + 2);
+    env.sim.shutdown().await;
+}

@@ -51,6 +51,19 @@ async fn do_call(
     )
 }
 
+/// An HTTPS client that trusts exactly the CA in `ca_data` (base64 of PEM, as kubeconfigs and
+/// credentials carry it), and no other.
+fn trusting(ca_data: &str) -> Client {
+    let pem = base64::engine::general_purpose::STANDARD
+        .decode(ca_data)
+        .expect("the CA data is base64");
+    Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(&pem).expect("the CA is PEM"))
+        .build()
+        .unwrap()
+}
+
 /// A client built from the kubeconfig the DO API hands out.
 struct Kube {
     server: String,
@@ -84,7 +97,11 @@ impl Kube {
                 .as_str()
                 .unwrap()
                 .to_string(),
-            http: Client::new(),
+            http: trusting(
+                cfg["clusters"][0]["cluster"]["certificate-authority-data"]
+                    .as_str()
+                    .expect("the kubeconfig carries the cluster's CA"),
+            ),
         }
     }
 
@@ -176,7 +193,8 @@ async fn kubeconfig_reaches_the_cluster_api_with_its_token_and_faults() {
     )
     .await;
     assert_eq!(c["kubernetes_cluster"]["endpoint"], kube.server.as_str());
-    // The credentials endpoint hands out the same server and token.
+    // The credentials endpoint hands out the same server and a token of its own, which works
+    // as well as the kubeconfig's.
     let (s, creds) = do_call(
         &sim,
         Method::GET,
@@ -186,10 +204,17 @@ async fn kubeconfig_reaches_the_cluster_api_with_its_token_and_faults() {
     .await;
     assert_eq!(s, 200);
     assert_eq!(creds["server"], kube.server.as_str());
-    assert_eq!(creds["token"], kube.token.as_str());
+    assert_ne!(creds["token"], kube.token.as_str());
     assert!(creds["expires_at"].is_string());
+    let other = Kube {
+        server: kube.server.clone(),
+        token: creds["token"].as_str().unwrap().to_string(),
+        http: trusting(creds["certificate_authority_data"].as_str().unwrap()),
+    };
+    assert_eq!(other.get("/version").await.0, 200);
     // No token, no access.
-    let r = Client::new()
+    let r = kube
+        .http
         .get(format!("{}/version", kube.server))
         .send()
         .await
@@ -228,6 +253,113 @@ async fn kubeconfig_reaches_the_cluster_api_with_its_token_and_faults() {
     .await;
     assert_eq!(s, 404);
     assert_eq!(v["id"], "not_found");
+    sim.shutdown().await;
+}
+
+/// Seconds from now until the RFC 3339 `expires_at` of a credentials response.
+fn expires_in(creds: &Value) -> f64 {
+    let at = chrono::DateTime::parse_from_rfc3339(creds["expires_at"].as_str().unwrap())
+        .expect("expires_at is RFC 3339");
+    (at.with_timezone(&chrono::Utc) - chrono::Utc::now()).num_milliseconds() as f64 / 1000.0
+}
+
+/// Credentials expire as on DOKS: after `expiry_seconds` when asked, else after the default
+/// lifetime (here 1 s instead of 7 days); the cluster's API then refuses them with a Kubernetes
+/// `Status` 401, exactly like a token it never issued.
+#[tokio::test]
+async fn cluster_credentials_expire() {
+    let mut cfg = SimConfig::new("atl1", TOKEN);
+    cfg.delays = Delays::instant();
+    cfg.credential_ttl = Duration::from_secs(1);
+    let sim = RegionSim::start(cfg).await.expect("start");
+    let (id, short) = cpu_cluster(&sim).await;
+    let creds = |expiry: &'static str| {
+        let sim = &sim;
+        let id = id.clone();
+        async move {
+            let (s, v) = do_call(
+                sim,
+                Method::GET,
+                &format!("/v2/kubernetes/clusters/{id}/credentials{expiry}"),
+                None,
+            )
+            .await;
+            assert_eq!(s, 200, "{v}");
+            v
+        }
+    };
+    let default = creds("").await;
+    let zero = creds("?expiry_seconds=0").await;
+    let long = creds("?expiry_seconds=600").await;
+    for (what, c, want) in [
+        ("default", &default, 1.0),
+        ("0", &zero, 1.0),
+        ("600", &long, 600.0),
+    ] {
+        let left = expires_in(c);
+        assert!(
+            left > want - 0.5 && left <= want + 0.05,
+            "expiry_seconds {what}: expires in {left} s, want {want}"
+        );
+    }
+    let client = |c: &Value| Kube {
+        server: c["server"].as_str().unwrap().to_string(),
+        token: c["token"].as_str().unwrap().to_string(),
+        http: trusting(c["certificate_authority_data"].as_str().unwrap()),
+    };
+    let (default, long) = (client(&default), client(&long));
+    // A kubeconfig asked for with a lifetime of its own.
+    let r = Client::new()
+        .get(format!(
+            "{}/v2/kubernetes/clusters/{id}/kubeconfig?expiry_seconds=600",
+            sim.base_url()
+        ))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let cfg: Value = serde_saphyr::from_str(&r.text().await.unwrap()).unwrap();
+    let long_kubeconfig = Kube {
+        server: short.server.clone(),
+        token: cfg["users"][0]["user"]["token"]
+            .as_str()
+            .unwrap()
+            .to_string(),
+        http: short.http.clone(),
+    };
+    for k in [&short, &default, &long, &long_kubeconfig] {
+        assert_eq!(k.get("/api/v1/nodes").await.0, 200);
+    }
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for expired in [&short, &default] {
+        let (s, v) = expired.get("/api/v1/nodes").await;
+        assert_eq!(s, 401, "{v}");
+        assert_eq!(v["kind"], "Status");
+        assert_eq!(v["reason"], "Unauthorized");
+        assert_eq!(v["code"], 401);
+    }
+    for k in [&long, &long_kubeconfig] {
+        assert_eq!(k.get("/api/v1/nodes").await.0, 200);
+    }
+    let unknown = Kube {
+        token: "not-a-token-it-issued".into(),
+        ..client(&creds("?expiry_seconds=600").await)
+    };
+    assert_eq!(unknown.get("/api/v1/nodes").await.0, 401);
+    // A lifetime that is not a non-negative integer is a bad request.
+    for bad in ["-1", "soon"] {
+        for what in ["credentials", "kubeconfig"] {
+            let (s, v) = do_call(
+                &sim,
+                Method::GET,
+                &format!("/v2/kubernetes/clusters/{id}/{what}?expiry_seconds={bad}"),
+                None,
+            )
+            .await;
+            assert_eq!(s, 400, "{what} {bad}: {v}");
+            assert_eq!(v["id"], "bad_request");
+        }
+    }
     sim.shutdown().await;
 }
 
@@ -607,7 +739,8 @@ async fn load_balancer_services_are_mirrored_and_serve_the_model() {
     })
     .await;
     assert!(sim.inventory().kubernetes.is_empty());
-    assert!(Client::new()
+    assert!(kube
+        .http
         .get(format!("{}/version", kube.server))
         .bearer_auth(&kube.token)
         .send()
@@ -659,7 +792,8 @@ async fn kubernetes_and_do_calls_are_counted_by_kind() {
         .await;
     assert!(s.is_success(), "{s}");
     // Not authenticated: not a call.
-    let r = Client::new()
+    let r = kube
+        .http
         .delete(format!("{}/api/v1/namespaces/counted", kube.server))
         .send()
         .await

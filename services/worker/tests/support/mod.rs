@@ -77,6 +77,18 @@ pub async fn env_with(capacity: Option<BTreeMap<String, u32>>) -> Env {
 }
 
 pub async fn env_with_delays(capacity: Option<BTreeMap<String, u32>>, delays: Delays) -> Env {
+    env_with_sim(|cfg| {
+        cfg.delays = delays;
+        if let Some(c) = capacity {
+            cfg.gpu_capacity = c;
+        }
+    })
+    .await
+}
+
+/// An environment whose simulator is configured by `configure` (small delays unless it says
+/// otherwise).
+pub async fn env_with_sim(configure: impl FnOnce(&mut SimConfig)) -> Env {
     init_logs();
     let database_url = fresh_database().await;
     let seal_key = Sealer::generate_key();
@@ -88,10 +100,8 @@ pub async fn env_with_delays(capacity: Option<BTreeMap<String, u32>>, delays: De
     let store = Store::new(pool, Sealer::from_base64(&seal_key).unwrap());
     store.migrate().await.unwrap();
     let mut cfg = SimConfig::new("atl1", SIM_TOKEN);
-    cfg.delays = delays;
-    if let Some(c) = capacity {
-        cfg.gpu_capacity = c;
-    }
+    cfg.delays = small_delays();
+    configure(&mut cfg);
     let sim = RegionSim::start(cfg).await.unwrap();
     let cloud = cloud_clients::DoClient::new(&sim.base_url(), SIM_TOKEN).unwrap();
     let vpc = cloud

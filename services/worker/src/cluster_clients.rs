@@ -1,0 +1,164 @@
+//! The worker's Kubernetes clients, one per cluster, made from the cluster's credentials and
+//! kept until those are due for renewal or refused.
+//!
+//! DOKS credentials expire (7 days by default). The worker reads them from the credentials
+//! endpoint rather than the kubeconfig because its answer says when the token expires
+//! (`expires_at`): that is the server's word, right even if it caps or ignores a lifetime we
+//! might have asked for with `expiry_seconds`, and it needs no YAML to be read. A client is
+//! renewed two thirds into its credentials' life (after about 4.7 of DOKS's 7 days), which leaves
+//! a third for passes already using it and for DigitalOcean being unavailable at that moment; a
+//! client whose credentials the cluster refused (401: revoked, or expired early) is never handed
+//! out again.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
+
+use cloud_clients::{DoClient, DoError, KubeClient, KubeClientOptions, KubeError};
+
+/// When credentials that do not say when they expire are renewed.
+const RENEW_UNDATED: Duration = Duration::from_secs(3600);
+
+/// How long to use credentials with `expires_in` left before fetching new ones.
+pub fn renew_after(expires_in: Option<Duration>) -> Duration {
+    match expires_in {
+        Some(left) => left * 2 / 3,
+        None => RENEW_UNDATED,
+    }
+}
+
+#[derive(Clone)]
+struct Entry {
+    kube: KubeClient,
+    /// From then on, fresh credentials are fetched before the client is used.
+    renew_at: Instant,
+    /// When the server stops accepting them, if it said.
+    expires_at: Option<Instant>,
+}
+
+impl Entry {
+    /// Still accepted, as far as the worker knows (not refused, not past the expiry).
+    fn usable(&self, now: Instant) -> bool {
+        !self.kube.credentials_rejected() && self.expires_at.is_none_or(|t| t > now)
+    }
+}
+
+/// Why no client could be made.
+#[derive(Debug)]
+pub enum Error {
+    /// Fetching the credentials failed.
+    Cloud(DoError),
+    /// The credentials did not make a client.
+    Kube(KubeError),
+}
+
+/// Clients by DigitalOcean cluster id.
+pub struct ClusterClients {
+    cache: Mutex<HashMap<String, Entry>>,
+    /// Serialises credential fetches, so that when a cluster's credentials come due, the passes
+    /// of its many DIs make one request for new ones rather than one each. Fetches are rare
+    /// (once per cluster per few days), so one lock for all clusters costs nothing.
+    fetching: tokio::sync::Mutex<()>,
+    field_manager: String,
+    options: KubeClientOptions,
+}
+
+impl ClusterClients {
+    pub fn new(field_manager: &str, options: KubeClientOptions) -> Self {
+        ClusterClients {
+            cache: Mutex::new(HashMap::new()),
+            fetching: tokio::sync::Mutex::new(()),
+            field_manager: field_manager.to_string(),
+            options,
+        }
+    }
+
+    pub fn set_options(&mut self, options: KubeClientOptions) {
+        self.options = options;
+    }
+
+    /// The cached client of cluster `id`, unless its credentials are due for renewal or were
+    /// refused. Asks nothing of anyone.
+    pub fn fresh(&self, id: &str) -> Option<KubeClient> {
+        let now = Instant::now();
+        let cache = self.cache.lock().expect("cluster clients");
+        let e = cache.get(id)?;
+        (e.renew_at > now && e.usable(now)).then(|| e.kube.clone())
+    }
+
+    /// A client of cluster `id` with credentials that are not due for renewal: the cached one,
+    /// or one made from credentials fetched now. Should that fetch fail for a passing reason
+    /// while the cached credentials are still accepted, those are used for now.
+    pub async fn get(&self, cloud: &DoClient, id: &str) -> Result<KubeClient, Error> {
+        if let Some(k) = self.fresh(id) {
+            return Ok(k);
+        }
+        let _one = self.fetching.lock().await;
+        // Another pass may have renewed them while this one waited.
+        if let Some(k) = self.fresh(id) {
+            return Ok(k);
+        }
+        match self.fetch(cloud, id).await {
+            Ok(k) => Ok(k),
+            Err(Error::Cloud(e)) if e.is_transient() => {
+                let now = Instant::now();
+                let cache = self.cache.lock().expect("cluster clients");
+                match cache.get(id).filter(|e| e.usable(now)) {
+                    Some(old) => {
+                        tracing::warn!(cluster_id = id, error = %e, "renewing cluster credentials failed; using the current ones meanwhile");
+                        Ok(old.kube.clone())
+                    }
+                    None => Err(Error::Cloud(e)),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn fetch(&self, cloud: &DoClient, id: &str) -> Result<KubeClient, Error> {
+        let creds = cloud.cluster_credentials(id).await.map_err(Error::Cloud)?;
+        let kube = KubeClient::from_credentials(&creds, &self.field_manager, self.options.clone())
+            .await
+            .map_err(Error::Kube)?;
+        let expires_in = creds.expires_in(SystemTime::now());
+        let now = Instant::now();
+        let renew = renew_after(expires_in);
+        tracing::debug!(
+            cluster_id = id,
+            renew_in_secs = renew.as_secs(),
+            "cluster credentials fetched"
+        );
+        self.cache.lock().expect("cluster clients").insert(
+            id.to_string(),
+            Entry {
+                kube: kube.clone(),
+                renew_at: now + renew,
+                expires_at: expires_in.map(|left| now + left),
+            },
+        );
+        Ok(kube)
+    }
+
+    /// Forgets cluster `id`'s client (the cluster is gone, or no longer trusted).
+    pub fn forget(&self, id: &str) {
+        self.cache.lock().expect("cluster clients").remove(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_are_renewed_two_thirds_into_their_life() {
+        let week = Duration::from_secs(7 * 24 * 3600);
+        assert_eq!(renew_after(Some(week)), week * 2 / 3);
+        assert_eq!(
+            renew_after(Some(Duration::from_secs(3))),
+            Duration::from_secs(2)
+        );
+        // Already expired (or a clock behind the server's): renewed at the next use.
+        assert_eq!(renew_after(Some(Duration::ZERO)), Duration::ZERO);
+        assert_eq!(renew_after(None), RENEW_UNDATED);
+    }
+}
