@@ -756,6 +756,10 @@ class Watcher(threading.Thread):
         if t.get("settled") or t.get("checked"):
             return  # settled, or a RevocationCheck follows it closely
         status, _ = self.chat(client, endpoint, t["value"], models[-1])
+        if di["deleted"] or status is None:
+            # Deleted while this call ran, or no answer at all (the probe judges availability):
+            # neither says whether the token is still accepted.
+            return
         if t["revoked_at"] is not None:
             if status == 401:
                 t["settled"] = True
