@@ -698,6 +698,7 @@ async fn apply(
     sqlx::query("SAVEPOINT read_model_apply")
         .execute(&mut **tx)
         .await?;
+    let mut applied = false;
     for keep_name in [false, true] {
         match upsert(tx, u, keep_name).await {
             Err(sqlx::Error::Database(e))
@@ -708,12 +709,20 @@ async fn apply(
                     .await?;
             }
             Err(e) => return Err(e.into()),
-            Ok(_) => return Ok(()),
+            Ok(_) => {
+                applied = true;
+                break;
+            }
         }
     }
-    // A DI central has never seen, under a name another of the team's DIs holds here: its
-    // row waits for the feed's next view of either DI.
-    tracing::warn!(id = %u.id, "read model name clash; view deferred");
+    sqlx::query("RELEASE SAVEPOINT read_model_apply")
+        .execute(&mut **tx)
+        .await?;
+    if !applied {
+        // A DI central has never seen, under a name another of the team's DIs holds here: its
+        // row waits for the feed's next view of either DI.
+        tracing::warn!(id = %u.id, "read model name clash; view deferred");
+    }
     Ok(())
 }
 
