@@ -13,7 +13,7 @@
 //! | `POST /_sim/repos/{org}/{name}/revisions` | `{"name": "dev", "config": {...}?}` | `{"name", "sha"}` |
 //! | `POST /_sim/tokens` | `{"token": "hf_...", "user": "alice"}` | 204 |
 //! | `POST /_sim/tokens/revoke` | `{"token": "hf_..."}` | 204 |
-//! | `GET`, `PUT /_sim/faults` | a [`HubFaults`] | the faults |
+//! | `GET`, `PUT /_sim/faults` | a [`HubFaults`] (PUT replaces them all; absent fields are 0) | the faults |
 //! | `GET /_sim/stats` | | a [`HubStats`] |
 //!
 //! Errors: 400 or 404 with `{"error": message}`. Tokens travel in bodies, not paths, so that
@@ -116,39 +116,33 @@ async fn remove(
     }
 }
 
-/// Applies `f` to the repository and answers with it.
-fn update(s: &Shared, org: &str, name: &str, f: impl FnOnce(&mut Repo)) -> AdminResult {
+/// A repository's `{org}/{name}`.
+type RepoPath = Path<(String, String)>;
+
+/// Parses the body as `B`, applies it to the repository with `f`, and answers with the
+/// repository.
+fn update_with<B: DeserializeOwned>(
+    s: &Shared,
+    Path((org, name)): RepoPath,
+    body: &Bytes,
+    f: impl FnOnce(&mut Repo, B),
+) -> AdminResult {
+    let b: B = parse(body)?;
     let id = format!("{org}/{name}");
-    s.update(&id, f).map_err(missing)?;
+    s.update(&id, |r| f(r, b)).map_err(missing)?;
     current(s, &id)
 }
 
-async fn set_gated(
-    State(s): State<Arc<Shared>>,
-    Path((org, name)): Path<(String, String)>,
-    body: Bytes,
-) -> AdminResult {
-    #[derive(Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Body {
-        gated: Gated,
-    }
-    let b: Body = parse(&body)?;
-    update(&s, &org, &name, |r| r.gated = b.gated)
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GatedBody {
+    gated: Gated,
 }
 
-async fn set_private(
-    State(s): State<Arc<Shared>>,
-    Path((org, name)): Path<(String, String)>,
-    body: Bytes,
-) -> AdminResult {
-    #[derive(Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Body {
-        private: bool,
-    }
-    let b: Body = parse(&body)?;
-    update(&s, &org, &name, |r| r.private = b.private)
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PrivateBody {
+    private: bool,
 }
 
 #[derive(Deserialize)]
@@ -157,13 +151,16 @@ struct TokenBody {
     token: String,
 }
 
-async fn grant(
-    State(s): State<Arc<Shared>>,
-    Path((org, name)): Path<(String, String)>,
-    body: Bytes,
-) -> AdminResult {
-    let b: TokenBody = parse(&body)?;
-    update(&s, &org, &name, |r| {
+async fn set_gated(State(s): State<Arc<Shared>>, repo: RepoPath, body: Bytes) -> AdminResult {
+    update_with(&s, repo, &body, |r, b: GatedBody| r.gated = b.gated)
+}
+
+async fn set_private(State(s): State<Arc<Shared>>, repo: RepoPath, body: Bytes) -> AdminResult {
+    update_with(&s, repo, &body, |r, b: PrivateBody| r.private = b.private)
+}
+
+async fn grant(State(s): State<Arc<Shared>>, repo: RepoPath, body: Bytes) -> AdminResult {
+    update_with(&s, repo, &body, |r, b: TokenBody| {
         r.granted.insert(b.token);
     })
 }
