@@ -1,7 +1,9 @@
 //! Production clients for the clouds the control plane drives: DigitalOcean's public API (VPCs,
-//! DOKS clusters with their kubeconfigs and expiring credentials, node pools, load balancers) and
+//! DOKS clusters with their kubeconfigs and expiring credentials, node pools, load balancers),
 //! the Kubernetes API servers of those clusters (server-side apply, get, list and delete of the
-//! kinds we render; a client notes when its credentials are refused). This crate
+//! kinds we render; a client notes when its credentials are refused), and the Hugging Face Hub
+//! (whose a customer's token is, a model repository's info and `config.json`, and whether the
+//! token may read a gated or private one; see [`hugging_face`]). This crate
 //! owns transport concerns only: authentication, timeouts, typed request and response shapes,
 //! classifying errors as transient or permanent, retrying transient ones with jittered backoff,
 //! and counting the writes it sends and every call it makes (in the process-wide Prometheus
@@ -9,10 +11,12 @@
 //! planning, and it must never log a credential.
 
 pub mod digitalocean;
+pub mod hugging_face;
 pub mod kubernetes;
 pub mod metrics;
 pub mod retry;
 
 pub use digitalocean::{DoClient, DoClientOptions, DoError};
+pub use hugging_face::{HubClient, HubClientOptions, HubError};
 pub use kubernetes::{Applied, Deleted, KubeClient, KubeClientOptions, KubeError};
 pub use retry::RetryConfig;
