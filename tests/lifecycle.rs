@@ -18,15 +18,13 @@ use base64::Engine;
 use region_sim::{Api, ApiFaults, ArmedKind, FaultConfig, Inventory, RegionSim};
 use reqwest::Method;
 use serde_json::{json, Value};
-use system_tests::{create_body, python, CloudOptions, Options, System};
+use system_tests::{create_body, python, CloudOptions, Options, System, HF_TOKEN};
 use uuid::Uuid;
 
 /// Gated on Hugging Face: a create needs `access_tokens.hugging_face_token`.
 const GATED_MODEL: &str = "mistral/mistral-7b-instruct-v3";
 const MODEL: &str = "qwen/qwen2.5-7b-instruct";
 const GPU: &str = "gpu-h100x1-80gb";
-/// A stand-in Hugging Face token; the simulator never calls Hugging Face.
-const HF_TOKEN: &str = "hf_system_test_placeholder";
 
 // ---------------------------------------------------------------------------------------------
 // The public API

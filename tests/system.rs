@@ -4,6 +4,7 @@
 
 mod api;
 mod bad_input;
+mod byom;
 mod credentials;
 mod lifecycle;
 mod pydo_compat;

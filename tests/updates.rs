@@ -9,7 +9,7 @@ use std::time::Duration;
 use region_sim::Delays;
 use reqwest::Method;
 use serde_json::{json, Value};
-use system_tests::{CloudOptions, System};
+use system_tests::{eventually, CloudOptions, System};
 use uuid::Uuid;
 
 use crate::lifecycle::{
@@ -231,4 +231,82 @@ async fn every_update(with_ids: bool) {
     )
     .await;
     assert_eq!(ready_pods(&sys, region, id), before);
+}
+
+/// Updates faster than a rollout: a model change, a scale-down before it finished, then a GPU
+/// size the region has none of (as the soak drove it). The last update fails (`error`), and
+/// what the earlier ones left keeps answering: the old model until the new one is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_update_that_fails_mid_rollout_leaves_the_endpoint_serving() {
+    let sys = start(realistic()).await;
+    let region = "atl1";
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    let at = |model: &str, gpu: &str, scale: i64, version: i64| {
+        let mut s = spec(region, "hurried", model, scale);
+        s["version"] = json!(version);
+        s["model_deployments"][0]["accelerators"][0]["accelerator_slug"] = json!(gpu);
+        s
+    };
+    let body = json!({"spec": at(OTHER_MODEL, H200, 2, 0)});
+    let created = sys
+        .call(Method::POST, "/v2/dedicated-inferences", &api, Some(body))
+        .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.body["dedicated_inference"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let token = created.body["token"]["value"].as_str().unwrap().to_string();
+    let (active, _) = wait_active(&sys, &api, region, &id, 1).await;
+    let model_id = active["spec"]["model_deployments"][0]["model_id"].clone();
+    let endpoints: Vec<String> = ["public_endpoint_fqdn", "private_endpoint_fqdn"]
+        .iter()
+        .map(|k| active["endpoints"][k].as_str().unwrap().to_string())
+        .collect();
+    let client = ca_client(&fetch_ca(&sys, &api, &id).await);
+    sys.cloud(region)
+        .sim
+        .set_gpu_capacity([(H200.to_string(), 8)].into_iter().collect());
+
+    let caller = Caller::start(
+        client,
+        endpoints,
+        token,
+        vec![OTHER_MODEL.to_string(), MODEL.to_string()],
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut last_gpu = at(MODEL, H100, 1, 3);
+    last_gpu["model_deployments"][0]["model_id"] = model_id;
+    for (spec, pause) in [
+        (at(MODEL, H200, 2, 1), 1500),
+        (at(MODEL, H200, 1, 2), 1500),
+        (last_gpu, 0),
+    ] {
+        let patched = sys
+            .call(
+                Method::PATCH,
+                &di_path(&id, ""),
+                &api,
+                Some(json!({ "spec": spec })),
+            )
+            .await;
+        assert_eq!(patched.status, 202, "{}", patched.body);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+    }
+    let errored = eventually(Duration::from_secs(60), || async {
+        let di = sys.call(Method::GET, &di_path(&id, ""), &api, None).await;
+        (di.body["dedicated_inference"]["status"] == "error").then_some(di.body)
+    })
+    .await;
+    // Keep calling through what follows the failure.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let log = caller.finish().await;
+    println!("{errored}\n{} calls ok, {:?}", log.ok, log.switches);
+    assert!(
+        log.failures.is_empty(),
+        "{} failed calls (of {}): {:#?}",
+        log.failures.len(),
+        log.failures.len() as u64 + log.ok,
+        log.failures
+    );
 }

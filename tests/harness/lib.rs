@@ -51,6 +51,9 @@ pub struct RegionHandle {
 
 /// The DigitalOcean API token the simulators accept and the workers send.
 pub const SIM_TOKEN: &str = "sim-do-token";
+/// The customers' Hugging Face token in tests: the simulated Hub knows it, with access to the
+/// catalog's gated models.
+pub const HF_TOKEN: &str = "hf_system_test_placeholder";
 /// How each region's simulated cloud and workers are set up.
 #[derive(Clone, Debug)]
 pub struct CloudOptions {
@@ -96,6 +99,8 @@ impl Default for CloudOptions {
 /// A region's simulated cloud (DigitalOcean API, DOKS clusters, data plane) and its workers.
 pub struct Cloud {
     pub sim: region_sim::RegionSim,
+    /// The Hugging Face Hub the workers' model servers download from.
+    hub_url: String,
     /// Running workers; `None` where one was killed.
     pub workers: Vec<Option<worker::runtime::WorkerHandle>>,
     options: CloudOptions,
@@ -103,7 +108,7 @@ pub struct Cloud {
 
 impl Cloud {
     /// The simulator alone; [`Cloud::start_worker`] adds workers.
-    async fn start(region: &str, options: &CloudOptions) -> Cloud {
+    async fn start(region: &str, options: &CloudOptions, hub_url: &str) -> Cloud {
         let mut cfg = region_sim::SimConfig::new(region, SIM_TOKEN);
         cfg.delays = options.delays.clone();
         cfg.credential_ttl = options.credential_ttl;
@@ -112,6 +117,7 @@ impl Cloud {
             .expect("region simulator starts");
         Cloud {
             sim,
+            hub_url: hub_url.to_string(),
             workers: Vec::new(),
             options: options.clone(),
         }
@@ -169,6 +175,7 @@ impl Cloud {
         c.settings.poll = Duration::from_millis(150);
         c.settings.system_pool_size = "s-2vcpu-4gb".into();
         c.settings.system_pool_count = 1;
+        c.settings.hub_endpoint = Some(self.hub_url.clone());
         if let Some(resync) = self.options.resync {
             c.settings.resync = resync;
         }
@@ -240,6 +247,7 @@ impl RegionHandle {
             &self.secret,
             &self.seal_key,
             &self.cloud.sim.base_url(),
+            &self.cloud.hub_url,
         ))
         .await
         .expect("regional service starts");
@@ -254,6 +262,7 @@ fn region_config(
     secret: &str,
     seal_key: &str,
     sim_url: &str,
+    hub_url: &str,
 ) -> regional::Config {
     regional::Config {
         region: name.into(),
@@ -265,6 +274,8 @@ fn region_config(
         db_max_connections: 4,
         do_api_url: sim_url.into(),
         do_token: SIM_TOKEN.into(),
+        hf_endpoint: hub_url.into(),
+        catalog: None,
     }
 }
 
@@ -296,6 +307,8 @@ pub struct System {
     pub regions: Vec<RegionHandle>,
     pub base: String,
     pub http: reqwest::Client,
+    /// The Hugging Face Hub every region asks and downloads from.
+    pub hub: hub_sim::HubSim,
 }
 
 impl System {
@@ -305,19 +318,30 @@ impl System {
 
     pub async fn start_with(options: Options) -> System {
         init_logs();
+        let hub = hub_sim::HubSim::start("127.0.0.1:0".parse().unwrap())
+            .await
+            .expect("the Hugging Face Hub simulator starts");
+        // The tests' Hugging Face token reads the catalog's gated models.
+        hub.add_token(HF_TOKEN, "system-tests").expect("a token");
+        for repo in hub_sim::seed_repos() {
+            if repo.gated.is_gated() {
+                hub.grant(&repo.id, HF_TOKEN).expect("a grant");
+            }
+        }
         let mut regions = Vec::new();
         for name in REGIONS {
             let database_url = fresh_database(&format!("region_{name}")).await;
             let secret = common::tokens::mint("rs_");
             let seal_key = common::seal::Sealer::generate_key();
             let cloud_options = options.cloud.clone().unwrap_or_default();
-            let mut cloud = Cloud::start(name, &cloud_options).await;
+            let mut cloud = Cloud::start(name, &cloud_options, &hub.url()).await;
             let server = regional::Server::start(region_config(
                 name,
                 &database_url,
                 &secret,
                 &seal_key,
                 &cloud.sim.base_url(),
+                &hub.url(),
             ))
             .await
             .expect("regional service starts");
@@ -367,6 +391,7 @@ impl System {
             regions,
             base,
             http: reqwest::Client::new(),
+            hub,
         }
     }
 

@@ -66,7 +66,8 @@ pub struct VpcConfig {
 pub struct ModelDeploymentInput {
     pub model_id: Option<String>,
     pub model_slug: Option<String>,
-    /// godo's spelling of `model_slug`.
+    /// The provider's id of the model: for `hugging_face`, a Hugging Face repository
+    /// (`owner/name`, optionally `@revision`). godo sends `""` when unset.
     pub provider_model_id: Option<String>,
     pub model_provider: Option<String>,
     #[schema(value_type = Option<Object>)]
@@ -243,6 +244,16 @@ pub struct Size {
     /// godo reads every region the size is offered in.
     pub regions: Vec<String>,
     pub currency: String,
+    pub gpu: SizeGpu,
+}
+
+/// The GPUs of one node of a size (godo reads them).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SizeGpu {
+    pub count: u32,
+    /// Memory per GPU, GB.
+    pub vram_gb: u32,
+    pub slug: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -362,7 +373,7 @@ fn deployments_out(spec: &StoredSpec, status: &str) -> Vec<ModelDeploymentOutput
         .map(|d| ModelDeploymentOutput {
             model_id: d.model_id.map(|id| id.to_string()).unwrap_or_default(),
             model_slug: d.model_slug.clone(),
-            provider_model_id: d.model_slug.clone(),
+            provider_model_id: d.provider_model_id.clone(),
             model_provider: d.model_provider.clone(),
             workload_config: d.workload_config.clone(),
             accelerators: d

@@ -21,11 +21,44 @@ pub struct Spec {
 pub struct ModelDeployment {
     /// `None` on input means "a new deployment"; the region assigns an id.
     pub model_id: Option<Uuid>,
+    /// The name clients call the model by (`model` in requests, `/v1/models`): the catalog
+    /// model's slug, or for a customer's own repository the `model_slug` sent, else its id.
     pub model_slug: String,
+    /// `modelcatalog` or `hugging_face`, as sent.
     pub model_provider: String,
+    /// The provider's model id as sent, `""` when none (godo always sends the field).
+    #[serde(default)]
+    pub provider_model_id: String,
+    /// What the model server loads.
+    #[serde(default)]
+    pub source: ModelSource,
     #[schema(value_type = Object)]
     pub workload_config: serde_json::Value,
     pub accelerators: Vec<AcceleratorGroup>,
+}
+
+/// A Hugging Face repository at a revision: what a model server loads.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct ModelSource {
+    pub repository: String,
+    /// A branch, tag or commit; `None` is the repository's default branch.
+    pub revision: Option<String>,
+    /// The customer's own choice (`hugging_face` with a `provider_model_id`), which the region
+    /// checks against the Hub; `false` for a catalog model.
+    pub custom: bool,
+}
+
+impl ModelDeployment {
+    /// The context a deployment declares in its workload hints (`input_tokens` +
+    /// `output_tokens` of `workload_config`), which bounds a sequence's length; `None` when it
+    /// declares none, and the model's own maximum applies.
+    pub fn declared_context(&self) -> Option<u64> {
+        let tokens = |k: &str| self.workload_config.get(k).and_then(serde_json::Value::as_u64);
+        match (tokens("input_tokens"), tokens("output_tokens")) {
+            (Some(i), Some(o)) if i + o > 0 => Some(i.saturating_add(o)),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use api_types::public::{
     AcceleratorInfo, AcceleratorList, AccessToken, CaResponse, CreateRequest, CreateResponse,
     DedicatedInference, DedicatedInferenceEnvelope, EventInfo, EventList, GpuModelConfig,
-    GpuModelConfigsResponse, Links, Meta, Size, SizesResponse, TokenCreateRequest, TokenEnvelope,
+    GpuModelConfigsResponse, Links, Meta, Size, SizeGpu, SizesResponse, TokenCreateRequest, TokenEnvelope,
     TokenList, UpdateRequest,
 };
 use api_types::regional::{
@@ -993,6 +993,11 @@ impl App {
                     region: region.clone(),
                     regions: size.regions.clone(),
                     currency: size.currency.clone(),
+                    gpu: SizeGpu {
+                        count: size.gpu.count,
+                        vram_gb: size.gpu.vram_gb,
+                        slug: size.gpu.slug.clone(),
+                    },
                 });
             }
         }

@@ -7,7 +7,6 @@
 pub mod app;
 pub mod auth;
 pub mod body;
-pub mod catalog;
 pub mod error;
 pub mod feed;
 pub mod handlers;
@@ -26,7 +25,7 @@ use common::seal::Sealer;
 use sqlx::postgres::PgPoolOptions;
 
 use crate::auth::Authenticator;
-use crate::catalog::Catalog;
+use api_types::catalog::{self, Catalog};
 use crate::error::ApiError;
 use crate::regions::Regions;
 

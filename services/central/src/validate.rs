@@ -2,10 +2,10 @@
 //! catalog. Every refusal names the field, in the public request's terms.
 
 use api_types::public::{ModelDeploymentInput, SpecInput};
-use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
+use api_types::spec::{AcceleratorGroup, ModelDeployment, ModelSource, Spec};
 use uuid::Uuid;
 
-use crate::catalog::Catalog;
+use api_types::catalog::{Catalog, Model as CatalogModel};
 use crate::error::ApiError;
 
 pub const ROLES: &[&str] = &["prefill_decode", "prefill", "decode"];
@@ -97,6 +97,17 @@ pub fn spec(catalog: &Catalog, input: &SpecInput) -> Result<Checked, ApiError> {
             d,
         )?;
         gated |= is_gated;
+        // Requests name the model they want: two deployments answering to one name could not
+        // be told apart.
+        if let Some(j) = deployments
+            .iter()
+            .position(|d: &ModelDeployment| d.model_slug == deployment.model_slug)
+        {
+            return Err(invalid(format!(
+                "spec.model_deployments[{i}] serves {:?}, as spec.model_deployments[{j}] does: give it another model_slug.",
+                deployment.model_slug
+            )));
+        }
         deployments.push(deployment);
     }
     Ok(Checked {
@@ -118,21 +129,7 @@ fn deployment(
     at: &str,
     d: &ModelDeploymentInput,
 ) -> Result<(ModelDeployment, bool), ApiError> {
-    let slug = d
-        .model_slug
-        .as_deref()
-        .or(d.provider_model_id.as_deref())
-        .filter(|s| !s.is_empty())
-        .ok_or_else(|| invalid(format!("{at}.model_slug is required.")))?;
-    let model = catalog
-        .model(slug)
-        .ok_or_else(|| invalid(format!("{at}.model_slug {slug:?} is not a supported model (see /v2/dedicated-inferences/gpu-model-config).")))?;
-    let provider = d.model_provider.as_deref().unwrap_or("hugging_face");
-    if provider != "hugging_face" {
-        return Err(invalid(format!(
-            "{at}.model_provider must be \"hugging_face\"."
-        )));
-    }
+    let (model_slug, source, catalog_model) = model(catalog, at, d)?;
     let model_id = match d.model_id.as_deref() {
         None | Some("") => None,
         Some(text) => Some(
@@ -176,13 +173,17 @@ fn deployment(
                 a.accelerator_slug
             )));
         }
-        if !model.gpu_slugs.contains(&a.accelerator_slug) {
-            return Err(invalid(format!(
-                "{at}.accelerator_slug {:?} cannot serve {} (supported: {}).",
-                a.accelerator_slug,
-                model.model_slug,
-                model.gpu_slugs.join(", ")
-            )));
+        // A customer's own repository is sized against the GPUs by the region, which asks the
+        // Hub for its weights.
+        if let Some(model) = catalog_model {
+            if !model.gpu_slugs.contains(&a.accelerator_slug) {
+                return Err(invalid(format!(
+                    "{at}.accelerator_slug {:?} cannot serve {} (supported: {}).",
+                    a.accelerator_slug,
+                    model.model_slug,
+                    model.gpu_slugs.join(", ")
+                )));
+            }
         }
         accelerators.push(AcceleratorGroup {
             accelerator_slug: a.accelerator_slug.clone(),
@@ -193,13 +194,142 @@ fn deployment(
     Ok((
         ModelDeployment {
             model_id,
-            model_slug: model.model_slug.clone(),
-            model_provider: provider.to_string(),
+            model_slug,
+            model_provider: d
+                .model_provider
+                .clone()
+                .filter(|p| !p.is_empty())
+                .unwrap_or_else(|| HUGGING_FACE.to_string()),
+            provider_model_id: d.provider_model_id.clone().unwrap_or_default(),
+            source,
             workload_config,
             accelerators,
         },
-        model.is_gated_model,
+        catalog_model.is_some_and(|m| m.is_gated_model),
     ))
+}
+
+pub const MODEL_CATALOG: &str = "modelcatalog";
+pub const HUGGING_FACE: &str = "hugging_face";
+
+/// What a deployment serves, under which name: a catalog model (`modelcatalog` with its
+/// `model_slug`; `hugging_face` with a catalog slug and no `provider_model_id`, as callers of
+/// the first version of this API send), or any Hugging Face repository (`hugging_face` with
+/// `provider_model_id`, optionally `@revision`), called by `model_slug` when one is sent, else by
+/// the repository's id.
+fn model<'c>(
+    catalog: &'c Catalog,
+    at: &str,
+    d: &ModelDeploymentInput,
+) -> Result<(String, ModelSource, Option<&'c CatalogModel>), ApiError> {
+    let provider = d
+        .model_provider
+        .as_deref()
+        .filter(|p| !p.is_empty())
+        .unwrap_or(HUGGING_FACE);
+    let provider_model_id = d.provider_model_id.as_deref().unwrap_or_default();
+    let slug = d.model_slug.as_deref().filter(|s| !s.is_empty());
+    match provider {
+        HUGGING_FACE if !provider_model_id.is_empty() => {
+            let source = repository(&format!("{at}.provider_model_id"), provider_model_id)?;
+            let name = match slug {
+                Some(name) => served_name(&format!("{at}.model_slug"), name)?,
+                None => source.repository.clone(),
+            };
+            Ok((name, source, None))
+        }
+        HUGGING_FACE | MODEL_CATALOG => {
+            let slug = slug.ok_or_else(|| {
+                invalid(if provider == HUGGING_FACE {
+                    format!("{at}.provider_model_id (a Hugging Face repository) or {at}.model_slug (a catalog model) is required.")
+                } else {
+                    format!("{at}.model_slug is required.")
+                })
+            })?;
+            let model = catalog.model(slug).ok_or_else(|| {
+                invalid(format!(
+                    "{at}.model_slug {slug:?} is not a catalog model (see /v2/dedicated-inferences/gpu-model-config); to serve a Hugging Face repository, send model_provider \"hugging_face\" and its id as provider_model_id."
+                ))
+            })?;
+            if !provider_model_id.is_empty()
+                && !provider_model_id.eq_ignore_ascii_case(&model.hugging_face_repo)
+                && !provider_model_id.eq_ignore_ascii_case(&model.model_slug)
+            {
+                return Err(invalid(format!(
+                    "{at}.provider_model_id {provider_model_id:?} is not the catalog model {} ({}); leave it empty, or use model_provider \"hugging_face\" to serve another repository.",
+                    model.model_slug, model.hugging_face_repo
+                )));
+            }
+            let source = ModelSource {
+                repository: model.hugging_face_repo.clone(),
+                revision: None,
+                custom: false,
+            };
+            Ok((model.model_slug.clone(), source, Some(model)))
+        }
+        other => Err(invalid(format!(
+            "{at}.model_provider {other:?} is not a provider: use \"{MODEL_CATALOG}\" or \"{HUGGING_FACE}\"."
+        ))),
+    }
+}
+
+/// A Hugging Face repository id (`owner/name`, as the Hub allows them), optionally `@revision`
+/// (a branch, tag or commit).
+fn repository(field: &str, text: &str) -> Result<ModelSource, ApiError> {
+    let (repository, revision) = match text.split_once('@') {
+        Some((r, rev)) => (r, Some(rev)),
+        None => (text, None),
+    };
+    let part_ok = |p: &str| {
+        !p.is_empty()
+            && p.len() <= 96
+            && p.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            && !p.starts_with(['-', '.'])
+            && !p.ends_with('.')
+            && !p.contains("..")
+            && !p.contains("--")
+    };
+    let valid = matches!(repository.split_once('/'), Some((owner, name)) if part_ok(owner) && part_ok(name));
+    if !valid {
+        return Err(invalid(format!(
+            "{field} {text:?} is not a Hugging Face repository id: expected owner/name, optionally @revision."
+        )));
+    }
+    if let Some(rev) = revision {
+        let rev_ok = !rev.is_empty()
+            && rev.len() <= 255
+            && rev
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'))
+            && !rev.contains("..")
+            && !rev.starts_with(['/', '.']);
+        if !rev_ok {
+            return Err(invalid(format!(
+                "{field} {text:?} has an invalid revision: a branch, tag or commit after '@'."
+            )));
+        }
+    }
+    Ok(ModelSource {
+        repository: repository.to_string(),
+        revision: revision.map(str::to_string),
+        custom: true,
+    })
+}
+
+/// The name clients call a customer's own model by (`model` in their requests).
+fn served_name(field: &str, name: &str) -> Result<String, ApiError> {
+    let ok = name.len() <= 128
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/' | b':'));
+    if ok {
+        Ok(name.to_string())
+    } else {
+        Err(invalid(format!(
+            "{field} {name:?} must be at most 128 letters, digits and any of - _ . / :"
+        )))
+    }
 }
 
 fn bounded_workload_config(
@@ -232,7 +362,7 @@ fn depth(value: &serde_json::Value) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::catalog::{Catalog, EMBEDDED};
+    use api_types::catalog::{Catalog, EMBEDDED};
 
     fn input(json: serde_json::Value) -> SpecInput {
         serde_json::from_value(json).unwrap()
@@ -263,12 +393,77 @@ mod tests {
         godo["vpc_config"] =
             serde_json::json!({"vpc_uuid": "7e5c619c-359c-44ca-87e2-47e98170c012"});
         godo.as_object_mut().unwrap().remove("vpc");
-        let d = &mut godo["model_deployments"][0];
-        d["provider_model_id"] = d["model_slug"].take();
-        d.as_object_mut().unwrap().remove("model_slug");
+        // godo always sends provider_model_id, empty when unset; GET shows it back as sent.
+        godo["model_deployments"][0]["provider_model_id"] = "".into();
         let godo = super::spec(&catalog, &input(godo)).unwrap();
         assert_eq!(pydo.spec, godo.spec);
         assert!(!pydo.gated);
+        let source = &pydo.spec.model_deployments[0].source;
+        assert_eq!(source.repository, "Qwen/Qwen2.5-7B-Instruct");
+        assert!(!source.custom);
+    }
+
+    #[test]
+    fn both_providers() {
+        let catalog = Catalog::parse(EMBEDDED).unwrap();
+        let deployment = |d: serde_json::Value| {
+            let mut s = base();
+            s["model_deployments"] = serde_json::json!([d]);
+            let checked = super::spec(&catalog, &input(s)).unwrap();
+            checked.spec.model_deployments[0].clone()
+        };
+        let acc = serde_json::json!([{"scale": 1, "type": "prefill_decode", "accelerator_slug": "gpu-l40sx1-48gb"}]);
+        // The catalog under its proper name, with or without the catalog's repository named.
+        let d = deployment(serde_json::json!({"model_slug": "qwen/qwen2.5-7b-instruct",
+            "model_provider": "modelcatalog", "provider_model_id": "Qwen/Qwen2.5-7B-Instruct", "accelerators": acc}));
+        assert_eq!(d.model_provider, "modelcatalog");
+        assert_eq!(d.provider_model_id, "Qwen/Qwen2.5-7B-Instruct");
+        assert!(!d.source.custom);
+        // Any repository: called by its id, or by the model_slug sent; at a revision. No
+        // catalog GPU list applies (the region sizes it against the Hub's numbers).
+        let d = deployment(serde_json::json!({"model_provider": "hugging_face",
+            "provider_model_id": "my-org/my-finetune@v2", "accelerators": acc}));
+        assert_eq!(d.model_slug, "my-org/my-finetune");
+        assert_eq!(d.provider_model_id, "my-org/my-finetune@v2");
+        assert_eq!(
+            d.source,
+            ModelSource { repository: "my-org/my-finetune".into(), revision: Some("v2".into()), custom: true }
+        );
+        let d = deployment(serde_json::json!({"model_provider": "hugging_face", "model_slug": "support-bot",
+            "provider_model_id": "my-org/my-finetune", "accelerators": acc}));
+        assert_eq!(d.model_slug, "support-bot");
+        assert_eq!(d.source.revision, None);
+    }
+
+    #[test]
+    fn provider_refusals_say_what_to_send() {
+        let with = |d: serde_json::Value| {
+            let mut s = base();
+            s["model_deployments"] = serde_json::json!([d]);
+            message(s)
+        };
+        let acc = serde_json::json!([{"scale": 1, "type": "prefill_decode", "accelerator_slug": "gpu-h100x1-80gb"}]);
+        let m = with(serde_json::json!({"model_provider": "openai", "model_slug": "x", "accelerators": acc}));
+        assert!(m.contains("model_provider") && m.contains("modelcatalog"), "{m}");
+        let m = with(serde_json::json!({"model_provider": "modelcatalog", "model_slug": "my-org/x", "accelerators": acc}));
+        assert!(m.contains("model_slug") && m.contains("provider_model_id"), "{m}");
+        let m = with(serde_json::json!({"model_provider": "modelcatalog", "model_slug": "qwen/qwen2.5-7b-instruct",
+            "provider_model_id": "other/repo", "accelerators": acc}));
+        assert!(m.contains("provider_model_id") && m.contains("Qwen/Qwen2.5-7B-Instruct"), "{m}");
+        let m = with(serde_json::json!({"model_provider": "hugging_face", "provider_model_id": "", "accelerators": acc}));
+        assert!(m.contains("provider_model_id") && m.contains("model_slug"), "{m}");
+        for bad in ["no-owner", "a/b/c", "-x/y", "x/y@", "x/y@../main", "x/ y", "x/y..z"] {
+            let m = with(serde_json::json!({"model_provider": "hugging_face", "provider_model_id": bad, "accelerators": acc}));
+            assert!(m.starts_with("spec.model_deployments[0].provider_model_id"), "{bad}: {m}");
+        }
+        let mut s = base();
+        let d = serde_json::json!({"model_provider": "hugging_face", "model_slug": "bot",
+            "provider_model_id": "my-org/a", "accelerators": acc});
+        let mut other = d.clone();
+        other["provider_model_id"] = "my-org/b".into();
+        s["model_deployments"] = serde_json::json!([d, other]);
+        let m = message(s);
+        assert!(m.starts_with("spec.model_deployments[1] serves \"bot\""), "{m}");
     }
 
     #[test]

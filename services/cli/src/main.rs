@@ -516,6 +516,11 @@ fn spec_input(spec: &Value) -> Map<String, Value> {
                 if d["model_id"].as_str().is_some_and(|s| !s.is_empty()) {
                     out["model_id"] = d["model_id"].clone();
                 }
+                // A customer's own repository is named by it: without it the deployment would
+                // read as a catalog model.
+                if d["provider_model_id"].as_str().is_some_and(|s| !s.is_empty()) {
+                    out["provider_model_id"] = d["provider_model_id"].clone();
+                }
                 out
             })
             .collect();
@@ -950,7 +955,7 @@ mod tests {
             "version": 3, "name": "old", "region": "atl1",
             "vpc": {"uuid": "v"}, "vpc_config": {"vpc_uuid": "v"},
             "enable_public_endpoint": true, "status": "updating",
-            "model_deployments": [{"model_id": "", "model_slug": "m", "provider_model_id": "m",
+            "model_deployments": [{"model_id": "", "model_slug": "m", "provider_model_id": "org/m@v1",
                 "model_provider": "hugging_face", "workload_config": {},
                 "accelerators": [{"scale": 1, "type": "prefill_decode",
                                   "accelerator_slug": "g", "status": "new"}]}]
@@ -962,7 +967,7 @@ mod tests {
             json!({"version": 3, "name": "new", "region": "atl1", "vpc": {"uuid": "v"},
                    "enable_public_endpoint": true,
                    "model_deployments": [{"model_slug": "m", "model_provider": "hugging_face",
-                       "workload_config": {},
+                       "provider_model_id": "org/m@v1", "workload_config": {},
                        "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": "g"}]}]})
         );
         // A version in the file wins; godo's vpc spelling is not doubled.

@@ -100,10 +100,12 @@ fn deployments(spec: &Value) -> String {
     let lines: Vec<String> = list
         .iter()
         .map(|d| {
-            let slug = d["model_slug"]
-                .as_str()
-                .or(d["provider_model_id"].as_str())
-                .unwrap_or("?");
+            // The name clients call it by, and the repository it loads when the customer chose one.
+            let name = d["model_slug"].as_str().unwrap_or("?");
+            let slug = match d["provider_model_id"].as_str().filter(|p| !p.is_empty()) {
+                Some(repo) if repo != name => format!("{name} ({repo})"),
+                _ => name.to_string(),
+            };
             let accs: Vec<String> = d["accelerators"]
                 .as_array()
                 .map(|a| {

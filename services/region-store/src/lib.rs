@@ -262,7 +262,7 @@ impl Store {
                 ));
             }
             let known: Vec<KnownDeployment> = sqlx::query_as(
-                "SELECT m.model_id, m.model_slug,
+                "SELECT m.model_id, m.model_slug, m.source_repository, m.source_revision,
                         g.accelerator_slug, g.scale
                  FROM model_deployments m
                  LEFT JOIN LATERAL (SELECT accelerator_slug, scale FROM accelerator_groups g
@@ -1159,6 +1159,8 @@ async fn lock_live(
 struct KnownDeployment {
     model_id: Uuid,
     model_slug: String,
+    source_repository: String,
+    source_revision: Option<String>,
     accelerator_slug: Option<String>,
     scale: Option<i32>,
 }
@@ -1184,8 +1186,9 @@ async fn insert_spec_version(
     let ids = deployment_ids(&spec.model_deployments, known)?;
     for (position, (deployment, model_id)) in spec.model_deployments.iter().zip(ids).enumerate() {
         sqlx::query(
-            "INSERT INTO model_deployments (di_id, version, position, model_id, model_slug, model_provider, workload_config)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "INSERT INTO model_deployments (di_id, version, position, model_id, model_slug, model_provider, workload_config,
+                 provider_model_id, source_repository, source_revision, source_custom)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
         )
         .bind(id)
         .bind(spec.version)
@@ -1194,6 +1197,10 @@ async fn insert_spec_version(
         .bind(&deployment.model_slug)
         .bind(&deployment.model_provider)
         .bind(&deployment.workload_config)
+        .bind(&deployment.provider_model_id)
+        .bind(&deployment.source.repository)
+        .bind(&deployment.source.revision)
+        .bind(deployment.source.custom)
         .execute(&mut **tx)
         .await?;
         for (group_position, group) in deployment.accelerators.iter().enumerate() {
@@ -1219,7 +1226,7 @@ async fn insert_spec_version(
 /// deployment of the version replaced, named once). Those without — what curl users, doctl spec
 /// files and a first Terraform apply send — are matched to the unnamed deployments of the version
 /// replaced so that as little as possible changes: the assignment of least cost, where a kept
-/// deployment costs what differs (model 2, GPU 1, position ½, ¼ a replica of scale up to ¾) and
+/// deployment costs what differs (model — its name or what it loads — 2, GPU 1, position ½, ¼ a replica of scale up to ¾) and
 /// a deployment added or removed costs 2½ each. So a scale, GPU or model change updates a deployment in place (its serving
 /// replicas stay until new ones are ready), a reorder or a removal keeps the others as they are,
 /// and only what no longer corresponds to anything is new.
@@ -1253,7 +1260,10 @@ fn deployment_ids(deployments: &[ModelDeployment], known: &[KnownDeployment]) ->
         let first = d.accelerators.first();
         let gpu = first.map(|g| g.accelerator_slug.as_str());
         let scale = first.map_or(0, |g| g.scale);
-        8 * u32::from(k.model_slug != d.model_slug)
+        let same_model = k.model_slug == d.model_slug
+            && k.source_repository == d.source.repository
+            && k.source_revision == d.source.revision;
+        8 * u32::from(!same_model)
             + 4 * u32::from(k.accelerator_slug.as_deref() != gpu)
             + 2 * u32::from(p != q)
             + scale.abs_diff(k.scale.unwrap_or(0)).min(3)
@@ -1427,6 +1437,8 @@ mod tests {
             model_id: id,
             model_slug: model.into(),
             model_provider: "hugging_face".into(),
+            provider_model_id: String::new(),
+            source: api_types::spec::ModelSource::default(),
             workload_config: serde_json::json!({}),
             accelerators: vec![AcceleratorGroup {
                 accelerator_slug: gpu.into(),
@@ -1440,6 +1452,8 @@ mod tests {
         KnownDeployment {
             model_id: Uuid::new_v4(),
             model_slug: model.into(),
+            source_repository: String::new(),
+            source_revision: None,
             accelerator_slug: Some(gpu.into()),
             scale: Some(1),
         }

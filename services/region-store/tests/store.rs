@@ -23,6 +23,8 @@ fn spec(name: &str, scale: i32) -> Spec {
             model_id: None,
             model_slug: "qwen/qwen2.5-7b-instruct".into(),
             model_provider: "hugging_face".into(),
+            provider_model_id: String::new(),
+            source: api_types::spec::ModelSource::default(),
             workload_config: serde_json::json!({}),
             accelerators: vec![AcceleratorGroup {
                 accelerator_slug: "gpu-h100x1-80gb".into(),

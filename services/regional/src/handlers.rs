@@ -124,6 +124,16 @@ async fn create(
     // is stored, so a foreign or unknown VPC is refused at once.
     let vpc = state.vpcs.resolve(req.team_id, req.spec.vpc_uuid).await?;
     req.spec.vpc_uuid = Some(vpc);
+    // So is a customer's own model that cannot be served as declared.
+    state
+        .models
+        .check(
+            &req.spec.model_deployments,
+            &[],
+            req.hugging_face_token.as_deref(),
+            true,
+        )
+        .await?;
     let authority =
         ca::generate(req.id).map_err(|e| ApiError::Internal(format!("CA generation: {e}")))?;
     let record = state
@@ -158,6 +168,7 @@ async fn patch(
     payload: Result<Json<PatchRequest>, JsonRejection>,
 ) -> ApiResult<RecordEnvelope> {
     let req = body(payload)?;
+    check_models(&state, id, &req).await?;
     let record = state
         .store
         .for_operation(req.operation_id)
@@ -170,6 +181,37 @@ async fn patch(
         )
         .await?;
     Ok(Json(RecordEnvelope { record }))
+}
+
+/// A PATCH's models, as a create's are checked: with the token it sends, else the DI's own; the
+/// deployments the DI already serves as they are (and a token that stays) are not asked about.
+async fn check_models(state: &AppState, id: Uuid, req: &PatchRequest) -> Result<(), ApiError> {
+    if req.spec.is_none() && req.hugging_face_token.is_none() {
+        return Ok(());
+    }
+    let record = state.store.dedicated_inference_get(id, req.team_id).await?;
+    let latest = record.pending_spec.as_ref().or(record.spec.as_ref());
+    let latest = latest.map_or(&[][..], |s| s.model_deployments.as_slice());
+    let deployments = req
+        .spec
+        .as_ref()
+        .map_or(latest, |s| s.model_deployments.as_slice());
+    if !deployments.iter().any(|d| d.source.custom) {
+        return Ok(());
+    }
+    let stored;
+    let token = match req.hugging_face_token.as_deref() {
+        Some(t) => Some(t),
+        None => {
+            stored = state.store.hugging_face_token(id).await?;
+            stored.as_deref()
+        }
+    };
+    let previous = if req.spec.is_some() { latest } else { &[] };
+    state
+        .models
+        .check(deployments, previous, token, req.hugging_face_token.is_some())
+        .await
 }
 
 #[utoipa::path(delete, path = "/internal/v1/dedicated-inferences/{id}", params(("id" = Uuid, Path), TeamScoped),

@@ -2,17 +2,21 @@
 //! serves an internal JSON API to central only (authenticated with the region's shared secret),
 //! turns each call into one regional-store method, and publishes the change feed central's read
 //! model is built from. It does not validate against the catalog (central does) and never returns
-//! secrets. Its one question to the cloud is which VPC a create lands in ([`vpcs`]: a team's own,
-//! or its default); everything else in the cloud is the workers' business.
+//! secrets. Before it stores a change it asks two questions: of the cloud, which VPC a create
+//! lands in ([`vpcs`]: a team's own, or its default); of the Hugging Face Hub, whether a
+//! customer's own model can be served as declared ([`models`]). Everything else in the cloud is
+//! the workers' business.
 
 pub mod ca;
 mod handlers;
+pub mod models;
 pub mod vpcs;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use api_types::catalog::Catalog;
 use api_types::regional::{RegionError, SECRET_HEADER};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -56,12 +60,19 @@ pub struct Config {
     /// The platform's DigitalOcean API token.
     #[arg(long, env = "DO_TOKEN", hide_env_values = true)]
     pub do_token: String,
+    /// The Hugging Face Hub, asked whether a customer's own model can be served.
+    #[arg(long, env = "HF_ENDPOINT", default_value = "https://huggingface.co")]
+    pub hf_endpoint: String,
+    /// A catalog file replacing the one built in (the same file central reads).
+    #[arg(long, env = "CATALOG")]
+    pub catalog: Option<std::path::PathBuf>,
 }
 
 #[derive(Clone)]
 pub struct AppState {
     pub store: Store,
     pub vpcs: vpcs::Vpcs,
+    pub models: models::Models,
     /// Digests of the accepted shared secrets (two while one is rotated).
     secret_hashes: Vec<[u8; 32]>,
     /// Woken whenever the outbox grows (Postgres NOTIFY), for long-polling change feeds.
@@ -98,12 +109,17 @@ impl Server {
             .await?;
         let store = Store::new(pool, Sealer::from_base64(&config.seal_key)?);
         store.migrate().await?;
+        let catalog = match &config.catalog {
+            Some(path) => Catalog::parse(&std::fs::read_to_string(path)?)?,
+            None => Catalog::parse(api_types::catalog::EMBEDDED)?,
+        };
         let changed = Arc::new(Notify::new());
         let listener_task = tokio::spawn(listen_for_changes(store.pool().clone(), changed.clone()));
         let purge_task = tokio::spawn(purge_applied_operations(store.clone()));
         let state = AppState {
             store: store.clone(),
             vpcs: vpcs::Vpcs::new(&config.region, &config.do_api_url, &config.do_token)?,
+            models: models::Models::new(&config.region, &config.hf_endpoint, catalog)?,
             secret_hashes: std::iter::once(&config.region_secret)
                 .chain(config.region_secret_next.iter().filter(|s| !s.is_empty()))
                 .map(|s| Sha256::digest(s.as_bytes()).into())

@@ -11,6 +11,8 @@ fn deployment(id: u128, slug: &str, accelerator: &str, scale: i32) -> ModelDeplo
         model_id: Some(Uuid::from_u128(id)),
         model_slug: slug.into(),
         model_provider: "hugging_face".into(),
+        provider_model_id: String::new(),
+        source: api_types::spec::ModelSource::default(),
         workload_config: serde_json::json!({}),
         accelerators: vec![AcceleratorGroup {
             accelerator_slug: accelerator.into(),

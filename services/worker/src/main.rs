@@ -68,6 +68,10 @@ struct Args {
     system_pool_count: u32,
     #[arg(long, env = "KUBERNETES_VERSION", default_value = "latest")]
     kubernetes_version: String,
+    /// The Hugging Face Hub the model servers download from (their `HF_ENDPOINT`); unset, the
+    /// public Hub.
+    #[arg(long, env = "HF_ENDPOINT")]
+    hf_endpoint: Option<String>,
     /// Address of the HTTP server for `/metrics` (Prometheus) and `/healthz`.
     #[arg(long, env = "METRICS_LISTEN", default_value = "0.0.0.0:9090")]
     metrics_listen: SocketAddr,
@@ -114,6 +118,7 @@ async fn main() -> anyhow::Result<()> {
     config.settings.system_pool_size = args.system_pool_size;
     config.settings.system_pool_count = args.system_pool_count.max(1);
     config.settings.kubernetes_version = args.kubernetes_version;
+    config.settings.hub_endpoint = args.hf_endpoint;
     config.metrics_listen = args.metrics_listen;
     tracing::info!(?config, "starting");
     let worker = Worker::start(config).await?;

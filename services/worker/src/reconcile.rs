@@ -60,6 +60,8 @@ pub struct Settings {
     /// The CPU node pool every new cluster gets (DOKS needs one; the EPP and gateway run there).
     pub system_pool_size: String,
     pub system_pool_count: u32,
+    /// The Hugging Face Hub model servers download from; `None`: the public Hub.
+    pub hub_endpoint: Option<String>,
     pub probe_timeout: Duration,
     /// How soon to look again while waiting for the cloud.
     pub poll: Duration,
@@ -93,6 +95,7 @@ impl Settings {
             kubernetes_version: "latest".to_string(),
             system_pool_size: "s-4vcpu-8gb".to_string(),
             system_pool_count: 2,
+            hub_endpoint: None,
             probe_timeout: Duration::from_secs(5),
             poll: Duration::from_secs(2),
             resync: Duration::from_secs(300),
@@ -688,6 +691,7 @@ impl Reconciler {
             access_tokens: tokens,
             gateway_class: s.gateway_class.clone(),
             images: s.images.clone(),
+            hub_endpoint: s.hub_endpoint.clone(),
         };
         let desired = plan::manifests(&input);
 

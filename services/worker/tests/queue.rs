@@ -27,6 +27,8 @@ async fn create(store: &Store, team: Uuid) -> Uuid {
                 model_id: None,
                 model_slug: "m".into(),
                 model_provider: "hugging_face".into(),
+                provider_model_id: String::new(),
+                source: api_types::spec::ModelSource::default(),
                 workload_config: serde_json::json!({}),
                 accelerators: vec![AcceleratorGroup {
                     accelerator_slug: "gpu-h100x1-80gb".into(),

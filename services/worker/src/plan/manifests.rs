@@ -107,6 +107,9 @@ pub struct ManifestInput {
     pub access_tokens: Vec<AccessTokenHash>,
     pub gateway_class: String,
     pub images: Images,
+    /// The Hugging Face Hub the model servers download from (`HF_ENDPOINT`); `None`: the public
+    /// Hub.
+    pub hub_endpoint: Option<String>,
 }
 
 impl ManifestInput {
@@ -126,6 +129,7 @@ impl ManifestInput {
             access_tokens: Vec::new(),
             gateway_class: DEFAULT_GATEWAY_CLASS.into(),
             images: Images::default(),
+            hub_endpoint: None,
         }
     }
 }
@@ -234,6 +238,9 @@ fn vllm_deployment(input: &ManifestInput, m: &Model) -> Value {
     pod_labels["llm-d.ai/role"] = json!("decode");
     pod_labels["llm-d.ai/engine-type"] = json!("vllm");
     let mut env = Vec::new();
+    if let Some(hub) = &input.hub_endpoint {
+        env.push(json!({"name": "HF_ENDPOINT", "value": hub}));
+    }
     if input.hugging_face_token.is_some() {
         env.push(json!({
             "name": names::HF_TOKEN_KEY,
@@ -248,16 +255,27 @@ fn vllm_deployment(input: &ManifestInput, m: &Model) -> Value {
         })
     };
     let gpus = m.gpus_per_node.to_string();
+    let mut args = vec![json!("--model"), json!(m.repository)];
+    if let Some(revision) = &m.revision {
+        args.extend([json!("--revision"), json!(revision)]);
+    }
+    args.extend([
+        json!("--served-model-name"),
+        json!(m.model_slug),
+        json!("--port"),
+        json!(VLLM_PORT.to_string()),
+        json!("--enable-prefix-caching"),
+        // One model server per node, its GPUs sharing the model.
+        json!("--tensor-parallel-size"),
+        json!(gpus),
+    ]);
+    if let Some(len) = m.max_model_len {
+        args.extend([json!("--max-model-len"), json!(len.to_string())]);
+    }
     let mut container = json!({
         "name": "vllm",
         "image": image,
-        "args": [
-            "--model", m.model_slug,
-            "--served-model-name", m.model_slug,
-            "--port", VLLM_PORT.to_string(),
-            "--enable-prefix-caching",
-            "--tensor-parallel-size", gpus,
-        ],
+        "args": args,
         "ports": [{"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"}],
         "resources": {"limits": {gpu: gpus}, "requests": {gpu: gpus}},
         // Model download and load can take many minutes: the startup probe allows 30.
@@ -873,6 +891,47 @@ mod tests {
             assert_eq!(&d["spec"]["template"]["metadata"]["labels"][k], v);
         }
         assert!(c.get("env").is_none(), "no HF token, no env");
+    }
+
+    #[test]
+    fn a_customers_repository_is_loaded_and_served_under_its_name() {
+        let mut d = deployment(M1, "support-bot", "gpu-h100x8-640gb", 1);
+        d.source = api_types::spec::ModelSource {
+            repository: "my-org/my-finetune".into(),
+            revision: Some("v2".into()),
+            custom: true,
+        };
+        d.workload_config = json!({"input_tokens": 3500, "output_tokens": 500});
+        let mut i = input(&[d], true);
+        i.hub_endpoint = Some("http://hub.test".into());
+        let objs = manifests(&i);
+        let c = &find(&objs, "Deployment", "vllm-aaaaaaaa")["spec"]["template"]["spec"]
+            ["containers"][0];
+        let args: Vec<&str> = c["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert_eq!(
+            args,
+            [
+                "--model",
+                "my-org/my-finetune",
+                "--revision",
+                "v2",
+                "--served-model-name",
+                "support-bot",
+                "--port",
+                "8000",
+                "--enable-prefix-caching",
+                "--tensor-parallel-size",
+                "8",
+                "--max-model-len",
+                "4000"
+            ]
+        );
+        assert_eq!(c["env"], json!([{"name": "HF_ENDPOINT", "value": "http://hub.test"}]));
     }
 
     #[test]

@@ -78,8 +78,14 @@ pub fn parse_accelerator_slug(slug: &str) -> Result<(u32, GpuVendor), PlanError>
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Model {
     pub model_id: Uuid,
-    /// The Hugging Face id vLLM loads and serves under (`--model`, `--served-model-name`).
+    /// The name vLLM serves the model under (`--served-model-name`): what clients send as
+    /// `model`.
     pub model_slug: String,
+    /// The Hugging Face repository vLLM loads (`--model`), at `revision` when one is named.
+    pub repository: String,
+    pub revision: Option<String>,
+    /// The longest sequence the deployment declares (`--max-model-len`); `None`: the model's.
+    pub max_model_len: Option<u64>,
     pub accelerator_slug: String,
     pub role: String,
     /// Replicas: one pod per node, each pod taking every GPU of its node.
@@ -104,6 +110,14 @@ impl Model {
         Ok(Model {
             model_id,
             model_slug: md.model_slug.clone(),
+            // Specs stored before sources existed loaded their slug.
+            repository: if md.source.repository.is_empty() {
+                md.model_slug.clone()
+            } else {
+                md.source.repository.clone()
+            },
+            revision: md.source.revision.clone(),
+            max_model_len: md.declared_context(),
             accelerator_slug: group.accelerator_slug.clone(),
             role: group.role.clone(),
             scale,
@@ -143,6 +157,8 @@ pub(crate) mod tests {
             model_id: Some(id.parse().unwrap()),
             model_slug: slug.into(),
             model_provider: "hugging_face".into(),
+            provider_model_id: String::new(),
+            source: api_types::spec::ModelSource::default(),
             workload_config: serde_json::json!({}),
             accelerators: vec![AcceleratorGroup {
                 accelerator_slug: accel.into(),

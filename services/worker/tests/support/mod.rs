@@ -207,6 +207,8 @@ impl Env {
                 model_id,
                 model_slug: MODEL.into(),
                 model_provider: "hugging_face".into(),
+                provider_model_id: String::new(),
+                source: api_types::spec::ModelSource::default(),
                 workload_config: serde_json::json!({}),
                 accelerators: vec![AcceleratorGroup {
                     accelerator_slug: GPU.into(),

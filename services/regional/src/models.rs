@@ -1,0 +1,423 @@
+//! Whether a customer's own Hugging Face repository can be served as declared, asked of the
+//! Hugging Face Hub before anything is stored, so that what would fail an hour later in a model
+//! server is a `4xx` at once that says what to change:
+//!
+//! - a `hugging_face_token` the Hub rejects (`whoami`);
+//! - a repository that does not exist, or is private and the token cannot read it, or a
+//!   revision it does not have (model info);
+//! - a gated repository without a token, or with one whose account has no access (reading its
+//!   `config.json`, exactly what a model server's download does first);
+//! - an architecture the model server (vLLM) does not load (the catalog's list);
+//! - weights and KV cache that do not fit the GPUs: the weights at the served precision (from
+//!   the Hub's safetensors parameter counts), plus the KV cache of one sequence of the declared
+//!   context (vLLM refuses to start when it cannot hold one), plus a fixed overhead per GPU,
+//!   within the share of GPU memory vLLM takes (90 %). A size that is too small is answered
+//!   with the smallest one in the region that fits.
+//!
+//! Catalog models are not asked about: the catalog says where they run. Nor is a deployment that
+//! a PATCH leaves as it was (same repository, revision, GPU size and context) when the token does
+//! not change either: a scale change never waits on the Hub.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use api_types::catalog::{Catalog, Size};
+use api_types::spec::ModelDeployment;
+use cloud_clients::hugging_face::{HubClient, HubClientOptions, HubError, ModelInfo};
+use cloud_clients::retry::RetryConfig;
+
+use crate::ApiError;
+
+/// The share of each GPU's memory vLLM allocates (`--gpu-memory-utilization`, default 0.9).
+const GPU_MEMORY_UTILIZATION: f64 = 0.9;
+/// Per GPU, what neither weights nor KV cache take: activations, CUDA graphs, the runtime.
+const OVERHEAD_PER_GPU_GIB: f64 = 1.0;
+/// The context assumed when a repository's config names none.
+const DEFAULT_CONTEXT: u64 = 4096;
+const GIB: f64 = (1u64 << 30) as f64;
+
+#[derive(Clone, Debug)]
+pub struct Models {
+    hub: HubClient,
+    catalog: Catalog,
+    region: String,
+}
+
+/// Where a deployment's model comes from, as the Hub describes it.
+struct Described {
+    info: ModelInfo,
+    config: serde_json::Value,
+}
+
+impl Models {
+    /// Questions to the Hub at `base_url`, retried briefly: the whole answer must arrive well
+    /// inside central's wait for the region.
+    pub fn new(region: &str, base_url: &str, catalog: Catalog) -> anyhow::Result<Models> {
+        let options = HubClientOptions {
+            timeout: Duration::from_secs(3),
+            connect_timeout: Duration::from_secs(1),
+            retry: RetryConfig {
+                min_delay: Duration::from_millis(100),
+                max_delay: Duration::from_millis(500),
+                max_attempts: 3,
+                max_elapsed: Duration::from_secs(3),
+                max_retry_after: Duration::from_secs(1),
+                jitter: true,
+            },
+        };
+        Ok(Models {
+            hub: HubClient::with_options(base_url, options)?,
+            catalog,
+            region: region.to_string(),
+        })
+    }
+
+    /// Checks every deployment of `deployments` that serves a customer's own repository,
+    /// except those `previous` (the DI's latest spec, on a PATCH) already had unchanged while the
+    /// token stays the same (`token_changed` false). `token` is the Hugging Face token the DI
+    /// will use.
+    pub async fn check(
+        &self,
+        deployments: &[ModelDeployment],
+        previous: &[ModelDeployment],
+        token: Option<&str>,
+        token_changed: bool,
+    ) -> Result<(), ApiError> {
+        let unchanged = |d: &ModelDeployment| {
+            !token_changed
+                && previous.iter().any(|q| {
+                        q.source == d.source
+                            && q.declared_context() == d.declared_context()
+                            && slugs(q) == slugs(d)
+                })
+        };
+        let to_check: Vec<(usize, &ModelDeployment)> = deployments
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.source.custom && !unchanged(d))
+            .collect();
+        if to_check.is_empty() {
+            return Ok(());
+        }
+        if let Some(token) = token {
+            match self.hub.whoami(token).await {
+                Ok(_) => {}
+                Err(HubError::InvalidToken) => {
+                    return Err(ApiError::Unprocessable(
+                        "hugging_face_token is not accepted by Hugging Face (invalid, expired or revoked): send a token with read access.".into(),
+                    ))
+                }
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        for (i, d) in to_check {
+            let at = format!("spec.model_deployments[{i}]");
+            let described = self.describe(&at, d, token).await?;
+            self.fits(&at, d, &described)?;
+        }
+        Ok(())
+    }
+
+    async fn describe(
+        &self,
+        at: &str,
+        d: &ModelDeployment,
+        token: Option<&str>,
+    ) -> Result<Described, ApiError> {
+        let repo = d.source.repository.as_str();
+        let revision = d.source.revision.as_deref();
+        let refused = |what: String| ApiError::Unprocessable(format!("{at}.provider_model_id {what}"));
+        let info = match self.hub.model_info(repo, revision, token).await {
+            Ok(info) => info,
+            Err(HubError::RepoNotFound) => {
+                return Err(refused(match token {
+                    Some(_) => format!("{repo:?} is not a Hugging Face repository the hugging_face_token can read: check the name, or grant the token's account access to the private repository."),
+                    None => format!("{repo:?} is not a public Hugging Face repository: check the name, or send a hugging_face_token that can read the private repository."),
+                }))
+            }
+            Err(HubError::RevisionNotFound) => {
+                return Err(refused(format!(
+                    "{repo:?} has no revision {:?}: name a branch, tag or commit of it.",
+                    revision.unwrap_or("main")
+                )))
+            }
+            Err(HubError::InvalidToken) => {
+                return Err(ApiError::Unprocessable(
+                    "hugging_face_token is not accepted by Hugging Face (invalid, expired or revoked): send a token with read access.".into(),
+                ))
+            }
+            Err(e) => return Err(unavailable(e)),
+        };
+        // The model server's first download: where a gated repository's access shows.
+        let config = match self.hub.model_config(repo, revision, token).await {
+            Ok(config) => config,
+            Err(HubError::GatedNoAccess { with_token }) => {
+                let ask = format!("request access at https://huggingface.co/{repo}");
+                return Err(refused(if with_token {
+                    format!("{repo:?} is gated and the hugging_face_token's account has no access: {ask}, then retry.")
+                } else {
+                    format!("{repo:?} is gated: send a hugging_face_token of an account with access ({ask}).")
+                }));
+            }
+            Err(HubError::EntryNotFound) => {
+                return Err(refused(format!(
+                    "{repo:?} has no config.json: it is not a model the model server can load."
+                )))
+            }
+            Err(HubError::RepoNotFound) => {
+                return Err(refused(format!("{repo:?} is not readable with the hugging_face_token sent.")))
+            }
+            Err(HubError::InvalidToken) => {
+                return Err(ApiError::Unprocessable(
+                    "hugging_face_token is not accepted by Hugging Face (invalid, expired or revoked): send a token with read access.".into(),
+                ))
+            }
+            Err(e) => return Err(unavailable(e)),
+        };
+        Ok(Described { info, config })
+    }
+
+    fn fits(&self, at: &str, d: &ModelDeployment, m: &Described) -> Result<(), ApiError> {
+        let repo = d.source.repository.as_str();
+        let architectures: Vec<String> = if m.info.architectures.is_empty() {
+            m.config["architectures"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect())
+                .unwrap_or_default()
+        } else {
+            m.info.architectures.clone()
+        };
+        let Some(architecture) = architectures.first() else {
+            return Err(ApiError::Unprocessable(format!(
+                "{at}.provider_model_id {repo:?} names no architecture in its config.json: it is not a model the model server can load."
+            )));
+        };
+        if !self.catalog.serves_architecture(architecture) {
+            return Err(ApiError::Unprocessable(format!(
+                "{at}.provider_model_id {repo:?} is a {architecture} model, which the model server (vLLM) does not serve; it serves {}.",
+                self.catalog.vllm_architectures.join(", ")
+            )));
+        }
+        let need = Need::of(&m.info.safetensors_parameters, &m.config, d.declared_context())
+            .map_err(|why| {
+                ApiError::Unprocessable(format!("{at}.provider_model_id {repo:?} {why}"))
+            })?;
+        if let Some(max) = need.model_context {
+            if let Some(declared) = d.declared_context() {
+                if declared > max {
+                    return Err(ApiError::Unprocessable(format!(
+                        "{at}.workload_config: input_tokens + output_tokens is {declared}, beyond {repo:?}'s context of {max} tokens."
+                    )));
+                }
+            }
+        }
+        for (j, group) in d.accelerators.iter().enumerate() {
+            let Some(size) = self.catalog.size(&group.accelerator_slug) else {
+                continue; // central refused it already
+            };
+            if need.fits(size) {
+                continue;
+            }
+            let smallest = self.smallest_fitting(&need);
+            let advice = match smallest {
+                Some(s) => format!("the smallest size in {} that fits is {}", self.region, s.gpu_slug),
+                None => format!("no size in {} fits it", self.region),
+            };
+            return Err(ApiError::Unprocessable(format!(
+                "{at}.accelerators[{j}].accelerator_slug {}: {repo:?} needs {:.1} GiB of GPU memory ({:.1} GiB of weights, {:.1} GiB of KV cache for a {}-token context, {:.1} GiB of overhead) and the size offers {:.1} GiB ({:.0} % of {} GiB); {advice}. A shorter context (workload_config input_tokens + output_tokens) needs less KV cache.",
+                size.gpu_slug,
+                need.total_gib(size),
+                need.weights_gib,
+                need.kv_gib(),
+                need.context,
+                OVERHEAD_PER_GPU_GIB * size.gpu.count as f64,
+                usable_gib(size),
+                GPU_MEMORY_UTILIZATION * 100.0,
+                size.node_vram_gb(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// The size in this region with the least GPU memory (then the cheapest) that fits.
+    fn smallest_fitting(&self, need: &Need) -> Option<&Size> {
+        let mut sizes: Vec<&Size> = self
+            .catalog
+            .sizes
+            .iter()
+            .filter(|s| s.regions.iter().any(|r| r == &self.region) && need.fits(s))
+            .collect();
+        sizes.sort_by(|a, b| {
+            a.node_vram_gb().cmp(&b.node_vram_gb()).then_with(|| {
+                let price = |s: &Size| s.price_per_hour.parse::<f64>().unwrap_or(f64::MAX);
+                price(a).total_cmp(&price(b))
+            })
+        });
+        sizes.first().copied()
+    }
+}
+
+fn slugs(d: &ModelDeployment) -> Vec<&str> {
+    d.accelerators
+        .iter()
+        .map(|a| a.accelerator_slug.as_str())
+        .collect()
+}
+
+fn usable_gib(size: &Size) -> f64 {
+    GPU_MEMORY_UTILIZATION * size.node_vram_gb() as f64
+}
+
+/// GPU memory a model needs, from its weights and its config.
+#[derive(Debug, Clone, PartialEq)]
+struct Need {
+    weights_gib: f64,
+    kv_bytes_per_token: u64,
+    /// The sequence length sized for: the declared context, else the model's.
+    context: u64,
+    /// The model's own context (`max_position_embeddings`), when its config says.
+    model_context: Option<u64>,
+}
+
+impl Need {
+    fn of(
+        parameters: &BTreeMap<String, u64>,
+        config: &serde_json::Value,
+        declared_context: Option<u64>,
+    ) -> Result<Need, String> {
+        if parameters.is_empty() {
+            return Err("has no safetensors weights: the model server needs them to load (and the Hub to size) the model.".into());
+        }
+        let weights: u64 = parameters
+            .iter()
+            .map(|(dtype, count)| count.saturating_mul(served_bytes(dtype)))
+            .sum();
+        // Multimodal configs keep the language model's numbers under `text_config`.
+        let text = config.get("text_config").filter(|t| t.is_object()).unwrap_or(config);
+        let number = |k: &str| text.get(k).and_then(serde_json::Value::as_u64);
+        let layers = number("num_hidden_layers").ok_or("has no num_hidden_layers in its config.json.")?;
+        let heads = number("num_attention_heads").ok_or("has no num_attention_heads in its config.json.")?;
+        let kv_heads = number("num_key_value_heads").unwrap_or(heads);
+        let head_dim = match number("head_dim") {
+            Some(d) => d,
+            None => {
+                let hidden = number("hidden_size").ok_or("has no hidden_size in its config.json.")?;
+                hidden / heads.max(1)
+            }
+        };
+        // Keys and values, every layer, in 16-bit.
+        let kv_bytes_per_token = 2 * layers * kv_heads * head_dim * 2;
+        let model_context = number("max_position_embeddings");
+        let context = declared_context.or(model_context).unwrap_or(DEFAULT_CONTEXT);
+        Ok(Need {
+            weights_gib: weights as f64 / GIB,
+            kv_bytes_per_token,
+            context,
+            model_context,
+        })
+    }
+
+    fn kv_gib(&self) -> f64 {
+        self.kv_bytes_per_token.saturating_mul(self.context) as f64 / GIB
+    }
+
+    fn total_gib(&self, size: &Size) -> f64 {
+        self.weights_gib + self.kv_gib() + OVERHEAD_PER_GPU_GIB * size.gpu.count as f64
+    }
+
+    fn fits(&self, size: &Size) -> bool {
+        self.total_gib(size) <= usable_gib(size)
+    }
+}
+
+/// Bytes per parameter as vLLM holds a checkpoint's tensors: 32-bit floats are served in 16 bits
+/// (its `auto` dtype), 8-bit types stay 8-bit, packed integer quantizations are counted as
+/// stored.
+fn served_bytes(dtype: &str) -> u64 {
+    match dtype.to_ascii_uppercase().as_str() {
+        "F64" | "I64" | "U64" => 8,
+        "I32" | "U32" => 4,
+        "F32" | "F16" | "BF16" | "I16" | "U16" => 2,
+        _ => 1, // F8_E4M3, F8_E5M2, I8, U8, BOOL and packed 4-bit formats
+    }
+}
+
+fn unavailable(e: HubError) -> ApiError {
+    tracing::warn!(error = %e, "the Hugging Face Hub did not answer");
+    ApiError::Unavailable("Hugging Face did not answer; retry shortly.".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api_types::catalog::EMBEDDED;
+    use serde_json::json;
+
+    fn llama_8b() -> (BTreeMap<String, u64>, serde_json::Value) {
+        (
+            [("BF16".to_string(), 8_030_261_248)].into_iter().collect(),
+            json!({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072}),
+        )
+    }
+
+    #[test]
+    fn weights_and_kv_cache_are_sized_from_the_hubs_numbers() {
+        let (params, config) = llama_8b();
+        let need = Need::of(&params, &config, None).unwrap();
+        // 8.03 B parameters in BF16: 14.96 GiB.
+        assert!((need.weights_gib - 14.96).abs() < 0.01, "{need:?}");
+        // 2 × 32 layers × 8 KV heads × 128 dims × 2 bytes = 128 KiB per token; 16 GiB at 128k.
+        assert_eq!(need.kv_bytes_per_token, 131_072);
+        assert_eq!(need.context, 131_072);
+        assert!((need.kv_gib() - 16.0).abs() < 1e-9);
+        // A declared context sizes the KV cache instead.
+        let short = Need::of(&params, &config, Some(8192)).unwrap();
+        assert!((short.kv_gib() - 1.0).abs() < 1e-9);
+        // 32-bit checkpoints are served in 16 bits; 8-bit ones stay 8-bit.
+        let f32: BTreeMap<String, u64> = [("F32".to_string(), 1u64 << 30)].into_iter().collect();
+        assert!((Need::of(&f32, &config, None).unwrap().weights_gib - 2.0).abs() < 1e-9);
+        let f8: BTreeMap<String, u64> = [("F8_E4M3".to_string(), 1u64 << 30)].into_iter().collect();
+        assert!((Need::of(&f8, &config, None).unwrap().weights_gib - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_smallest_size_that_fits_is_named() {
+        let catalog = Catalog::parse(EMBEDDED).unwrap();
+        let models = Models::new("atl1", "http://127.0.0.1:9", catalog.clone()).unwrap();
+        let size = |s: &str| catalog.size(s).unwrap();
+        // A 70B model in BF16 (~131 GiB): not on one H100 or H200, on eight H100s or an MI300X.
+        let params: BTreeMap<String, u64> = [("BF16".to_string(), 70_553_706_496)].into_iter().collect();
+        let config = json!({"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                            "num_key_value_heads": 8, "max_position_embeddings": 131072});
+        let need = Need::of(&params, &config, Some(8192)).unwrap();
+        assert!(!need.fits(size("gpu-h100x1-80gb")));
+        assert!(!need.fits(size("gpu-h200x1-141gb")));
+        assert!(need.fits(size("gpu-mi300x1-192gb")));
+        assert_eq!(models.smallest_fitting(&need).unwrap().gpu_slug, "gpu-mi300x1-192gb");
+        // An 8B model fits an L40S, its full 128k context included: the smallest size.
+        let (params, config) = llama_8b();
+        let need = Need::of(&params, &config, None).unwrap();
+        assert!(need.fits(size("gpu-l40sx1-48gb")));
+        assert_eq!(models.smallest_fitting(&need).unwrap().gpu_slug, "gpu-l40sx1-48gb");
+        // A 14B model (Qwen2.5 14B's numbers) fits an L40S only with a shorter context.
+        let params: BTreeMap<String, u64> = [("BF16".to_string(), 14_770_033_664)].into_iter().collect();
+        let config = json!({"hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
+                            "num_key_value_heads": 8, "max_position_embeddings": 131072});
+        assert!(!Need::of(&params, &config, None).unwrap().fits(size("gpu-l40sx1-48gb")));
+        assert!(Need::of(&params, &config, Some(16384)).unwrap().fits(size("gpu-l40sx1-48gb")));
+        assert_eq!(
+            models.smallest_fitting(&Need::of(&params, &config, None).unwrap()).unwrap().gpu_slug,
+            "gpu-h100x1-80gb"
+        );
+    }
+
+    #[test]
+    fn a_config_without_its_numbers_is_refused_by_name() {
+        let (params, _) = llama_8b();
+        let why = Need::of(&params, &json!({"hidden_size": 1}), None).unwrap_err();
+        assert!(why.contains("num_hidden_layers"), "{why}");
+        let why = Need::of(&BTreeMap::new(), &json!({}), None).unwrap_err();
+        assert!(why.contains("safetensors"), "{why}");
+    }
+}

@@ -1,0 +1,258 @@
+//! Bring your own model: a customer's fine-tune published to the (simulated) Hugging Face Hub is
+//! served end to end through the public API, under the name the customer calls it by, and
+//! switched to another repository without a failed call; what cannot be served as declared is
+//! refused at once with a message that says what to change.
+
+use std::time::Duration;
+
+use hub_sim::{Gated, Repo};
+use reqwest::Method;
+use serde_json::{json, Value};
+use system_tests::{eventually, CloudOptions, System};
+use uuid::Uuid;
+
+use crate::lifecycle::{
+    assert_chat_ok, ca_client, di_path, fetch_ca, start, wait_active, Caller,
+};
+
+const GPU: &str = "gpu-h100x1-80gb";
+/// The customer's own Hugging Face token: it owns the private fine-tunes below.
+const OWNER: &str = "hf_owner_of_my_org_models";
+
+/// An 8B Llama fine-tune (the Hub's numbers for Llama 3.1 8B).
+fn llama_8b(id: &str) -> Repo {
+    Repo::model(id, "LlamaForCausalLM", 8_030_261_248, 32, 4096, 32, 8, 131_072)
+}
+
+fn deployment(repo: &str, name: Option<&str>, gpu: &str) -> Value {
+    let mut d = json!({
+        "model_provider": "hugging_face", "provider_model_id": repo,
+        "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": gpu}]
+    });
+    if let Some(name) = name {
+        d["model_slug"] = json!(name);
+    }
+    d
+}
+
+fn create_body(name: &str, deployment: Value, token: Option<&str>) -> Value {
+    let mut body = json!({"spec": {
+        "version": 0, "name": name, "region": "atl1", "enable_public_endpoint": true, "vpc": null,
+        "model_deployments": [deployment]
+    }});
+    if let Some(token) = token {
+        body["access_tokens"] = json!({"hugging_face_token": token});
+    }
+    body
+}
+
+async fn post(sys: &System, api: &str, body: Value) -> system_tests::Reply {
+    sys.call(Method::POST, "/v2/dedicated-inferences", api, Some(body))
+        .await
+}
+
+/// A 422 naming `field`, whose message contains every one of `says`.
+fn assert_refused(reply: &system_tests::Reply, field: &str, says: &[&str]) {
+    reply.assert_error(422, "unprocessable_entity");
+    let message = reply.body["message"].as_str().unwrap_or_default();
+    assert!(message.contains(field), "names {field}: {message}");
+    for s in says {
+        assert!(message.contains(s), "says {s:?}: {message}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() {
+    let sys = start(CloudOptions::default()).await;
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    sys.hub.add_token(OWNER, "my-org").unwrap();
+    sys.hub
+        .publish(llama_8b("my-org/support-llama").private().owned_by(OWNER))
+        .unwrap();
+    sys.hub
+        .publish(llama_8b("my-org/support-llama-v2").private().owned_by(OWNER))
+        .unwrap();
+
+    // godo's shape: model_slug (the name clients use), model_provider and provider_model_id
+    // together, the token under `secrets`.
+    let mut body = create_body(
+        "support",
+        deployment("my-org/support-llama", Some("support-bot"), GPU),
+        None,
+    );
+    body["secrets"] = json!({"hugging_face_token": OWNER});
+    let created = post(&sys, &api, body).await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.body["dedicated_inference"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let token = created.body["token"]["value"].as_str().unwrap().to_string();
+    let (active, _) = wait_active(&sys, &api, "atl1", &id, 1).await;
+    let d = &active["spec"]["model_deployments"][0];
+    assert_eq!(d["model_slug"], "support-bot", "{active}");
+    assert_eq!(d["model_provider"], "hugging_face");
+    assert_eq!(d["provider_model_id"], "my-org/support-llama");
+
+    // The model server loads the repository and serves it under the customer's name.
+    let inv = sys.cloud("atl1").sim.inventory();
+    let vllm = crate::lifecycle::objects(&inv, "Deployment", &id)
+        .into_iter()
+        .find(|d| d["metadata"]["name"].as_str().is_some_and(|n| n.starts_with("vllm-")))
+        .expect("a model server");
+    let args = vllm["spec"]["template"]["spec"]["containers"][0]["args"].clone();
+    let args: Vec<&str> = args.as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(args.windows(2).any(|w| w == ["--model", "my-org/support-llama"]), "{args:?}");
+    assert!(args.windows(2).any(|w| w == ["--served-model-name", "support-bot"]), "{args:?}");
+
+    let endpoint = active["endpoints"]["public_endpoint_fqdn"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let client = ca_client(&fetch_ca(&sys, &api, &id).await);
+    assert_chat_ok(&client, &endpoint, &token, "support-bot").await;
+
+    // Another repository under the same name: the old one answers until the new one does.
+    let caller = Caller::start(
+        client.clone(),
+        vec![endpoint.clone()],
+        token.clone(),
+        vec!["support-bot".to_string()],
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut spec = active["spec"].clone();
+    spec["model_deployments"][0]["provider_model_id"] = json!("my-org/support-llama-v2");
+    let patched = sys
+        .call(Method::PATCH, &di_path(&id, ""), &api, Some(json!({ "spec": spec })))
+        .await;
+    assert_eq!(patched.status, 202, "{}", patched.body);
+    let (switched, _) = wait_active(&sys, &api, "atl1", &id, 2).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let log = caller.finish().await;
+    assert!(log.failures.is_empty(), "{:#?}", log.failures);
+    assert!(log.ok >= 10, "the client must have been calling: {log:?}");
+    assert_eq!(
+        switched["spec"]["model_deployments"][0]["provider_model_id"],
+        "my-org/support-llama-v2"
+    );
+
+    let deleted = sys.call(Method::DELETE, &di_path(&id, ""), &api, None).await;
+    assert_eq!(deleted.status, 202, "{}", deleted.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_cannot_be_served_is_refused_at_once_saying_what_to_change() {
+    // No cloud work is needed: every refusal comes before anything is stored.
+    let sys = start(CloudOptions::default()).await;
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    let hub = &sys.hub;
+    hub.add_token(OWNER, "my-org").unwrap();
+    hub.add_token("hf_someone_else", "someone").unwrap();
+    hub.publish(llama_8b("my-org/private-tune").private().owned_by(OWNER))
+        .unwrap();
+    hub.publish(llama_8b("vendor/gated-tune").gated(Gated::Manual))
+        .unwrap();
+    hub.publish(
+        Repo::model("my-org/big-tune", "LlamaForCausalLM", 70_553_706_496, 80, 8192, 64, 8, 131_072)
+            .owned_by(OWNER),
+    )
+    .unwrap();
+    hub.publish(
+        Repo::model("my-org/encoder", "BertForMaskedLM", 110_000_000, 12, 768, 12, 12, 512),
+    )
+    .unwrap();
+    let refused = |repo: &'static str, gpu: &'static str, token: Option<&'static str>| {
+        let body = create_body("refused", deployment(repo, None, gpu), token);
+        let (sys, api) = (&sys, &api);
+        async move { post(sys, api, body).await }
+    };
+    let field = "spec.model_deployments[0].provider_model_id";
+
+    let r = refused("my-org/no-such-model", GPU, None).await;
+    assert_refused(&r, field, &["my-org/no-such-model", "public"]);
+    let r = refused("my-org/private-tune", GPU, None).await;
+    assert_refused(&r, field, &["hugging_face_token"]);
+    let r = refused("my-org/private-tune", GPU, Some("hf_someone_else")).await;
+    assert_refused(&r, field, &["grant"]);
+    let r = refused("vendor/gated-tune", GPU, None).await;
+    assert_refused(&r, field, &["gated", "hugging_face_token", "huggingface.co/vendor/gated-tune"]);
+    let r = refused("vendor/gated-tune", GPU, Some("hf_someone_else")).await;
+    assert_refused(&r, field, &["gated", "no access", "request access"]);
+    let r = refused("my-org/private-tune", GPU, Some("hf_revoked_or_made_up")).await;
+    assert_refused(&r, "hugging_face_token", &["not accepted"]);
+    let r = refused("my-org/encoder", GPU, None).await;
+    assert_refused(&r, field, &["BertForMaskedLM", "LlamaForCausalLM"]);
+    // 70B in BF16 is ~131 GiB: one H100 cannot hold it; the region's smallest size that can
+    // is named, with the numbers.
+    let r = refused("my-org/big-tune", GPU, Some(OWNER)).await;
+    assert_refused(
+        &r,
+        "spec.model_deployments[0].accelerators[0].accelerator_slug",
+        &["gpu-h100x1-80gb", "GiB", "131.4 GiB of weights", "gpu-mi300x1-192gb"],
+    );
+    // A context beyond the model's own.
+    let mut d = deployment("my-org/private-tune", None, GPU);
+    d["workload_config"] = json!({"input_tokens": 200_000, "output_tokens": 1000});
+    let r = post(&sys, &api, create_body("refused", d, Some(OWNER))).await;
+    assert_refused(&r, "spec.model_deployments[0].workload_config", &["131072"]);
+
+    // Nothing was stored: the team has no DI.
+    let list = sys
+        .call(Method::GET, "/v2/dedicated-inferences", &api, None)
+        .await;
+    assert_eq!(list.body["meta"]["total"], 0, "{}", list.body);
+
+    // With what the messages asked for, the same repositories are accepted.
+    hub.grant("vendor/gated-tune", "hf_someone_else").unwrap();
+    let r = refused("vendor/gated-tune", GPU, Some("hf_someone_else")).await;
+    assert_eq!(r.status, 202, "{}", r.body);
+}
+
+/// A repository removed after the DI was created: the next model server that loads it (here a
+/// scale-up) fails, and the DI turns `error` with the reason, while the running one serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_can_no_longer_be_loaded_is_an_error_with_the_reason() {
+    let sys = start(CloudOptions::default()).await;
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    sys.hub.publish(llama_8b("my-org/short-lived")).unwrap();
+    let created = post(
+        &sys,
+        &api,
+        create_body("short-lived", deployment("my-org/short-lived", None, GPU), None),
+    )
+    .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.body["dedicated_inference"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let token = created.body["token"]["value"].as_str().unwrap().to_string();
+    let (active, _) = wait_active(&sys, &api, "atl1", &id, 1).await;
+    let endpoint = active["endpoints"]["public_endpoint_fqdn"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let client = ca_client(&fetch_ca(&sys, &api, &id).await);
+
+    assert!(sys.hub.remove("my-org/short-lived"));
+    let mut spec = active["spec"].clone();
+    spec["model_deployments"][0]["accelerators"][0]["scale"] = json!(2);
+    let patched = sys
+        .call(Method::PATCH, &di_path(&id, ""), &api, Some(json!({ "spec": spec })))
+        .await;
+    // The deployment's repository did not change: the PATCH does not wait on the Hub.
+    assert_eq!(patched.status, 202, "{}", patched.body);
+    let errored = eventually(Duration::from_secs(60), || async {
+        let di = sys.call(Method::GET, &di_path(&id, ""), &api, None).await;
+        (di.body["dedicated_inference"]["status"] == "error").then_some(di.body)
+    })
+    .await;
+    let events = sys
+        .call(Method::GET, &di_path(&id, "/events"), &api, None)
+        .await;
+    let text = events.body.to_string();
+    assert!(text.contains("ModelLoadFailed"), "{errored}\n{text}");
+    assert!(text.contains("Repository Not Found"), "{text}");
+    // The model server that was running keeps serving.
+    assert_chat_ok(&client, &endpoint, &token, "my-org/short-lived").await;
+}
