@@ -662,6 +662,7 @@ async fn a_region_accepts_a_second_secret_while_it_is_rotated() {
         // Not asked: no create is sent.
         do_api_url: "http://127.0.0.1:9".into(),
         do_token: "unused".into(),
+        tls: Default::default(),
     };
     let server = regional::Server::start(config)
         .await

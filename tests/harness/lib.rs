@@ -265,6 +265,7 @@ fn region_config(
         db_max_connections: 4,
         do_api_url: sim_url.into(),
         do_token: SIM_TOKEN.into(),
+        tls: Default::default(),
     }
 }
 
