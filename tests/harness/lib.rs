@@ -350,6 +350,7 @@ impl System {
                 .iter()
                 .map(|r| format!("{}={}", r.name, r.secret))
                 .collect(),
+            region_ca_file: None,
             public_url: None,
             catalog: None,
             auth_cache_ttl_ms: 200,
