@@ -7,6 +7,7 @@ mod bad_input;
 mod credentials;
 mod lifecycle;
 mod pydo_compat;
+mod region_tls;
 mod resilience;
 mod revocation;
 mod shared_vpc;
