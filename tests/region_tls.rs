@@ -17,6 +17,13 @@ async fn tls_system() -> System {
     .await
 }
 
+/// A GET through central's public API that must succeed.
+async fn get(sys: &System, token: &str, path: &str) -> Reply {
+    let reply = sys.call(Method::GET, path, token, None).await;
+    assert_eq!(reply.status, 200, "GET {path}: {}", reply.body);
+    reply
+}
+
 /// A client that trusts only the test CA and reports the certificate each answer came with.
 fn client_trusting(sys: &System) -> reqwest::Client {
     let ca = &sys.region_tls.as_ref().expect("TLS is on").ca;
@@ -61,36 +68,17 @@ async fn central_creates_and_reads_through_regions_that_serve_only_https() {
 
     let (id, created) = sys.create_di(&token, "over-tls", "atl1").await;
     assert_eq!(created["dedicated_inference"]["region"], "atl1");
-    let got = sys
-        .call(
-            Method::GET,
-            &format!("/v2/dedicated-inferences/{id}"),
-            &token,
-            None,
-        )
-        .await;
-    assert_eq!(got.status, 200, "{}", got.body);
+    let got = get(&sys, &token, &format!("/v2/dedicated-inferences/{id}")).await;
     assert_eq!(got.body["dedicated_inference"]["name"], "over-tls");
-    // Reads that go to the region itself, and the change feed (long polls) over TLS.
-    let tokens = sys
-        .call(
-            Method::GET,
-            &format!("/v2/dedicated-inferences/{id}/tokens"),
-            &token,
-            None,
-        )
-        .await;
-    assert_eq!(tokens.status, 200, "{}", tokens.body);
+    // Reads that go to the region itself.
+    let tokens = get(
+        &sys,
+        &token,
+        &format!("/v2/dedicated-inferences/{id}/tokens"),
+    )
+    .await;
     assert_eq!(tokens.body["meta"]["total"], 1);
-    let ca = sys
-        .call(
-            Method::GET,
-            &format!("/v2/dedicated-inferences/{id}/ca"),
-            &token,
-            None,
-        )
-        .await;
-    assert_eq!(ca.status, 200, "{}", ca.body);
+    get(&sys, &token, &format!("/v2/dedicated-inferences/{id}/ca")).await;
     // The change feed's long polls (central's other client) reach the region over TLS too.
     let head = sys.regions[0].store().outbox_head().await.unwrap();
     assert!(head > 0);
@@ -202,15 +190,12 @@ async fn a_certificate_renewed_on_disk_is_served_without_a_restart() {
     // (no kept-alive connection, no TLS session to resume) verifies the renewed certificate.
     sys.create_di(&token, "after-renewal", "atl1").await;
     sys.restart_central().await;
-    let tokens = sys
-        .call(
-            Method::GET,
-            &format!("/v2/dedicated-inferences/{id}/tokens"),
-            &token,
-            None,
-        )
-        .await;
-    assert_eq!(tokens.status, 200, "{}", tokens.body);
+    get(
+        &sys,
+        &token,
+        &format!("/v2/dedicated-inferences/{id}/tokens"),
+    )
+    .await;
     sys.create_di(&token, "after-restart", "atl1").await;
 
     // A pair that does not match (a key from another issue) is not served: the renewed one stays.
