@@ -8,6 +8,7 @@ mod byom;
 mod credentials;
 mod lifecycle;
 mod pydo_compat;
+mod region_tls;
 mod resilience;
 mod revocation;
 mod shared_vpc;

@@ -3,10 +3,12 @@
 //! of each region that can make it slow or unreachable. Each region has an in-process region
 //! simulator (the regional service asks its DigitalOcean API which VPCs a team owns); with
 //! [`Options::cloud`] it also gets reconcile workers, so a DI created through the public API
-//! really comes up and serves.
+//! really comes up and serves. With [`Options::region_tls`] the regions serve HTTPS only, with
+//! certificates of a test CA that central trusts, as deployed.
 
 pub mod proxy;
 pub mod python;
+pub mod tls;
 
 use std::time::Duration;
 
@@ -47,6 +49,8 @@ pub struct RegionHandle {
     pub proxy: proxy::Proxy,
     /// The region's simulated cloud, and its workers with [`Options::cloud`].
     pub cloud: Cloud,
+    /// Its certificate files with [`Options::region_tls`].
+    pub tls: regional::tls::TlsArgs,
 }
 
 /// The DigitalOcean API token the simulators accept and the workers send.
@@ -248,6 +252,7 @@ impl RegionHandle {
             &self.seal_key,
             &self.cloud.sim.base_url(),
             &self.cloud.hub_url,
+            self.tls.clone(),
         ))
         .await
         .expect("regional service starts");
@@ -263,6 +268,7 @@ fn region_config(
     seal_key: &str,
     sim_url: &str,
     hub_url: &str,
+    tls: regional::tls::TlsArgs,
 ) -> regional::Config {
     regional::Config {
         region: name.into(),
@@ -276,6 +282,7 @@ fn region_config(
         do_token: SIM_TOKEN.into(),
         hf_endpoint: hub_url.into(),
         catalog: None,
+        tls,
     }
 }
 
@@ -287,6 +294,9 @@ pub struct Options {
     pub rate_limit_per_hour: u32,
     /// Give every region a simulated cloud and reconcile workers (off: nothing reconciles).
     pub cloud: Option<CloudOptions>,
+    /// Regions serve HTTPS with certificates of a test CA that central trusts
+    /// ([`System::region_tls`]); off: plain HTTP.
+    pub region_tls: bool,
 }
 
 impl Default for Options {
@@ -296,6 +306,7 @@ impl Default for Options {
             background: true,
             rate_limit_per_hour: 100_000,
             cloud: None,
+            region_tls: false,
         }
     }
 }
@@ -309,6 +320,8 @@ pub struct System {
     pub http: reqwest::Client,
     /// The Hugging Face Hub every region asks and downloads from.
     pub hub: hub_sim::HubSim,
+    /// The regions' certificates and their CA, with [`Options::region_tls`].
+    pub region_tls: Option<tls::RegionTls>,
 }
 
 impl System {
@@ -328,6 +341,7 @@ impl System {
                 hub.grant(&repo.id, HF_TOKEN).expect("a grant");
             }
         }
+        let region_tls = options.region_tls.then(tls::RegionTls::new);
         let mut regions = Vec::new();
         for name in REGIONS {
             let database_url = fresh_database(&format!("region_{name}")).await;
@@ -335,6 +349,13 @@ impl System {
             let seal_key = common::seal::Sealer::generate_key();
             let cloud_options = options.cloud.clone().unwrap_or_default();
             let mut cloud = Cloud::start(name, &cloud_options, &hub.url()).await;
+            let tls = match &region_tls {
+                Some(t) => {
+                    t.issue(name);
+                    t.args(name)
+                }
+                None => Default::default(),
+            };
             let server = regional::Server::start(region_config(
                 name,
                 &database_url,
@@ -342,6 +363,7 @@ impl System {
                 &seal_key,
                 &cloud.sim.base_url(),
                 &hub.url(),
+                tls.clone(),
             ))
             .await
             .expect("regional service starts");
@@ -359,20 +381,27 @@ impl System {
                 server: Some(server),
                 proxy,
                 cloud,
+                tls,
             });
         }
+        let scheme = if region_tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         let central_config = central::Config {
             listen: "127.0.0.1:0".parse().unwrap(),
             database_url: fresh_database("central").await,
             seal_key: common::seal::Sealer::generate_key(),
             regions: regions
                 .iter()
-                .map(|r| format!("{}=http://{}", r.name, r.proxy.addr))
+                .map(|r| format!("{}={}://{}", r.name, scheme, r.proxy.addr))
                 .collect(),
             region_secrets: regions
                 .iter()
                 .map(|r| format!("{}={}", r.name, r.secret))
                 .collect(),
+            region_ca_file: region_tls.as_ref().map(|t| t.ca_file.clone()),
             public_url: None,
             catalog: None,
             auth_cache_ttl_ms: 200,
@@ -392,6 +421,7 @@ impl System {
             base,
             http: reqwest::Client::new(),
             hub,
+            region_tls,
         }
     }
 

@@ -52,6 +52,10 @@ pub struct Config {
         hide_env_values = true
     )]
     pub region_secrets: Vec<String>,
+    /// PEM bundle of the CA(s) that sign the regional services' certificates, trusted (besides
+    /// the public roots) for `https://` region URLs. Read at start.
+    #[arg(long, env = "REGION_CA_FILE")]
+    pub region_ca_file: Option<std::path::PathBuf>,
     /// The URL clients reach this API at, used in pagination links. Defaults to `http://LISTEN`.
     #[arg(long, env = "PUBLIC_URL")]
     pub public_url: Option<String>,
@@ -130,7 +134,15 @@ impl App {
                 .ok_or_else(|| anyhow::anyhow!("no shared secret configured for region {name}"))?;
             endpoints.push((name, url, secret));
         }
-        let regions = Regions::new(endpoints, Duration::from_millis(config.region_timeout_ms))?;
+        let region_roots = match &config.region_ca_file {
+            Some(path) => regions::roots(path)?,
+            None => Vec::new(),
+        };
+        let regions = Regions::new(
+            endpoints,
+            Duration::from_millis(config.region_timeout_ms),
+            &region_roots,
+        )?;
         Ok(App(Arc::new(Inner {
             store,
             regions,

@@ -1,4 +1,5 @@
-//! Calls from central to the regional services, over HTTP with each region's shared secret.
+//! Calls from central to the regional services, over HTTP or HTTPS (trusting `REGION_CA_FILE`)
+//! with each region's shared secret.
 //!
 //! Outcomes are sorted by what central may conclude: `Rejected` means the region answered and
 //! refused (nothing changed there); `Unavailable` means central cannot know whether the call took
@@ -34,19 +35,25 @@ pub struct Regions {
 }
 
 impl Regions {
-    /// `endpoints`: region name → (base URL, shared secret).
+    /// `endpoints`: region name → (base URL, shared secret). `roots`: CAs trusted for the
+    /// regions' certificates besides the public roots.
     pub fn new(
         endpoints: Vec<(String, String, String)>,
         timeout: Duration,
+        roots: &[reqwest::Certificate],
     ) -> anyhow::Result<Regions> {
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(timeout)
-            .build()?;
-        let long_poll = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(40))
-            .build()?;
+        let client = |timeout| {
+            roots
+                .iter()
+                .fold(reqwest::Client::builder(), |b, root| {
+                    b.add_root_certificate(root.clone())
+                })
+                .connect_timeout(Duration::from_secs(2))
+                .timeout(timeout)
+                .build()
+        };
+        let http = client(timeout)?;
+        let long_poll = client(Duration::from_secs(40))?;
         let by_name = endpoints
             .into_iter()
             .map(|(name, base_url, secret)| {
@@ -127,6 +134,21 @@ impl Regions {
             .map_err(|e| RegionCallError::Unavailable(e.to_string()))?;
         decode(response).await
     }
+}
+
+/// The certificates of the PEM bundle at `path` (`REGION_CA_FILE`).
+pub fn roots(path: &std::path::Path) -> anyhow::Result<Vec<reqwest::Certificate>> {
+    use anyhow::Context;
+    let pem = std::fs::read(path)
+        .with_context(|| format!("reading REGION_CA_FILE {}", path.display()))?;
+    let roots = reqwest::Certificate::from_pem_bundle(&pem)
+        .with_context(|| format!("REGION_CA_FILE {} is not a PEM bundle", path.display()))?;
+    anyhow::ensure!(
+        !roots.is_empty(),
+        "REGION_CA_FILE {} holds no certificate",
+        path.display()
+    );
+    Ok(roots)
 }
 
 async fn decode<T: DeserializeOwned>(response: reqwest::Response) -> Result<T, RegionCallError> {

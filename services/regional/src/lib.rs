@@ -10,6 +10,7 @@
 pub mod ca;
 mod handlers;
 pub mod models;
+pub mod tls;
 pub mod vpcs;
 
 use std::net::SocketAddr;
@@ -66,6 +67,9 @@ pub struct Config {
     /// A catalog file replacing the one built in (the same file central reads).
     #[arg(long, env = "CATALOG")]
     pub catalog: Option<std::path::PathBuf>,
+    /// HTTPS: `TLS_CERT_FILE`, `TLS_KEY_FILE`, `TLS_RELOAD_SECS`.
+    #[command(flatten)]
+    pub tls: tls::TlsArgs,
 }
 
 #[derive(Clone)]
@@ -99,6 +103,7 @@ const APPLIED_OPERATIONS_KEPT: Duration = Duration::from_secs(2 * 24 * 3600);
 impl Server {
     /// Connects, migrates, binds and serves in the background.
     pub async fn start(config: Config) -> anyhow::Result<Server> {
+        let tls = tls::Tls::load(&config.tls)?;
         let pool = PgPoolOptions::new()
             .max_connections(config.db_max_connections)
             .acquire_timeout(Duration::from_secs(5))
@@ -129,17 +134,9 @@ impl Server {
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
         let app = router(state);
-        let serve_task = tokio::spawn(async move {
-            let serve = axum::serve(common::listener::no_delay(listener), app);
-            if let Err(error) = serve.await {
-                tracing::error!(%error, "regional server stopped");
-            }
-        });
-        Ok(Server {
-            addr,
-            store,
-            tasks: vec![serve_task, listener_task, purge_task],
-        })
+        let mut tasks = tls::serve(listener, app, tls)?;
+        tasks.extend([listener_task, purge_task]);
+        Ok(Server { addr, store, tasks })
     }
 }
 
