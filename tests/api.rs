@@ -481,10 +481,11 @@ async fn godo_dialect_is_accepted() {
             "version": 1, "name": "godo", "region": "nyc2",
             "vpc_config": {"vpc_uuid": vpc},
             "enable_public_endpoint": false,
-            "model_deployments": [{"provider_model_id": "mistral/mistral-7b-instruct-v3", "model_provider": "hugging_face",
+            "model_deployments": [{"model_slug": "mistral/mistral-7b-instruct-v3", "model_provider": "hugging_face",
+                "provider_model_id": "",
                 "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": "gpu-mi300x1-192gb"}]}]
         },
-        "secrets": {"hugging_face_token": "hf_test_value"}
+        "secrets": {"hugging_face_token": system_tests::HF_TOKEN}
     });
     let created = sys
         .call(Method::POST, "/v2/dedicated-inferences", &token, Some(body))
@@ -492,12 +493,12 @@ async fn godo_dialect_is_accepted() {
     assert_eq!(created.status, 202, "{}", created.body);
     let di = &created.body["dedicated_inference"];
     assert_eq!(di["vpc_uuid"], vpc.to_string());
-    assert_eq!(
-        di["spec"]["model_deployments"][0]["provider_model_id"],
-        "mistral/mistral-7b-instruct-v3"
-    );
+    // godo reads provider_model_id back as it sent it.
+    let d = &di["spec"]["model_deployments"][0];
+    assert_eq!(d["model_slug"], "mistral/mistral-7b-instruct-v3");
+    assert_eq!(d["provider_model_id"], "");
     assert!(
-        !created.body.to_string().contains("hf_test_value"),
+        !created.body.to_string().contains(system_tests::HF_TOKEN),
         "the HF token is never echoed"
     );
 }

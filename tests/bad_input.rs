@@ -227,7 +227,7 @@ async fn catalog_validation() {
     // The gated model is fine with a token.
     let mut b = create_body("gated", "atl1");
     b["spec"]["model_deployments"][0]["model_slug"] = json!("meta-llama/llama-3.1-8b-instruct");
-    b["access_tokens"] = json!({"hugging_face_token": "hf_abc"});
+    b["access_tokens"] = json!({"hugging_face_token": system_tests::HF_TOKEN});
     assert_eq!(
         sys.call(Method::POST, "/v2/dedicated-inferences", &token, Some(b))
             .await

@@ -196,6 +196,30 @@ async fn what_cannot_be_served_is_refused_at_once_saying_what_to_change() {
     let r = post(&sys, &api, create_body("refused", d, Some(OWNER))).await;
     assert_refused(&r, "spec.model_deployments[0].workload_config", &["131072"]);
 
+    // A catalog model too: a token the Hub rejects is refused, and a gated one needs access.
+    let catalog = |slug: &str| {
+        json!({"model_slug": slug, "model_provider": "modelcatalog",
+               "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": GPU}]})
+    };
+    let r = post(
+        &sys,
+        &api,
+        create_body("refused", catalog("qwen/qwen2.5-7b-instruct"), Some("hf_made_up")),
+    )
+    .await;
+    assert_refused(&r, "hugging_face_token", &["not accepted"]);
+    let r = post(
+        &sys,
+        &api,
+        create_body("refused", catalog("meta-llama/llama-3.1-8b-instruct"), Some("hf_someone_else")),
+    )
+    .await;
+    assert_refused(
+        &r,
+        "spec.model_deployments[0].model_slug",
+        &["meta-llama/Llama-3.1-8B-Instruct", "no access"],
+    );
+
     // Nothing was stored: the team has no DI.
     let list = sys
         .call(Method::GET, "/v2/dedicated-inferences", &api, None)

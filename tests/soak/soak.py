@@ -31,7 +31,12 @@ import uuid
 
 import httpx
 
-MODELS = ["qwen/qwen2.5-7b-instruct", "openai/gpt-oss-20b"]
+# What a deployment serves: (the name clients call it by, the Hugging Face repository when it is
+# the customer's own). Two catalog models, and a customer's fine-tune at two repositories under
+# one name (published to the simulated Hub at the start).
+MODELS = [("qwen/qwen2.5-7b-instruct", ""), ("openai/gpt-oss-20b", ""),
+          ("soak-tune", "soak-org/tune-a"), ("soak-tune", "soak-org/tune-b")]
+FINE_TUNES = ["soak-org/tune-a", "soak-org/tune-b"]
 GPUS = ["gpu-h100x1-80gb", "gpu-h200x1-141gb"]
 REGIONS = ["atl1", "nyc2"]
 # How long after an induced outage ends a 503 from central is still expected (its region call
@@ -162,6 +167,15 @@ class Soak:
     def sim_token(self, region):
         return self.secrets_env[f"SIM_TOKEN_{region}"]
 
+    def hugging_face_account(self):
+        """A Hugging Face token of a customer's own account, known to the (simulated) Hub: the
+        regions refuse a token the Hub rejects."""
+        hf = f"hf_soak_{uuid.uuid4().hex}"
+        self.secrets.add(hf)
+        r = httpx.post(f"{self.args.hub}/_sim/tokens", json={"token": hf, "user": "soak-customer"}, timeout=10)
+        r.raise_for_status()
+        return hf
+
     def make_vpc(self, team, region, name):
         """A VPC of `team`'s DigitalOcean account, made as the customer makes one."""
         r = httpx.post(f"{self.sim(region)}/v2/vpcs", json={"name": name, "region": region},
@@ -256,15 +270,17 @@ class Customer(threading.Thread):
     def create_body(self, godo):
         region = self.rng.choice(REGIONS)
         vpc = self.rng.choice(self.vpcs[region])
-        model = self.rng.choice(MODELS)
+        model, repo = self.rng.choice(MODELS)
         gpu = self.rng.choice(GPUS)
         deployment = {"model_slug": model, "model_provider": "hugging_face",
                       "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": gpu}]}
+        if repo:
+            deployment["provider_model_id"] = repo
         spec = {"version": 1, "name": self.new_name(), "region": region,
                 "enable_public_endpoint": self.rng.random() < 0.8}
         if godo:
             # godo's shape: provider_model_id always sent, the HF token under `secrets`.
-            deployment["provider_model_id"] = ""
+            deployment.setdefault("provider_model_id", "")
         else:
             deployment["workload_config"] = {}
         if self.rng.random() < 0.3:
@@ -275,8 +291,7 @@ class Customer(threading.Thread):
         spec["model_deployments"] = [deployment]
         body = {"spec": spec}
         if self.rng.random() < 0.3:
-            hf = f"hf_soak_{uuid.uuid4().hex}"
-            self.soak.secrets.add(hf)
+            hf = self.soak.hugging_face_account()
             body["secrets" if godo else "access_tokens"] = {"hugging_face_token": hf}
         return region, body
 
@@ -417,12 +432,15 @@ class Customer(threading.Thread):
             acc = deployments[0]["accelerators"][0]
             acc["accelerator_slug"] = GPUS[1] if acc["accelerator_slug"] == GPUS[0] else GPUS[0]
         elif kind == "model":
-            deployments[0]["model_slug"] = MODELS[1] if deployments[0]["model_slug"] == MODELS[0] else MODELS[0]
+            current = (deployments[0]["model_slug"], deployments[0].get("provider_model_id") or "")
+            taken = {d["model_slug"] for d in deployments[1:]}
+            choices = [m for m in MODELS if m != current and m[0] not in taken]
+            deployments[0]["model_slug"], deployments[0]["provider_model_id"] = self.rng.choice(choices)
         elif kind == "name":
             spec["name"] = self.new_name()
         elif kind == "add":
-            other = MODELS[1] if deployments[0]["model_slug"] == MODELS[0] else MODELS[0]
-            deployments.append({"model_slug": other, "model_provider": "hugging_face",
+            other, repo = self.rng.choice([m for m in MODELS if m[0] != deployments[0]["model_slug"]])
+            deployments.append({"model_slug": other, "model_provider": "hugging_face", "provider_model_id": repo,
                                 "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": GPUS[0]}]})
         else:
             deployments.pop()
@@ -434,6 +452,8 @@ class Customer(threading.Thread):
                                    "accelerator_slug": a["accelerator_slug"]} for a in d["accelerators"]]}
             if keep_ids and d.get("model_id"):
                 o["model_id"] = d["model_id"]
+            if d.get("provider_model_id"):
+                o["provider_model_id"] = d["provider_model_id"]
             out_deployments.append(o)
         di = self.di(di_id)
         out = {"version": spec["version"], "name": spec.get("name") or body["dedicated_inference"]["name"],
@@ -1060,6 +1080,7 @@ def main():
     p.add_argument("--state", required=True, help="the run's state directory (secrets.env, run.pids, logs/)")
     p.add_argument("--bin", required=True, help="directory of the service binaries")
     p.add_argument("--central-db", required=True)
+    p.add_argument("--hub", required=True, help="URL of the (simulated) Hugging Face Hub")
     p.add_argument("--sim", action="append", default=[], help="REGION=URL of a region simulator")
     p.add_argument("--regional", action="append", default=[], help="REGION=URL of a regional service")
     p.add_argument("--seconds", type=float, default=120)
@@ -1075,6 +1096,11 @@ def main():
     args.regionals = dict(s.split("=", 1) for s in args.regional)
 
     soak = Soak(args)
+    for repo in FINE_TUNES:
+        # A Llama 3.1 8B fine-tune: it fits every GPU the soak uses.
+        httpx.post(f"{args.hub}/_sim/models", json={
+            "id": repo, "architecture": "LlamaForCausalLM", "params": 8030261248, "layers": 32,
+            "hidden": 4096, "heads": 32, "kv_heads": 8, "max_position_embeddings": 131072}, timeout=10).raise_for_status()
     print(f"soak: seed {args.seed}, {args.seconds:.0f} s, {args.teams} teams × {args.customers_per_team} customers", flush=True)
     teams, customers = [], []
     for t in range(args.teams):

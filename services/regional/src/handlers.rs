@@ -196,9 +196,6 @@ async fn check_models(state: &AppState, id: Uuid, req: &PatchRequest) -> Result<
         .spec
         .as_ref()
         .map_or(latest, |s| s.model_deployments.as_slice());
-    if !deployments.iter().any(|d| d.source.custom) {
-        return Ok(());
-    }
     let stored;
     let token = match req.hugging_face_token.as_deref() {
         Some(t) => Some(t),

@@ -72,10 +72,11 @@ impl Models {
         })
     }
 
-    /// Checks every deployment of `deployments` that serves a customer's own repository,
-    /// except those `previous` (the DI's latest spec, on a PATCH) already had unchanged while the
-    /// token stays the same (`token_changed` false). `token` is the Hugging Face token the DI
-    /// will use.
+    /// Checks, before a create or PATCH is stored: the token, when one is sent or a deployment
+    /// is asked about; every deployment of `deployments` that serves a customer's own repository
+    /// (all of the above) or a gated catalog model (access with the token), except those
+    /// `previous` (the DI's latest spec, on a PATCH) already had unchanged while the token stays
+    /// the same (`token_changed` false). `token` is the Hugging Face token the DI will use.
     pub async fn check(
         &self,
         deployments: &[ModelDeployment],
@@ -86,95 +87,106 @@ impl Models {
         let unchanged = |d: &ModelDeployment| {
             !token_changed
                 && previous.iter().any(|q| {
-                        q.source == d.source
-                            && q.declared_context() == d.declared_context()
-                            && slugs(q) == slugs(d)
+                    q.source == d.source
+                        && q.declared_context() == d.declared_context()
+                        && slugs(q) == slugs(d)
                 })
+        };
+        let gated_catalog_model = |d: &ModelDeployment| {
+            !d.source.custom
+                && self
+                    .catalog
+                    .model(&d.model_slug)
+                    .is_some_and(|m| m.is_gated_model)
         };
         let to_check: Vec<(usize, &ModelDeployment)> = deployments
             .iter()
             .enumerate()
-            .filter(|(_, d)| d.source.custom && !unchanged(d))
+            .filter(|(_, d)| (d.source.custom || gated_catalog_model(d)) && !unchanged(d))
             .collect();
-        if to_check.is_empty() {
-            return Ok(());
-        }
-        if let Some(token) = token {
+        if let Some(token) = token.filter(|_| token_changed || !to_check.is_empty()) {
             match self.hub.whoami(token).await {
                 Ok(_) => {}
-                Err(HubError::InvalidToken) => {
-                    return Err(ApiError::Unprocessable(
-                        "hugging_face_token is not accepted by Hugging Face (invalid, expired or revoked): send a token with read access.".into(),
-                    ))
-                }
+                Err(HubError::InvalidToken) => return Err(rejected_token()),
                 Err(e) => return Err(unavailable(e)),
             }
         }
         for (i, d) in to_check {
             let at = format!("spec.model_deployments[{i}]");
-            let described = self.describe(&at, d, token).await?;
-            self.fits(&at, d, &described)?;
+            if d.source.custom {
+                let field = format!("{at}.provider_model_id");
+                let info = self.info(&field, d, token).await?;
+                let config = self.config(&field, d, token).await?;
+                self.fits(&at, d, &Described { info, config })?;
+            } else {
+                // The catalog says where it runs; whether the token may download it is the
+                // Hub's to say.
+                self.config(&format!("{at}.model_slug"), d, token).await?;
+            }
         }
         Ok(())
     }
 
-    async fn describe(
+    /// The repository's model info: it exists, the token can read it, the revision is one of
+    /// its.
+    async fn info(
         &self,
-        at: &str,
+        field: &str,
         d: &ModelDeployment,
         token: Option<&str>,
-    ) -> Result<Described, ApiError> {
+    ) -> Result<ModelInfo, ApiError> {
         let repo = d.source.repository.as_str();
         let revision = d.source.revision.as_deref();
-        let refused = |what: String| ApiError::Unprocessable(format!("{at}.provider_model_id {what}"));
-        let info = match self.hub.model_info(repo, revision, token).await {
-            Ok(info) => info,
-            Err(HubError::RepoNotFound) => {
-                return Err(refused(match token {
-                    Some(_) => format!("{repo:?} is not a Hugging Face repository the hugging_face_token can read: check the name, or grant the token's account access to the private repository."),
-                    None => format!("{repo:?} is not a public Hugging Face repository: check the name, or send a hugging_face_token that can read the private repository."),
-                }))
-            }
-            Err(HubError::RevisionNotFound) => {
-                return Err(refused(format!(
-                    "{repo:?} has no revision {:?}: name a branch, tag or commit of it.",
-                    revision.unwrap_or("main")
-                )))
-            }
-            Err(HubError::InvalidToken) => {
-                return Err(ApiError::Unprocessable(
-                    "hugging_face_token is not accepted by Hugging Face (invalid, expired or revoked): send a token with read access.".into(),
-                ))
-            }
-            Err(e) => return Err(unavailable(e)),
-        };
-        // The model server's first download: where a gated repository's access shows.
-        let config = match self.hub.model_config(repo, revision, token).await {
-            Ok(config) => config,
+        let refused = |what: String| ApiError::Unprocessable(format!("{field} {what}"));
+        match self.hub.model_info(repo, revision, token).await {
+            Ok(info) => Ok(info),
+            Err(HubError::RepoNotFound) => Err(refused(match token {
+                Some(_) => format!("{repo:?} is not a Hugging Face repository the hugging_face_token can read: check the name, or grant the token's account access to the private repository."),
+                None => format!("{repo:?} is not a public Hugging Face repository: check the name, or send a hugging_face_token that can read the private repository."),
+            })),
+            Err(HubError::RevisionNotFound) => Err(refused(format!(
+                "{repo:?} has no revision {:?}: name a branch, tag or commit of it.",
+                revision.unwrap_or("main")
+            ))),
+            Err(HubError::InvalidToken) => Err(rejected_token()),
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+
+    /// The repository's `config.json`: the model server's first download, where a gated
+    /// repository's access shows.
+    async fn config(
+        &self,
+        field: &str,
+        d: &ModelDeployment,
+        token: Option<&str>,
+    ) -> Result<serde_json::Value, ApiError> {
+        let repo = d.source.repository.as_str();
+        let revision = d.source.revision.as_deref();
+        let refused = |what: String| ApiError::Unprocessable(format!("{field} {what}"));
+        match self.hub.model_config(repo, revision, token).await {
+            Ok(config) => Ok(config),
             Err(HubError::GatedNoAccess { with_token }) => {
                 let ask = format!("request access at https://huggingface.co/{repo}");
-                return Err(refused(if with_token {
+                Err(refused(if with_token {
                     format!("{repo:?} is gated and the hugging_face_token's account has no access: {ask}, then retry.")
                 } else {
                     format!("{repo:?} is gated: send a hugging_face_token of an account with access ({ask}).")
-                }));
+                }))
             }
-            Err(HubError::EntryNotFound) => {
-                return Err(refused(format!(
-                    "{repo:?} has no config.json: it is not a model the model server can load."
-                )))
-            }
-            Err(HubError::RepoNotFound) => {
-                return Err(refused(format!("{repo:?} is not readable with the hugging_face_token sent.")))
-            }
-            Err(HubError::InvalidToken) => {
-                return Err(ApiError::Unprocessable(
-                    "hugging_face_token is not accepted by Hugging Face (invalid, expired or revoked): send a token with read access.".into(),
-                ))
-            }
-            Err(e) => return Err(unavailable(e)),
-        };
-        Ok(Described { info, config })
+            Err(HubError::EntryNotFound) => Err(refused(format!(
+                "{repo:?} has no config.json: it is not a model the model server can load."
+            ))),
+            Err(HubError::RepoNotFound) => Err(refused(format!(
+                "{repo:?} is not readable with the hugging_face_token sent."
+            ))),
+            Err(HubError::RevisionNotFound) => Err(refused(format!(
+                "{repo:?} has no revision {:?}.",
+                revision.unwrap_or("main")
+            ))),
+            Err(HubError::InvalidToken) => Err(rejected_token()),
+            Err(e) => Err(unavailable(e)),
+        }
     }
 
     fn fits(&self, at: &str, d: &ModelDeployment, m: &Described) -> Result<(), ApiError> {
@@ -340,6 +352,12 @@ fn served_bytes(dtype: &str) -> u64 {
         "F32" | "F16" | "BF16" | "I16" | "U16" => 2,
         _ => 1, // F8_E4M3, F8_E5M2, I8, U8, BOOL and packed 4-bit formats
     }
+}
+
+fn rejected_token() -> ApiError {
+    ApiError::Unprocessable(
+        "hugging_face_token is not accepted by Hugging Face (invalid, expired or revoked): send a token with read access.".into(),
+    )
 }
 
 fn unavailable(e: HubError) -> ApiError {
