@@ -36,6 +36,7 @@ mod kube {
             lb_address_delay: std::time::Duration::from_secs(365 * 24 * 3600),
             gateway_address_delay: std::time::Duration::from_millis(d.gateway_address_ms),
             bearer_token: None,
+            model_loader: None,
         }
     }
 
