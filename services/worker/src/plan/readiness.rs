@@ -217,16 +217,20 @@ fn arg<'a>(container: &'a Value, flag: &str) -> Option<&'a str> {
 }
 
 /// A container message fit for a DI's status: one line, no token-like words (`hf_…`), at most
-/// [`MAX_LOAD_MESSAGE_CHARS`] characters.
+/// [`MAX_LOAD_MESSAGE_CHARS`] characters. A longer one keeps its end: a message taken from the
+/// container's log (`FallbackToLogsOnError`) is a Python traceback, whose last lines say why.
 fn clean_message(raw: &str) -> String {
     let words: Vec<String> = raw.split_whitespace().map(mask_tokens).collect();
     let line = words.join(" ");
-    if line.chars().count() <= MAX_LOAD_MESSAGE_CHARS {
+    let chars = line.chars().count();
+    if chars <= MAX_LOAD_MESSAGE_CHARS {
         return line;
     }
-    let mut cut: String = line.chars().take(MAX_LOAD_MESSAGE_CHARS - 1).collect();
-    cut.push('…');
-    cut
+    let tail: String = line
+        .chars()
+        .skip(chars + 1 - MAX_LOAD_MESSAGE_CHARS)
+        .collect();
+    format!("…{tail}")
 }
 
 /// Masks what looks like a Hugging Face token (`hf_` and at least 20 letters or digits) in `w`.
@@ -818,9 +822,17 @@ mod tests {
             "Bearer hf_*** refused (token=hf_***)"
         );
         assert_eq!(clean_message("org/hf_model"), "org/hf_model");
-        let long = clean_message(&"é".repeat(2 * MAX_LOAD_MESSAGE_CHARS));
+        let traceback = format!(
+            "Traceback (most recent call last):\n{}huggingface_hub.errors.GatedRepoError: 403 Client Error.",
+            "  File \"/usr/lib/python3/x.py\", line 1, in f\n".repeat(40)
+        );
+        let long = clean_message(&traceback);
         assert_eq!(long.chars().count(), MAX_LOAD_MESSAGE_CHARS);
-        assert!(long.ends_with('…'));
+        assert!(long.starts_with('…'), "{long}");
+        assert!(
+            long.ends_with("huggingface_hub.errors.GatedRepoError: 403 Client Error."),
+            "{long}"
+        );
     }
 
     #[test]
