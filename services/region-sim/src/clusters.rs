@@ -19,6 +19,8 @@ use crate::Shared;
 mod kube {
     //! The only place that talks to the `sim-kube` crate.
 
+    use std::sync::Arc;
+
     use serde_json::{json, Value};
     use tokio::sync::broadcast;
 
@@ -27,7 +29,7 @@ mod kube {
     /// Field manager of the simulated DigitalOcean cloud controller's writes.
     const CCM_MANAGER: &str = "digitalocean-cloud-controller-manager";
 
-    fn config(d: &Delays) -> sim_kube::ClusterConfig {
+    fn config(d: &Delays, loader: &Arc<dyn sim_kube::ModelLoader>) -> sim_kube::ClusterConfig {
         sim_kube::ClusterConfig {
             model_load_delay: std::time::Duration::from_millis(d.model_load_ms),
             // The region simulator is the cloud controller: it assigns load balancer addresses
@@ -36,6 +38,8 @@ mod kube {
             lb_address_delay: std::time::Duration::from_secs(365 * 24 * 3600),
             gateway_address_delay: std::time::Duration::from_millis(d.gateway_address_ms),
             bearer_token: None,
+            // Pods load their model as vLLM does: from the Hub their environment names.
+            model_loader: Some(loader.clone()),
         }
     }
 
@@ -43,13 +47,19 @@ mod kube {
     pub struct Handle {
         cluster: sim_kube::Cluster,
         http: reqwest::Client,
+        loader: Arc<dyn sim_kube::ModelLoader>,
     }
 
     impl Handle {
-        pub async fn start(name: &str, d: &Delays) -> anyhow::Result<Handle> {
+        pub async fn start(
+            name: &str,
+            d: &Delays,
+            loader: Arc<dyn sim_kube::ModelLoader>,
+        ) -> anyhow::Result<Handle> {
             Ok(Handle {
-                cluster: sim_kube::Cluster::start(name, config(d)).await?,
+                cluster: sim_kube::Cluster::start(name, config(d, &loader)).await?,
                 http: reqwest::Client::new(),
+                loader,
             })
         }
         pub fn url(&self) -> String {
@@ -71,7 +81,7 @@ mod kube {
             self.cluster.subscribe()
         }
         pub fn set_delays(&self, d: &Delays) {
-            let mut c = config(d);
+            let mut c = config(d, &self.loader);
             c.bearer_token = self.cluster.config().bearer_token;
             self.cluster.set_config(c);
         }
@@ -435,16 +445,24 @@ pub(crate) struct Clusters {
     credential_ttl: Duration,
     /// Serialises starts so two calls for one cluster do not start two API servers.
     start_lock: tokio::sync::Mutex<()>,
+    /// Decides every cluster's model loads (see [`crate::hub_loader`]).
+    loader: Arc<dyn sim_kube::ModelLoader>,
 }
 
 impl Clusters {
-    pub(crate) fn new(delays: Delays, idle: Duration, credential_ttl: Duration) -> Self {
+    pub(crate) fn new(
+        delays: Delays,
+        idle: Duration,
+        credential_ttl: Duration,
+        loader: Arc<dyn sim_kube::ModelLoader>,
+    ) -> Self {
         Self {
             map: Mutex::new(HashMap::new()),
             delays: RwLock::new(delays),
             idle,
             credential_ttl,
             start_lock: tokio::sync::Mutex::new(()),
+            loader,
         }
     }
 
@@ -464,7 +482,7 @@ impl Clusters {
             return Ok(());
         }
         let delays = self.delays.read().expect("delays lock").clone();
-        let handle = kube::Handle::start(name, &delays).await?;
+        let handle = kube::Handle::start(name, &delays, self.loader.clone()).await?;
         let (stop, stop_rx) = watch::channel(false);
         let tokens = Arc::new(Tokens::new());
         let pki = pki::generate(name)?;

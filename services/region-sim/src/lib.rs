@@ -4,17 +4,19 @@
 //! platform's credential can act for one customer account (`X-Acting-Account`, see
 //! [`do_api::ACTING_ACCOUNT_HEADER`]), starts one simulated Kubernetes API
 //! server (the `sim-kube` crate) per cluster behind an HTTPS front with the cluster's own CA and
-//! expiring credentials, and plays the cloud's part in it (nodes, load
-//! balancer addresses), and serves a fake OpenAI-compatible data plane for every load balancer
-//! wired to a gateway. It also offers fault injection and an inventory of everything it holds,
-//! under `/_sim/`. It must not contain control-plane logic (it only reacts to what a real cloud
-//! would see), must not reach any network beyond loopback, and production code must never need
-//! to know it is talking to it: a base URL, a token and the cluster credentials (kubeconfig) it
-//! hands out, which expire as DOKS's do, are the whole interface.
+//! expiring credentials, and plays the cloud's part in it (nodes, load balancer addresses, and
+//! model servers that fetch their repository from the Hugging Face Hub they name and crash-loop
+//! when it refuses: [`hub_loader`]), and serves a fake OpenAI-compatible data plane for every
+//! load balancer wired to a gateway. It also offers fault injection and an inventory of
+//! everything it holds, under `/_sim/`. It must not contain control-plane logic (it only reacts
+//! to what a real cloud would see), must not reach any network beyond loopback, and production
+//! code must never need to know it is talking to it: a base URL, a token and the cluster
+//! credentials (kubeconfig) it hands out, which expire as DOKS's do, are the whole interface.
 
 pub mod data_plane;
 pub mod do_api;
 pub mod faults;
+pub mod hub_loader;
 pub mod inventory;
 pub mod routing;
 pub mod sizes;
@@ -59,6 +61,10 @@ pub struct SimConfig {
     /// valid when the request does not ask (`expiry_seconds` absent or 0): 7 days, as on DOKS.
     /// Tests shorten it to see credentials expire.
     pub credential_ttl: Duration,
+    /// The Hugging Face Hub standing in for the public one (`https://huggingface.co`): where the
+    /// simulated model servers whose environment names no `HF_ENDPOINT` download from. `None`
+    /// (the default): their loads succeed without asking anyone. See [`hub_loader`].
+    pub default_hub: Option<String>,
 }
 
 /// DOKS's default lifetime of cluster credentials.
@@ -76,6 +82,7 @@ impl SimConfig {
             model: ModelTiming::default(),
             cloud_controller_idle_ms: 100,
             credential_ttl: DEFAULT_CREDENTIAL_TTL,
+            default_hub: None,
         }
     }
 }
@@ -366,6 +373,7 @@ impl RegionSim {
                 cfg.delays.clone(),
                 Duration::from_millis(cfg.cloud_controller_idle_ms),
                 cfg.credential_ttl,
+                Arc::new(hub_loader::HubLoader::new(cfg.default_hub.clone())?),
             ),
             model: Arc::new(RwLock::new(cfg.model.clone())),
             drive_lock: tokio::sync::Mutex::new(()),

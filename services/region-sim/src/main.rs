@@ -69,6 +69,11 @@ struct Args {
     /// the request has no `expiry_seconds` (default 7 days, as DOKS).
     #[arg(long, env = "REGION_SIM_CREDENTIAL_TTL_SECS", default_value_t = region_sim::DEFAULT_CREDENTIAL_TTL.as_secs())]
     credential_ttl_secs: u64,
+    /// A Hugging Face Hub (on loopback) standing in for the public one: simulated model servers
+    /// whose environment names no `HF_ENDPOINT` ask it whether their repository loads. Unset,
+    /// their loads succeed without asking.
+    #[arg(long, env = "REGION_SIM_DEFAULT_HUB")]
+    default_hub: Option<String>,
     /// Fake model: time to first token.
     #[arg(long, env = "REGION_SIM_TTFT_MS")]
     ttft_ms: Option<u64>,
@@ -104,6 +109,7 @@ async fn main() -> anyhow::Result<()> {
     cfg.listen = a.listen;
     cfg.cloud_controller_idle_ms = a.cloud_controller_idle_ms;
     cfg.credential_ttl = std::time::Duration::from_secs(a.credential_ttl_secs.max(1));
+    cfg.default_hub = a.default_hub;
     if !a.gpu_capacity.is_empty() {
         cfg.gpu_capacity = parse_capacity(&a.gpu_capacity)?;
     }

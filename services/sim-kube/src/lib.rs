@@ -4,7 +4,11 @@
 //! get/list/watch, create/replace/patch/server-side apply, delete with
 //! finalizers and cascading), plus the small simulated world behind it: a
 //! scheduler and Deployment controller that place pods on GPU nodes, load
-//! balancer and Gateway addresses, route and InferencePool status. It must not
+//! balancer and Gateway addresses, route and InferencePool status. Whether a
+//! pod's containers load is the answer of an optional hook ([`ModelLoader`],
+//! told each container's args and resolved environment): without one, bound
+//! pods turn Ready after the model-load delay; with one, a failed load
+//! crash-loops as on a real kubelet. It must not
 //! open connections to anything, pretend to run containers or serve data-plane
 //! traffic (another crate wires that), or know about DigitalOcean's API beyond
 //! the node labels, taints and Service annotations a real cluster carries.
@@ -13,6 +17,7 @@ mod controllers;
 mod discovery;
 mod error;
 mod http;
+mod loader;
 mod managed;
 mod ops;
 mod patch;
@@ -22,6 +27,8 @@ mod store;
 mod validation;
 mod watch;
 
+/// The hook deciding whether a container's model loads (see [`ClusterConfig::model_loader`]).
+pub use loader::{LoadRequest, ModelLoader};
 /// Label selectors as the API server matches them (NetworkPolicy peers use them too).
 pub use selector::LabelSelector;
 
@@ -36,9 +43,10 @@ use crate::managed::Scope;
 use crate::store::{Key, Store};
 
 /// Timing and access settings of a simulated cluster.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ClusterConfig {
-    /// How long a scheduled pod takes to turn Ready (the model download and load).
+    /// How long a scheduled pod takes to turn Ready (the model download and load), and how long
+    /// a restarted container takes again.
     pub model_load_delay: Duration,
     /// How long a LoadBalancer Service waits for `status.loadBalancer.ingress`.
     pub lb_address_delay: Duration,
@@ -46,6 +54,30 @@ pub struct ClusterConfig {
     pub gateway_address_delay: Duration,
     /// When set, every request must carry `Authorization: Bearer <token>`.
     pub bearer_token: Option<String>,
+    /// Asked, once the model-load delay has passed, whether each container of a bound pod
+    /// started: `None` turns every pod Ready after the delay. A container whose load fails
+    /// crash-loops as on a real kubelet: it waits in `CrashLoopBackOff` with the loader's
+    /// message as its last termination message, restarts after a back-off doubling from 1 s to
+    /// 10 s, and is asked again with its new restart count.
+    pub model_loader: Option<Arc<dyn ModelLoader>>,
+}
+
+impl std::fmt::Debug for ClusterConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterConfig")
+            .field("model_load_delay", &self.model_load_delay)
+            .field("lb_address_delay", &self.lb_address_delay)
+            .field("gateway_address_delay", &self.gateway_address_delay)
+            .field(
+                "bearer_token",
+                &self.bearer_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field(
+                "model_loader",
+                &self.model_loader.as_ref().map(|_| "<loader>"),
+            )
+            .finish()
+    }
 }
 
 impl Default for ClusterConfig {
@@ -55,6 +87,7 @@ impl Default for ClusterConfig {
             lb_address_delay: Duration::from_millis(100),
             gateway_address_delay: Duration::from_millis(100),
             bearer_token: None,
+            model_loader: None,
         }
     }
 }

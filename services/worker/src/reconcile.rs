@@ -757,6 +757,18 @@ impl Reconciler {
         let assessment = plan::assess(&id, &desired, &observed);
         self.record_accelerators(id, spec, &assessment.accelerators, &inputs.accelerators)
             .await?;
+        // A model server that cannot load its model since the rollout began does not load by
+        // waiting: the rollout fails in its words. (On a resync the DI keeps serving with its
+        // other replicas; the wait names the failing pod.)
+        if pending.is_some() {
+            let began = SystemTime::from(spec.created_at);
+            if let Some(failure) = plan::load_failure(&desired, &observed, began) {
+                return Err(ReconcileError::permanent(
+                    plan::MODEL_LOAD_FAILED,
+                    failure.to_string(),
+                ));
+            }
+        }
         if writes > 0 {
             return Ok(pass.wait(format!("applied {writes} changes"), s.poll));
         }

@@ -802,3 +802,132 @@ async fn a_failed_renewal_goes_on_with_credentials_still_valid() {
     assert_eq!(env.sim.stats().credential_requests(), fetched + 2);
     env.sim.shutdown().await;
 }
+
+/// A Hugging Face Hub for the model servers (the simulator's stand-in for the public Hub): the
+/// model's repository is gated; tokens in `granted` may read it, others get huggingface.co's
+/// 403 `GatedRepo` answer. Returns its URL.
+async fn gated_hub(granted: std::sync::Arc<std::sync::Mutex<Vec<String>>>) -> String {
+    use axum::http::{HeaderMap, StatusCode};
+    let app = axum::Router::new()
+        .route(
+            "/{*path}",
+            axum::routing::get(
+                |axum::extract::Path(path): axum::extract::Path<String>,
+                 axum::extract::State(granted): axum::extract::State<
+                    std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+                >,
+                 headers: HeaderMap| async move {
+                    let token = headers
+                        .get("authorization")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.strip_prefix("Bearer "))
+                        .unwrap_or_default()
+                        .to_string();
+                    let mut refusal = HeaderMap::new();
+                    if path != format!("{MODEL}/resolve/main/config.json") {
+                        refusal.insert("x-error-code", "RepoNotFound".parse().unwrap());
+                        return (StatusCode::UNAUTHORIZED, refusal, "");
+                    }
+                    if granted.lock().unwrap().contains(&token) {
+                        return (StatusCode::OK, refusal, "{}");
+                    }
+                    refusal.insert("x-error-code", "GatedRepo".parse().unwrap());
+                    (StatusCode::FORBIDDEN, refusal, "")
+                },
+            ),
+        )
+        .with_state(granted);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+/// Creates a DI whose model servers get `hf_token` (as a customer's Hugging Face token).
+async fn create_with_hf_token(env: &Env, hf_token: &str) -> uuid::Uuid {
+    let id = uuid::Uuid::new_v4();
+    let req = api_types::regional::CreateRequest {
+        id,
+        team_id: env.team,
+        spec: env.spec(1, None),
+        hugging_face_token: Some(hf_token.into()),
+        managed_token: api_types::regional::NewToken {
+            id: uuid::Uuid::new_v4(),
+            name: "managed".into(),
+            sha256_hex: common::tokens::sha256_hex(&common::tokens::mint("di_")),
+        },
+    };
+    env.store
+        .dedicated_inference_create(&req, &regional::ca::generate(id).expect("CA"))
+        .await
+        .unwrap();
+    id
+}
+
+/// A model server whose Hub refuses its repository crash-loops; after its second restart the
+/// DI is `error` with reason ModelLoadFailed and the Hub's refusal (never the token) in its
+/// message, while a DI of the same model whose token the Hub accepts becomes active. Once the
+/// Hub grants the token and the spec is submitted again, the next restart loads: active.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_the_hub_refuses_is_an_error_with_the_hubs_words() {
+    let granted = std::sync::Arc::new(std::sync::Mutex::new(vec!["hf_granted".to_string()]));
+    let hub = gated_hub(granted.clone()).await;
+    let env = env_with_sim(|cfg| cfg.default_hub = Some(hub.clone())).await;
+    let w = env.worker().await;
+    let served = create_with_hf_token(&env, "hf_granted").await;
+    let refused = create_with_hf_token(&env, "hf_not_granted_0123456789abcdef").await;
+
+    let failed = env
+        .wait_for(refused, "error", Duration::from_secs(30), |r| {
+            r.status == Status::Error
+        })
+        .await;
+    assert_eq!(failed.status_reason.as_deref(), Some("ModelLoadFailed"));
+    let events = env
+        .store
+        .events_list(refused, env.team, 1, 100)
+        .await
+        .unwrap();
+    let error = events
+        .items
+        .iter()
+        .find(|e| e.reason == "ModelLoadFailed")
+        .unwrap_or_else(|| panic!("{:#?}", events.items));
+    let url = format!("{hub}/{MODEL}/resolve/main/config.json");
+    assert!(
+        error
+            .message
+            .starts_with(&format!("Model {MODEL} failed to load (pod vllm-")),
+        "{}",
+        error.message
+    );
+    assert!(
+        error.message.ends_with(&format!(
+            "restarted 2 times): GatedRepoError: 403 Client Error. Cannot access gated repo for url {url}."
+        )),
+        "{}",
+        error.message
+    );
+    assert!(
+        !error.message.contains("hf_not_granted"),
+        "{}",
+        error.message
+    );
+    env.wait_active(served, 1).await;
+
+    // Access granted; the same spec again: the failure from before is not held against it,
+    // and the crash-looping server's next restart loads.
+    granted
+        .lock()
+        .unwrap()
+        .push("hf_not_granted_0123456789abcdef".into());
+    let model_id = failed.pending_spec.as_ref().unwrap().model_deployments[0].model_id;
+    env.patch(refused, &env.spec(1, model_id)).await;
+    env.wait_active(refused, 2).await;
+
+    for id in [served, refused] {
+        env.delete_until_gone(id).await;
+    }
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 const TOKEN: &str = "dop_v1_kube_test";
 const DI_TOKEN: &str = "di_abcdefghijklmnopqrstuvwxyz0123456789";
 
-async fn start() -> RegionSim {
+pub(crate) async fn start() -> RegionSim {
     let mut cfg = SimConfig::new("atl1", TOKEN);
     cfg.delays = Delays {
         cluster_provision_ms: 100,
@@ -65,7 +65,7 @@ fn trusting(ca_data: &str) -> Client {
 }
 
 /// A client built from the kubeconfig the DO API hands out.
-struct Kube {
+pub(crate) struct Kube {
     server: String,
     token: String,
     http: Client,
@@ -105,7 +105,12 @@ impl Kube {
         }
     }
 
-    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+    pub(crate) async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
         let mut req = self
             .http
             .request(method, format!("{}{path}", self.server))
@@ -118,17 +123,17 @@ impl Kube {
         (s, r.json().await.unwrap_or(Value::Null))
     }
 
-    async fn get(&self, path: &str) -> (StatusCode, Value) {
+    pub(crate) async fn get(&self, path: &str) -> (StatusCode, Value) {
         self.call(Method::GET, path, None).await
     }
 
-    async fn create(&self, path: &str, body: Value) {
+    pub(crate) async fn create(&self, path: &str, body: Value) {
         let (s, v) = self.call(Method::POST, path, Some(body)).await;
         assert!(s.is_success(), "POST {path}: {s} {v}");
     }
 }
 
-async fn eventually<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+pub(crate) async fn eventually<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
     for _ in 0..300 {
         if let Some(v) = f().await {
             return v;
@@ -163,7 +168,7 @@ async fn running_cluster(sim: &RegionSim, pools: Value) -> String {
 }
 
 /// A running cluster with one CPU node, and a client for its API.
-async fn cpu_cluster(sim: &RegionSim) -> (String, Kube) {
+pub(crate) async fn cpu_cluster(sim: &RegionSim) -> (String, Kube) {
     let id = running_cluster(
         sim,
         json!([{"name": "cpu", "size": "s-2vcpu-4gb", "count": 1}]),

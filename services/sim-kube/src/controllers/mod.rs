@@ -46,8 +46,11 @@ impl Snapshot {
 /// Timers the controllers keep between passes, keyed by object uid.
 #[derive(Default)]
 pub(crate) struct Timers {
-    /// When a pod was bound to a node (it turns Ready `model_load_delay` later).
+    /// When a pod's containers last started: when it was bound to a node, or when crashed
+    /// containers restarted. Its load is settled `model_load_delay` later.
     pub pod_bound: HashMap<String, Instant>,
+    /// When a pod's crashed containers restart (the end of their back-off).
+    pub restart_at: HashMap<String, Instant>,
     /// When a LoadBalancer Service or Gateway was first seen without an address.
     pub first_seen: HashMap<String, Instant>,
     /// Earliest moment a timer expires; the loop sleeps until then.
@@ -61,8 +64,13 @@ impl Timers {
         if Instant::now() >= due {
             return true;
         }
-        self.next_wake = Some(self.next_wake.map_or(due, |w| w.min(due)));
+        self.wake_at(due);
         false
+    }
+
+    /// Makes the loop run a pass at `due` at the latest.
+    pub fn wake_at(&mut self, due: Instant) {
+        self.next_wake = Some(self.next_wake.map_or(due, |w| w.min(due)));
     }
 }
 
@@ -102,7 +110,7 @@ fn pass(shared: &Shared, timers: &mut Timers) {
     scheduler::run(store, &snapshot(shared), timers, &config);
     deployment::run(store, &snapshot(shared));
     network::run(store, &snapshot(shared), timers, &config);
-    if timers.pod_bound.is_empty() && timers.first_seen.is_empty() {
+    if timers.pod_bound.is_empty() && timers.first_seen.is_empty() && timers.restart_at.is_empty() {
         return;
     }
     let live: std::collections::HashSet<String> = shared
@@ -117,6 +125,7 @@ fn pass(shared: &Shared, timers: &mut Timers) {
         })
         .collect();
     timers.pod_bound.retain(|uid, _| live.contains(uid));
+    timers.restart_at.retain(|uid, _| live.contains(uid));
     timers.first_seen.retain(|uid, _| live.contains(uid));
 }
 

@@ -1,10 +1,13 @@
 //! The scheduler and the kubelet's part: binds pending pods to nodes whose
 //! labels, taints and free resources fit, gives them an IP and marks them
-//! Running, and turns them Ready once the model-load delay has passed.
+//! Running, and once the model-load delay has passed asks the cluster's
+//! [`ModelLoader`] (if any) whether their containers loaded: Ready, or
+//! crash-looping with back-off and asked again after each restart.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use base64::Engine;
 use serde_json::{json, Value};
 
 use super::{is_deleting, set_condition, uid, Snapshot, Timers};
@@ -13,7 +16,7 @@ use crate::ops;
 use crate::resources::{index_of, TYPES};
 use crate::selector::LabelSelector;
 use crate::store::{now_rfc3339, Key, Store};
-use crate::ClusterConfig;
+use crate::{ClusterConfig, LoadRequest, ModelLoader};
 
 const SCHEDULER: &str = "kube-scheduler";
 const KUBELET: &str = "kubelet";
@@ -368,7 +371,9 @@ pub fn run(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &Cluster
         }
     }
 
-    // Bound pods turn Ready after the model-load delay.
+    // Bound pods' containers settle once the model-load delay has passed: Ready, or
+    // crash-looping when the loader says their load failed.
+    let loader = config.model_loader.as_deref();
     for (key, pod) in snap.of_kind("Pod") {
         if !pod_active(pod)
             || pod.pointer("/spec/nodeName").is_none()
@@ -379,22 +384,282 @@ pub fn run(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &Cluster
         if pod.pointer("/status/phase").and_then(Value::as_str) != Some("Running") {
             continue;
         }
-        let start = *timers
-            .pod_bound
-            .entry(uid(pod))
-            .or_insert_with(Instant::now);
+        let id = uid(pod);
+        if let Some(&at) = timers.restart_at.get(&id) {
+            if Instant::now() < at {
+                timers.wake_at(at);
+                continue;
+            }
+            // The back-off is over: the crashed containers start again and load anew.
+            timers.restart_at.remove(&id);
+            timers.pod_bound.insert(id.clone(), at);
+            restart_crashed(store, key);
+        }
+        let start = *timers.pod_bound.entry(id).or_insert_with(Instant::now);
         if !timers.elapsed(start, config.model_load_delay) {
             continue;
         }
-        let now = now_rfc3339();
-        ops::mutate(store, key, Scope::Status, KUBELET, |p| {
-            let containers = p.pointer("/spec/containers").cloned().unwrap_or(json!([]));
-            let conds = &mut p["status"]["conditions"];
+        settle(store, snap, key, pod, timers, loader);
+    }
+}
+
+/// Back-off before a crashed container's first restart; it doubles with every restart up to
+/// [`MAX_RESTART_BACKOFF`] (a kubelet's 10 s to 5 min, scaled down to suit short tests).
+const RESTART_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_RESTART_BACKOFF: Duration = Duration::from_secs(10);
+/// How soon a loader that does not know yet is asked again.
+const LOADER_POLL: Duration = Duration::from_millis(50);
+
+/// The back-off after a container's `restarts`-th crash.
+fn restart_backoff(restarts: u32) -> Duration {
+    (RESTART_BACKOFF * 2u32.pow(restarts.saturating_sub(1).min(8))).min(MAX_RESTART_BACKOFF)
+}
+
+/// A duration as Go prints it (the kubelet's messages do): `500ms`, `1s`, `10s`, `1m0s`.
+fn go_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let secs = d.as_secs_f64();
+    let fmt_secs = |s: f64| {
+        let s = format!("{s:.3}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    };
+    if secs < 60.0 {
+        format!("{}s", fmt_secs(secs))
+    } else {
+        let m = (secs / 60.0).floor();
+        format!("{m}m{}s", fmt_secs(secs - m * 60.0))
+    }
+}
+
+fn container_status<'a>(pod: &'a Value, name: &str) -> Option<&'a Value> {
+    pod.pointer("/status/containerStatuses")
+        .and_then(Value::as_array)?
+        .iter()
+        .find(|s| s["name"] == name)
+}
+
+fn restart_count(status: Option<&Value>) -> u32 {
+    status
+        .and_then(|s| s["restartCount"].as_u64())
+        .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// The container's environment as the kubelet hands it over: plain values, and Secret keys of
+/// the pod's namespace, decoded. Variables whose Secret or key is missing are left out.
+fn resolved_env(snap: &Snapshot, ns: &str, container: &Value) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    for e in container["env"].as_array().into_iter().flatten() {
+        let Some(name) = e["name"].as_str() else {
+            continue;
+        };
+        let value = match (e.get("value"), e.pointer("/valueFrom/secretKeyRef")) {
+            (Some(v), _) => Some(v.as_str().unwrap_or_default().to_string()),
+            (None, Some(r)) => {
+                let secret = r["name"].as_str().unwrap_or_default();
+                let key = r["key"].as_str().unwrap_or_default();
+                snap.get("Secret", ns, secret)
+                    .and_then(|s| s.pointer("/data")?.get(key)?.as_str())
+                    .and_then(|b64| base64::engine::general_purpose::STANDARD.decode(b64).ok())
+                    .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+            }
+            // Declared without a value: set, empty.
+            (None, None) if e.get("valueFrom").is_none() => Some(String::new()),
+            // Other sources (ConfigMaps, fields, resources) are not resolved.
+            _ => None,
+        };
+        if let Some(v) = value {
+            env.insert(name.to_string(), v);
+        }
+    }
+    env
+}
+
+/// Asks the loader about every container of `pod` that is not ready yet and shows the answers:
+/// loaded containers turn ready (the pod with them, once all are), failed ones crash-loop and
+/// restart after a back-off; where the loader does not know yet, it is asked again soon.
+fn settle(
+    store: &Store,
+    snap: &Snapshot,
+    key: &Key,
+    pod: &Value,
+    timers: &mut Timers,
+    loader: Option<&dyn ModelLoader>,
+) {
+    let ns = pod
+        .pointer("/metadata/namespace")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let pod_name = pod
+        .pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let pod_uid = uid(pod);
+    let mut outcomes: BTreeMap<String, Result<(), String>> = BTreeMap::new();
+    let mut unknown = false;
+    for c in pod
+        .pointer("/spec/containers")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let name = c["name"].as_str().unwrap_or_default();
+        let status = container_status(pod, name);
+        if status.is_some_and(|s| s["ready"] == true) {
+            continue;
+        }
+        let outcome = match loader {
+            None => Some(Ok(())),
+            Some(loader) => loader.load(&LoadRequest {
+                pod_uid: pod_uid.clone(),
+                namespace: ns.to_string(),
+                pod_name: pod_name.to_string(),
+                container: name.to_string(),
+                args: c["args"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|a| a.as_str().unwrap_or_default().to_string())
+                    .collect(),
+                env: resolved_env(snap, ns, c),
+                restart_count: restart_count(status),
+            }),
+        };
+        match outcome {
+            Some(o) => {
+                outcomes.insert(name.to_string(), o);
+            }
+            None => unknown = true,
+        }
+    }
+    if unknown {
+        timers.wake_at(Instant::now() + LOADER_POLL);
+    }
+    if outcomes.is_empty() {
+        return;
+    }
+    let now = now_rfc3339();
+    let pod_ref = format!("{pod_name}_{ns}({pod_uid})");
+    let mut backoff: Option<Duration> = None;
+    ops::mutate(store, key, Scope::Status, KUBELET, |p| {
+        let containers = p.pointer("/spec/containers").cloned().unwrap_or(json!([]));
+        let mut statuses = Vec::new();
+        for c in containers.as_array().into_iter().flatten() {
+            let name = c["name"].as_str().unwrap_or_default();
+            let mut st = container_status(p, name)
+                .cloned()
+                .unwrap_or_else(|| container_status_of(c, false, &now));
+            match outcomes.get(name) {
+                Some(Ok(())) => {
+                    st["ready"] = json!(true);
+                    st["started"] = json!(true);
+                }
+                Some(Err(message)) => {
+                    let restarts = restart_count(Some(&st)) + 1;
+                    let wait = restart_backoff(restarts);
+                    backoff = Some(backoff.map_or(wait, |b| b.max(wait)));
+                    crash(&mut st, message, restarts, wait, &pod_ref, &now);
+                }
+                None => {}
+            }
+            statuses.push(st);
+        }
+        let unready: Vec<String> = statuses
+            .iter()
+            .filter(|s| s["ready"] != true)
+            .map(|s| s["name"].as_str().unwrap_or_default().to_string())
+            .collect();
+        let conds = &mut p["status"]["conditions"];
+        if unready.is_empty() {
             set_condition(conds, "ContainersReady", "True", "", "", None, false);
             set_condition(conds, "Ready", "True", "", "", None, false);
-            p["status"]["containerStatuses"] = container_statuses(&containers, true, &now);
-        });
+        } else {
+            let message = format!("containers with unready status: [{}]", unready.join(" "));
+            for ty in ["ContainersReady", "Ready"] {
+                set_condition(
+                    conds,
+                    ty,
+                    "False",
+                    "ContainersNotReady",
+                    &message,
+                    None,
+                    false,
+                );
+            }
+        }
+        p["status"]["containerStatuses"] = Value::Array(statuses);
+    });
+    if let Some(wait) = backoff {
+        let at = Instant::now() + wait;
+        timers.restart_at.insert(pod_uid, at);
+        timers.wake_at(at);
     }
+}
+
+/// A container whose start-up failed, as the kubelet shows it while it waits to restart it.
+fn crash(st: &mut Value, message: &str, restarts: u32, wait: Duration, pod_ref: &str, now: &str) {
+    let name = st["name"].as_str().unwrap_or_default().to_string();
+    let started_at = st
+        .pointer("/state/running/startedAt")
+        .cloned()
+        .unwrap_or_else(|| json!(now));
+    st["lastState"] = json!({"terminated": {
+        "exitCode": 1,
+        "reason": "Error",
+        "message": message,
+        "startedAt": started_at,
+        "finishedAt": now,
+        "containerID": st["containerID"],
+    }});
+    st["state"] = json!({"waiting": {
+        "reason": "CrashLoopBackOff",
+        "message": format!(
+            "back-off {} restarting failed container={name} pod={pod_ref}",
+            go_duration(wait)
+        ),
+    }});
+    st["restartCount"] = json!(restarts);
+    st["ready"] = json!(false);
+    st["started"] = json!(false);
+}
+
+/// The back-off is over: containers waiting in `CrashLoopBackOff` run again (a new container,
+/// its last termination kept) and load anew.
+fn restart_crashed(store: &Store, key: &Key) {
+    let now = now_rfc3339();
+    ops::mutate(store, key, Scope::Status, KUBELET, |p| {
+        for st in p
+            .pointer_mut("/status/containerStatuses")
+            .and_then(Value::as_array_mut)
+            .into_iter()
+            .flatten()
+        {
+            if st.pointer("/state/waiting/reason") == Some(&json!("CrashLoopBackOff")) {
+                st["state"] = json!({"running": {"startedAt": now}});
+                st["containerID"] = json!(new_container_id());
+                st["started"] = json!(true);
+            }
+        }
+    });
+}
+
+fn new_container_id() -> String {
+    format!("containerd://{}", uuid::Uuid::new_v4().simple())
+}
+
+fn container_status_of(c: &Value, ready: bool, now: &str) -> Value {
+    json!({
+        "name": c["name"],
+        "image": c["image"],
+        "imageID": "",
+        "containerID": new_container_id(),
+        "ready": ready,
+        "started": true,
+        "restartCount": 0,
+        "state": {"running": {"startedAt": now}},
+    })
 }
 
 fn container_statuses(containers: &Value, ready: bool, now: &str) -> Value {
@@ -403,18 +668,7 @@ fn container_statuses(containers: &Value, ready: bool, now: &str) -> Value {
             .as_array()
             .into_iter()
             .flatten()
-            .map(|c| {
-                json!({
-                    "name": c["name"],
-                    "image": c["image"],
-                    "imageID": "",
-                    "containerID": format!("containerd://{}", uuid::Uuid::new_v4().simple()),
-                    "ready": ready,
-                    "started": true,
-                    "restartCount": 0,
-                    "state": {"running": {"startedAt": now}},
-                })
-            })
+            .map(|c| container_status_of(c, ready, now))
             .collect(),
     )
 }
@@ -439,5 +693,14 @@ mod tests {
         assert!(!tolerates(&json!({"spec": {}}), &taint));
         let amd = json!({"key": "amd.com/gpu", "effect": "NoSchedule"});
         assert!(!tolerates(&tolerant, &amd));
+    }
+
+    #[test]
+    fn back_off_doubles_up_to_its_cap_and_reads_as_go_prints_it() {
+        let b: Vec<String> = (1..=6).map(|n| go_duration(restart_backoff(n))).collect();
+        assert_eq!(b, ["1s", "2s", "4s", "8s", "10s", "10s"]);
+        assert_eq!(go_duration(Duration::from_millis(250)), "250ms");
+        assert_eq!(go_duration(Duration::from_millis(1500)), "1.5s");
+        assert_eq!(go_duration(Duration::from_secs(300)), "5m0s");
     }
 }

@@ -1,7 +1,8 @@
 //! The simulated world: scheduling onto GPU nodes, readiness after model load,
 //! rollouts, node loss, garbage collection and load balancer addresses.
 
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::common::{cpu_node, eventually, gpu_node, start_with};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -9,7 +10,7 @@ use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use sim_kube::ClusterConfig;
+use sim_kube::{ClusterConfig, LoadRequest, ModelLoader};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -19,6 +20,7 @@ fn config(model_load: u64) -> ClusterConfig {
         lb_address_delay: Duration::from_millis(50),
         gateway_address_delay: Duration::from_millis(50),
         bearer_token: None,
+        model_loader: None,
     }
 }
 
@@ -417,5 +419,160 @@ async fn load_balancers_get_private_or_public_addresses_once() {
         .await
         .unwrap();
     assert_eq!(st.spec.unwrap().type_.as_deref(), Some("LoadBalancer"));
+    cluster.shutdown().await;
+}
+
+/// A loader that fails the first `failures` attempts of every container with `message`, does
+/// not know the answer the first time it is asked about an attempt, and records every request.
+struct Flaky {
+    failures: u32,
+    message: String,
+    asked: Mutex<Vec<(LoadRequest, Instant)>>,
+}
+
+impl ModelLoader for Flaky {
+    fn load(&self, request: &LoadRequest) -> Option<Result<(), String>> {
+        let mut asked = self.asked.lock().unwrap();
+        let first_ask = !asked
+            .iter()
+            .any(|(r, _)| r.pod_uid == request.pod_uid && r.restart_count == request.restart_count);
+        asked.push((request.clone(), Instant::now()));
+        if first_ask {
+            return None;
+        }
+        Some(if request.restart_count < self.failures {
+            Err(self.message.clone())
+        } else {
+            Ok(())
+        })
+    }
+}
+
+fn container_status(p: &Pod) -> k8s_openapi::api::core::v1::ContainerStatus {
+    p.status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .as_ref()
+        .unwrap()[0]
+        .clone()
+}
+
+#[tokio::test]
+async fn a_failed_load_crash_loops_with_back_off_until_a_load_succeeds() {
+    let loader = Arc::new(Flaky {
+        failures: 2,
+        message: "RepositoryNotFoundError: 401 Client Error. Repository Not Found for url: http://hub/org/m/resolve/main/config.json.".into(),
+        asked: Mutex::new(Vec::new()),
+    });
+    let mut cfg = config(100);
+    cfg.model_loader = Some(loader.clone());
+    let (cluster, client) = start_with(cfg).await;
+    cluster.upsert_node(gpu_node("gpu-1", "pool", "nvidia", 1));
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(client.clone(), "default");
+    secrets
+        .create(
+            &Default::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "hf-token"},
+                "stringData": {"HF_TOKEN": "hf_secret"}}))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let mut d = vllm("m", "pool", 1, true, 1);
+    let c = &mut d["spec"]["template"]["spec"]["containers"][0];
+    c["args"] = json!(["--model", "org/m", "--served-model-name", "m"]);
+    c["env"] = json!([
+        {"name": "HF_ENDPOINT", "value": "http://hub"},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}},
+        {"name": "MISSING", "valueFrom": {"secretKeyRef": {"name": "nope", "key": "x"}}},
+    ]);
+    apply(&client, &d).await;
+
+    // The first attempt fails: the container waits to restart, its last termination says why.
+    let crashed = eventually(WAIT, "crash-looping", || {
+        let client = client.clone();
+        async move {
+            let p = pods_of(&client, "m").await.into_iter().next()?;
+            let cs = container_status(&p);
+            let waiting = cs.state.as_ref()?.waiting.as_ref()?;
+            (waiting.reason.as_deref() == Some("CrashLoopBackOff")).then_some(p)
+        }
+    })
+    .await;
+    let cs = container_status(&crashed);
+    assert_eq!(cs.restart_count, 1);
+    assert!(!cs.ready);
+    let waiting = cs.state.unwrap().waiting.unwrap();
+    let message = waiting.message.unwrap();
+    assert!(
+        message.starts_with("back-off 1s restarting failed container=vllm pod=m-"),
+        "{message}"
+    );
+    let terminated = cs.last_state.unwrap().terminated.unwrap();
+    assert_eq!(terminated.exit_code, 1);
+    assert_eq!(terminated.reason.as_deref(), Some("Error"));
+    assert_eq!(terminated.message.as_deref(), Some(loader.message.as_str()));
+    assert!(terminated.started_at.is_some() && terminated.finished_at.is_some());
+    let ready_cond = crashed
+        .status
+        .as_ref()
+        .unwrap()
+        .conditions
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap()
+        .clone();
+    assert_eq!(ready_cond.status, "False");
+    assert_eq!(ready_cond.reason.as_deref(), Some("ContainersNotReady"));
+    assert!(!ready(&crashed));
+
+    // The second attempt fails too; the third loads: Ready, the restarts still counted.
+    let loaded = eventually(WAIT, "ready after restarts", || {
+        let client = client.clone();
+        async move {
+            let p = pods_of(&client, "m").await.into_iter().next()?;
+            ready(&p).then_some(p)
+        }
+    })
+    .await;
+    let cs = container_status(&loaded);
+    assert_eq!(cs.restart_count, 2);
+    assert!(cs.ready);
+    assert!(cs.state.unwrap().running.is_some());
+    assert!(cs.last_state.unwrap().terminated.is_some());
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), "default");
+    eventually(WAIT, "the deployment counts it ready", || {
+        let deploys = deploys.clone();
+        async move { (deploys.get("m").await.ok()?.status?.ready_replicas == Some(1)).then_some(()) }
+    })
+    .await;
+
+    // What the loader was told: args, the env resolved, each attempt's restart count; and the
+    // back-off doubled between the attempts.
+    let asked = loader.asked.lock().unwrap().clone();
+    let (first, _) = &asked[0];
+    assert_eq!(first.container, "vllm");
+    assert_eq!(first.args, ["--model", "org/m", "--served-model-name", "m"]);
+    assert_eq!(first.arg("--model"), Some("org/m"));
+    assert_eq!(
+        first.env,
+        [("HF_ENDPOINT", "http://hub"), ("HF_TOKEN", "hf_secret")]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .into_iter()
+            .collect()
+    );
+    let counts: Vec<u32> = asked.iter().map(|(r, _)| r.restart_count).collect();
+    let mut distinct = counts.clone();
+    distinct.dedup();
+    assert_eq!(distinct, [0, 1, 2], "{counts:?}");
+    let first_at = |n: u32| asked.iter().find(|(r, _)| r.restart_count == n).unwrap().1;
+    let gap1 = first_at(1) - first_at(0);
+    let gap2 = first_at(2) - first_at(1);
+    assert!(gap1 >= Duration::from_millis(1000), "{gap1:?}");
+    assert!(gap2 >= Duration::from_millis(2000), "{gap2:?}");
     cluster.shutdown().await;
 }

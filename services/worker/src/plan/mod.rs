@@ -16,4 +16,6 @@ pub use model::{models, GpuVendor, Model, PlanError};
 pub use pools::{
     desired_pools, node_pools, nodes_match, DesiredPool, ObservedNode, ObservedPool, PoolAction,
 };
-pub use readiness::{assess, Assessment, ObservedAccelerator, Progress};
+pub use readiness::{
+    assess, load_failure, Assessment, LoadFailure, ObservedAccelerator, Progress, MODEL_LOAD_FAILED,
+};

@@ -1,8 +1,10 @@
 //! From observed objects to progress: is every replica ready and does every load balancer have
-//! an address, which endpoint URLs to record, which accelerators (nodes) the DI has, and which
-//! model deployments are rolling out (for node pool sizing).
+//! an address, which endpoint URLs to record, which accelerators (nodes) the DI has, which
+//! model deployments are rolling out (for node pool sizing), and whether a model server cannot
+//! load its model (which no amount of waiting fixes).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, SystemTime};
 
 use serde_json::Value;
 use uuid::Uuid;
@@ -156,7 +158,208 @@ fn deployment_waits(desired: &Value, observed: &[Value]) -> Option<String> {
             s(p, "/metadata/name").unwrap_or("?")
         ));
     }
+    // Without the restart count: the text must not change while the pod keeps failing alike.
+    if let Some(f) = deployment_load_failure(desired, observed, None) {
+        msg.push_str(&format!(
+            ", pod {} cannot load its model: {}",
+            f.pod, f.message
+        ));
+    }
     Some(msg)
+}
+
+/// The status reason of a DI whose model server cannot load its model.
+pub const MODEL_LOAD_FAILED: &str = "ModelLoadFailed";
+/// Restarts after which a crash-looping model server counts as failing to load: one failure
+/// may be a blip (a Hub hiccup); the same failure again after a restart is not.
+pub const LOAD_FAILURE_RESTARTS: i64 = 2;
+/// The longest container message a status or event carries, in characters.
+pub const MAX_LOAD_MESSAGE_CHARS: usize = 500;
+
+/// A model server that cannot load its model: a pod of the vLLM Deployment's desired template
+/// whose container waits in `CrashLoopBackOff` after at least [`LOAD_FAILURE_RESTARTS`]
+/// restarts, with the message its last run ended with (vLLM exits with huggingface_hub's error
+/// when the Hub refuses the repository: deleted, gated without access, token revoked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadFailure {
+    /// The vLLM Deployment.
+    pub deployment: String,
+    /// The repository the Deployment loads (`--model`), when its args name one.
+    pub model: Option<String>,
+    pub pod: String,
+    pub restarts: i64,
+    /// The container's last termination message, whitespace collapsed, token-like words
+    /// masked, cut to [`MAX_LOAD_MESSAGE_CHARS`].
+    pub message: String,
+}
+
+impl std::fmt::Display for LoadFailure {
+    /// The DI's error message: `Model org/m failed to load (pod vllm-…, restarted 2 times): <the
+    /// container's message>`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.model {
+            Some(m) => write!(f, "Model {m} failed to load")?,
+            None => write!(f, "Deployment {} failed to load its model", self.deployment)?,
+        }
+        write!(
+            f,
+            " (pod {}, restarted {} times): {}",
+            self.pod, self.restarts, self.message
+        )
+    }
+}
+
+/// The value following `flag` in a container's args.
+fn arg<'a>(container: &'a Value, flag: &str) -> Option<&'a str> {
+    let args = container["args"].as_array()?;
+    let i = args.iter().position(|a| a == flag)?;
+    args.get(i + 1)?.as_str()
+}
+
+/// A container message fit for a DI's status: one line, no token-like words (`hf_…`), at most
+/// [`MAX_LOAD_MESSAGE_CHARS`] characters. A longer one keeps its end: a message taken from the
+/// container's log (`FallbackToLogsOnError`) is a Python traceback, whose last lines say why.
+fn clean_message(raw: &str) -> String {
+    let words: Vec<String> = raw.split_whitespace().map(mask_tokens).collect();
+    let line = words.join(" ");
+    let chars = line.chars().count();
+    if chars <= MAX_LOAD_MESSAGE_CHARS {
+        return line;
+    }
+    let tail: String = line
+        .chars()
+        .skip(chars + 1 - MAX_LOAD_MESSAGE_CHARS)
+        .collect();
+    format!("…{tail}")
+}
+
+/// Masks what looks like a Hugging Face token (`hf_` and at least 20 letters or digits) in `w`.
+fn mask_tokens(w: &str) -> String {
+    let mut out = String::new();
+    let mut rest = w;
+    while let Some(i) = rest.find("hf_") {
+        let after = &rest[i + 3..];
+        let len = after
+            .find(|c: char| !c.is_ascii_alphanumeric())
+            .unwrap_or(after.len());
+        out.push_str(&rest[..i]);
+        if len >= 20 {
+            out.push_str("hf_***");
+        } else {
+            out.push_str(&rest[i..i + 3 + len]);
+        }
+        rest = &after[len..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// An RFC 3339 timestamp as Kubernetes writes them (`2025-01-02T03:04:05Z`, fractions and
+/// offsets accepted).
+fn parse_time(t: &str) -> Option<SystemTime> {
+    let num = |r: std::ops::Range<usize>| t.get(r)?.parse::<i64>().ok();
+    let b = t.as_bytes();
+    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b'T' | b't' | b' ') {
+        return None;
+    }
+    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (h, mi, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
+        return None;
+    }
+    let mut rest = &t[19..];
+    let mut nanos = 0u32;
+    if let Some(frac) = rest.strip_prefix('.') {
+        let digits = frac
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(frac.len());
+        let kept = &frac[..digits.min(9)];
+        nanos = format!("{kept:0<9}").parse().ok()?;
+        rest = &frac[digits..];
+    }
+    let offset = match rest {
+        "Z" | "z" => 0,
+        o if o.len() == 6 && matches!(&o[..1], "+" | "-") && &o[3..4] == ":" => {
+            let mins = o[1..3].parse::<i64>().ok()? * 60 + o[4..6].parse::<i64>().ok()?;
+            if o.starts_with('-') {
+                -mins * 60
+            } else {
+                mins * 60
+            }
+        }
+        _ => return None,
+    };
+    // Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil).
+    let y = if mo <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * ((mo + 9) % 12) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + h * 3600 + mi * 60 + sec - offset;
+    let whole = u64::try_from(secs).ok()?;
+    Some(SystemTime::UNIX_EPOCH + Duration::new(whole, nanos))
+}
+
+/// The first failing model server (by pod name) of the vLLM Deployment `desired`, if any; with
+/// `since`, only one whose last run ended after it.
+fn deployment_load_failure(
+    desired: &Value,
+    observed: &[Value],
+    since: Option<SystemTime>,
+) -> Option<LoadFailure> {
+    let want = template_hash(desired)?;
+    observed_of(desired, observed)?;
+    let mut pods: Vec<&Value> = pods_of(desired, observed)
+        .into_iter()
+        .filter(|p| !pod_finished(p) && !deleting(p) && template_hash(p) == Some(want))
+        .collect();
+    pods.sort_by_key(|p| s(p, "/metadata/name"));
+    pods.into_iter().find_map(|p| {
+        let statuses = p.pointer("/status/containerStatuses")?.as_array()?;
+        statuses.iter().find_map(|cs| {
+            let restarts = int(cs, "/restartCount");
+            let waiting = s(cs, "/state/waiting/reason");
+            let message = s(cs, "/lastState/terminated/message")
+                .map(str::trim)
+                .filter(|m| !m.is_empty())?;
+            let recent = since.is_none_or(|since| {
+                s(cs, "/lastState/terminated/finishedAt")
+                    .and_then(parse_time)
+                    .is_some_and(|finished| finished > since)
+            });
+            (restarts >= LOAD_FAILURE_RESTARTS && waiting == Some("CrashLoopBackOff") && recent)
+                .then(|| LoadFailure {
+                    deployment: s(desired, "/metadata/name").unwrap_or("").to_string(),
+                    model: desired
+                        .pointer("/spec/template/spec/containers")
+                        .and_then(Value::as_array)
+                        .and_then(|cs| cs.iter().find_map(|c| arg(c, "--model")))
+                        .map(str::to_string),
+                    pod: s(p, "/metadata/name").unwrap_or("?").to_string(),
+                    restarts,
+                    message: clean_message(message),
+                })
+        })
+    })
+}
+
+/// The first model server of `desired` (the output of [`super::manifests::manifests`]) that
+/// cannot load its model, as `observed` shows it: crash-looping after
+/// [`LOAD_FAILURE_RESTARTS`] restarts, its last run ended after `since` (when the rollout
+/// began: a failure from before it may be fixed by then, e.g. by a new token or granted access,
+/// and the next restart will tell). Only pods of a vLLM Deployment's desired template count:
+/// the pods of an older template are being replaced (and keep serving until their replacements
+/// are ready).
+pub fn load_failure(
+    desired: &[Value],
+    observed: &[Value],
+    since: SystemTime,
+) -> Option<LoadFailure> {
+    desired
+        .iter()
+        .filter(|d| d["kind"] == "Deployment")
+        .find_map(|d| deployment_load_failure(d, observed, Some(since)))
 }
 
 /// The URL to record for a LoadBalancer Service, once it has an address:
@@ -512,5 +715,139 @@ mod tests {
             json!({"kind": "Pod", "spec": {}, "status": {"phase": "Pending"}}),
         ];
         assert_eq!(busy_nodes(&pods), BTreeSet::from(["a".to_string()]));
+    }
+
+    /// `converged(d)` with pod `vllm-aaaaaaaa-{i}` crash-looping after `restarts` restarts, its
+    /// last run having ended at `finished` with `message`.
+    fn crash_looping(
+        d: &[Value],
+        i: usize,
+        restarts: i64,
+        finished: &str,
+        message: &str,
+    ) -> Vec<Value> {
+        let mut o = converged(d);
+        let pod = o
+            .iter_mut()
+            .find(|p| p["kind"] == "Pod" && p["metadata"]["name"] == format!("vllm-aaaaaaaa-{i}"))
+            .unwrap();
+        pod["status"] = json!({"phase": "Running",
+            "conditions": [{"type": "Ready", "status": "False", "reason": "ContainersNotReady"}],
+            "containerStatuses": [{"name": "vllm", "ready": false, "restartCount": restarts,
+                "state": {"waiting": {"reason": "CrashLoopBackOff",
+                    "message": "back-off 20s restarting failed container=vllm pod=x"}},
+                "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message,
+                    "startedAt": "2030-01-01T00:00:04Z", "finishedAt": finished}}}]});
+        let dep = o
+            .iter_mut()
+            .find(|x| x["kind"] == "Deployment" && x["metadata"]["name"] == "vllm-aaaaaaaa")
+            .unwrap();
+        dep["status"]["readyReplicas"] = json!(1);
+        dep["status"]["availableReplicas"] = json!(1);
+        o
+    }
+
+    const REFUSED: &str = "RepositoryNotFoundError: 401 Client Error.\n\nRepository Not Found for url: http://hub/org/m/resolve/main/config.json.";
+
+    fn at(secs: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    /// 2030-01-01T00:00:00Z: when the rollout in these tests began.
+    const BEGAN: u64 = 1_893_456_000;
+
+    #[test]
+    fn a_model_server_crash_looping_since_the_rollout_began_cannot_load_its_model() {
+        let d = desired(2, false, false);
+        let o = crash_looping(&d, 1, 2, "2030-01-01T00:00:05Z", REFUSED);
+        let f = load_failure(&d, &o, at(BEGAN)).expect("a load failure");
+        assert_eq!(
+            f,
+            LoadFailure {
+                deployment: "vllm-aaaaaaaa".into(),
+                model: Some("org/m".into()),
+                pod: "vllm-aaaaaaaa-1".into(),
+                restarts: 2,
+                message: "RepositoryNotFoundError: 401 Client Error. Repository Not Found for url: http://hub/org/m/resolve/main/config.json.".into(),
+            }
+        );
+        assert_eq!(
+            f.to_string(),
+            "Model org/m failed to load (pod vllm-aaaaaaaa-1, restarted 2 times): RepositoryNotFoundError: 401 Client Error. Repository Not Found for url: http://hub/org/m/resolve/main/config.json."
+        );
+        // While the pass waits, it says which pod fails and why (without the restart count, so
+        // the text stays the same while the pod keeps failing alike).
+        let a = assess(&di(), &d, &o);
+        assert_eq!(
+            a.progress.waiting_for,
+            vec![format!("deployment vllm-aaaaaaaa: 1 of 2 replicas ready, pod vllm-aaaaaaaa-1 cannot load its model: {}", f.message)]
+        );
+    }
+
+    #[test]
+    fn a_blip_a_failure_before_the_rollout_a_restarted_server_or_an_old_template_is_not_a_load_failure(
+    ) {
+        let d = desired(2, false, false);
+        // One failure may be a blip.
+        let o = crash_looping(&d, 0, 1, "2030-01-01T00:00:05Z", REFUSED);
+        assert_eq!(load_failure(&d, &o, at(BEGAN)), None);
+        // A failure from before the rollout began: the next restart may load (a new token).
+        let o = crash_looping(&d, 0, 3, "2029-12-31T23:59:59Z", REFUSED);
+        assert_eq!(load_failure(&d, &o, at(BEGAN)), None);
+        // Restarted and loading again: not crash-looping now.
+        let mut o = crash_looping(&d, 0, 3, "2030-01-01T00:00:05Z", REFUSED);
+        for p in o.iter_mut().filter(|p| p["kind"] == "Pod") {
+            if let Some(cs) = p.pointer_mut("/status/containerStatuses/0") {
+                cs["state"] = json!({"running": {"startedAt": "2030-01-01T00:00:06Z"}});
+            }
+        }
+        assert_eq!(load_failure(&d, &o, at(BEGAN)), None);
+        // No message to tell: not this.
+        let o = crash_looping(&d, 0, 3, "2030-01-01T00:00:05Z", "  ");
+        assert_eq!(load_failure(&d, &o, at(BEGAN)), None);
+        // Pods of the template being replaced do not count: the new one has not been tried.
+        let o = crash_looping(&d, 0, 3, "2030-01-01T00:00:05Z", REFUSED);
+        assert_eq!(load_failure(&desired(2, false, true), &o, at(BEGAN)), None);
+        // Nothing failing.
+        assert_eq!(load_failure(&d, &converged(&d), at(BEGAN)), None);
+    }
+
+    #[test]
+    fn container_messages_are_one_line_without_tokens_and_cut_short() {
+        assert_eq!(clean_message("a\n\n  b\tc "), "a b c");
+        assert_eq!(
+            clean_message(
+                "Bearer hf_abcdefghijklmnopqrstuvwxyz012 refused (token=hf_ABCDEFGHIJKLMNOPQRSTU)"
+            ),
+            "Bearer hf_*** refused (token=hf_***)"
+        );
+        assert_eq!(clean_message("org/hf_model"), "org/hf_model");
+        let traceback = format!(
+            "Traceback (most recent call last):\n{}huggingface_hub.errors.GatedRepoError: 403 Client Error.",
+            "  File \"/usr/lib/python3/x.py\", line 1, in f\n".repeat(40)
+        );
+        let long = clean_message(&traceback);
+        assert_eq!(long.chars().count(), MAX_LOAD_MESSAGE_CHARS);
+        assert!(long.starts_with('…'), "{long}");
+        assert!(
+            long.ends_with("huggingface_hub.errors.GatedRepoError: 403 Client Error."),
+            "{long}"
+        );
+    }
+
+    #[test]
+    fn kubernetes_timestamps_parse() {
+        assert_eq!(
+            parse_time("1970-01-01T00:00:00Z"),
+            Some(SystemTime::UNIX_EPOCH)
+        );
+        assert_eq!(parse_time("2030-01-01T00:00:00Z"), Some(at(BEGAN)));
+        assert_eq!(
+            parse_time("2024-02-29T12:34:56.5+01:00"),
+            Some(at(1_709_206_496) + Duration::from_millis(500))
+        );
+        assert_eq!(parse_time("2024-02-29"), None);
+        assert_eq!(parse_time("2024-13-01T00:00:00Z"), None);
+        assert_eq!(parse_time("not a time at all!!"), None);
     }
 }
