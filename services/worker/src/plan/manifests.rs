@@ -278,6 +278,9 @@ fn vllm_deployment(input: &ManifestInput, m: &Model) -> Value {
         "args": args,
         "ports": [{"name": "http", "containerPort": VLLM_PORT, "protocol": "TCP"}],
         "resources": {"limits": {gpu: gpus}, "requests": {gpu: gpus}},
+        // vLLM writes no termination log: a failed model load (a repository gone, a token
+        // revoked) reaches the pod's status, and so the DI's error, through the log's tail.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         // Model download and load can take many minutes: the startup probe allows 30.
         "startupProbe": probe(10, 180),
         "readinessProbe": probe(5, 3),
@@ -873,6 +876,7 @@ mod tests {
             ]
         );
         assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "8");
+        assert_eq!(c["terminationMessagePolicy"], "FallbackToLogsOnError");
         assert_eq!(c["ports"][0]["containerPort"], 8000);
         assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
         assert_eq!(c["volumeMounts"][0]["mountPath"], "/dev/shm");
