@@ -4,13 +4,14 @@
 //! - pydo and the OpenAI Python client (`tests/byom/clients.py`, in a venv built under the target
 //!   directory from the pinned `tests/byom/requirements.txt`; PyPI must be reachable on first
 //!   use, nothing is skipped),
-//! - the exact requests godo (doctl, Terraform) sends, reading back what godo reads.
+//! - the exact requests godo (doctl, Terraform) sends, reading back what godo reads,
+//! - dictl, the project's CLI, with its exit codes and output.
 //!
 //! Every journey runs on the real system with a simulated cloud and quick delays; every switch
 //! happens under continuous calls that must all be answered.
 
-use std::path::Path;
-use std::time::{Duration, Instant};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
 
 use base64::Engine;
 use hub_sim::Repo;
@@ -483,4 +484,322 @@ async fn godos_requests_create_update_and_delete_a_custom_repository() {
         "{body}"
     );
     println!("godo: {calls} calls answered around the switch");
+}
+
+// ---------------------------------------------------------------------------------------------
+// dictl
+
+/// Whether `bin` exists and is newer than dictl's sources.
+fn is_fresh(bin: &Path) -> bool {
+    fn newest(path: &Path) -> SystemTime {
+        let meta = std::fs::metadata(path).expect("dictl's sources");
+        let own = meta.modified().expect("an mtime");
+        if !meta.is_dir() {
+            return own;
+        }
+        std::fs::read_dir(path)
+            .expect("dictl's sources")
+            .map(|e| newest(&e.expect("an entry").path()))
+            .fold(own, SystemTime::max)
+    }
+    let cli = tests_dir()
+        .parent()
+        .expect("the workspace")
+        .join("services/cli");
+    let sources = newest(&cli.join("src")).max(newest(&cli.join("Cargo.toml")));
+    std::fs::metadata(bin)
+        .and_then(|m| m.modified())
+        .is_ok_and(|built| built >= sources)
+}
+
+/// The dictl binary beside this test binary (`cargo test --workspace` builds it there), built
+/// with cargo first when it is missing or older than its sources. Blocking.
+fn dictl_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    // target/<profile>/deps/<test binary>
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("the test binary is in target/<profile>/deps");
+    let bin = profile_dir.join(format!("dictl{}", std::env::consts::EXE_SUFFIX));
+    if !is_fresh(&bin) {
+        let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") | None => "dev",
+            Some(other) => other,
+        };
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let output = std::process::Command::new(cargo)
+            .args([
+                "build",
+                "--quiet",
+                "--locked",
+                "-p",
+                "dictl",
+                "--bin",
+                "dictl",
+                "--profile",
+                profile,
+            ])
+            .current_dir(tests_dir())
+            .env(
+                "CARGO_TARGET_DIR",
+                profile_dir.parent().expect("the target directory"),
+            )
+            .output()
+            .expect("run cargo build -p dictl");
+        assert!(
+            output.status.success(),
+            "cargo build -p dictl\n{}",
+            describe(&output)
+        );
+        assert!(
+            is_fresh(&bin),
+            "cargo build -p dictl made no fresh {}",
+            bin.display()
+        );
+    }
+    bin
+}
+
+/// What one dictl run did.
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl std::fmt::Debug for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Run {
+            code,
+            stdout,
+            stderr,
+        } = self;
+        write!(f, "exit {code}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    }
+}
+
+impl Run {
+    /// Exit code `code`, with every one of `says` on stdout (0) or stderr (otherwise).
+    fn assert(&self, code: i32, says: &[&str]) -> &Self {
+        assert_eq!(self.code, code, "{self:?}");
+        let out = if code == 0 {
+            &self.stdout
+        } else {
+            &self.stderr
+        };
+        for s in says {
+            assert!(out.contains(s), "says {s:?}: {self:?}");
+        }
+        self
+    }
+}
+
+/// dictl pointed at the system, with a folder for its spec files.
+struct Dictl<'a> {
+    bin: PathBuf,
+    sys: &'a System,
+    api: &'a str,
+    dir: PathBuf,
+}
+
+impl Dictl<'_> {
+    /// Runs dictl (no terminal); neither the API token nor the customer's Hugging Face token
+    /// may appear in its output.
+    async fn run(&self, args: &[&str]) -> Run {
+        let output = tokio::process::Command::new(&self.bin)
+            .args(args)
+            .env("DI_API_URL", &self.sys.base)
+            .env("DI_TOKEN", self.api)
+            .env_remove("COLUMNS")
+            .env("NO_PROXY", "127.0.0.1,localhost")
+            .env("no_proxy", "127.0.0.1,localhost")
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let output = tokio::time::timeout(Duration::from_secs(150), output)
+            .await
+            .unwrap_or_else(|_| panic!("dictl {args:?} did not finish within 150s"))
+            .expect("dictl runs");
+        let run = Run {
+            code: output.status.code().expect("dictl exited normally"),
+            stdout: String::from_utf8_lossy(&output.stdout).into(),
+            stderr: String::from_utf8_lossy(&output.stderr).into(),
+        };
+        for secret in [self.api, OWNER] {
+            assert!(
+                !run.stdout.contains(secret) && !run.stderr.contains(secret),
+                "a token leaked in dictl {args:?}: {run:?}"
+            );
+        }
+        run
+    }
+
+    /// `dictl <command> -f <file holding value> --wait --timeout 90s`.
+    async fn wait_with_file(&self, command: &[&str], value: &Value) -> Run {
+        let file = self.dir.join(format!("{}.json", Uuid::new_v4()));
+        std::fs::write(&file, serde_json::to_vec_pretty(value).unwrap()).expect("a spec file");
+        let file = file.display().to_string();
+        let mut args = command.to_vec();
+        args.extend(["-f", &file, "--wait", "--timeout", "90s"]);
+        self.run(&args).await
+    }
+}
+
+/// The deployment of the DI as GET shows it.
+async fn deployment(sys: &System, api: &str, id: &str) -> Value {
+    let reply = sys.call(Method::GET, &di_path(id, ""), api, None).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    reply.body["dedicated_inference"]["spec"]["model_deployments"][0].clone()
+}
+
+/// dictl's journey with a custom repository: a create the Hub check refuses (exit 1, the
+/// message says what to send), `create -f --wait` (exit 0), `update -f --wait` with a partial
+/// file that switches the repository under continuous calls, a rename that must keep the
+/// repository dictl fills in from the latest spec, and `delete --force --wait`; `get` then
+/// exits 1 with not_found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dictl_creates_switches_renames_and_deletes_a_custom_repository() {
+    let bin = tokio::task::spawn_blocking(dictl_binary);
+    let sys = start(CloudOptions::default()).await;
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    publish_fine_tunes(&sys);
+    let dir = python::target_dir().join("byom-clients");
+    std::fs::create_dir_all(&dir).expect("create the spec directory");
+    let dictl = Dictl {
+        bin: bin.await.expect("dictl build"),
+        sys: &sys,
+        api: &api,
+        dir,
+    };
+
+    let accelerators = json!([{"scale": 1, "type": "prefill_decode", "accelerator_slug": GPU}]);
+    let spec = json!({
+        "name": "support-cli", "region": REGION, "enable_public_endpoint": true,
+        "model_deployments": [{
+            "model_slug": NAME, "model_provider": "hugging_face", "provider_model_id": REPO,
+            "accelerators": accelerators
+        }]
+    });
+
+    // Without the token the private repository is refused before anything is stored.
+    dictl.wait_with_file(&["create"], &spec).await.assert(
+        1,
+        &[
+            "spec.model_deployments[0].provider_model_id",
+            "hugging_face_token",
+            "unprocessable_entity",
+        ],
+    );
+
+    // With it: created, waited for until active.
+    let body = json!({"spec": spec, "access_tokens": {"hugging_face_token": OWNER}});
+    let began = Instant::now();
+    let created = dictl.wait_with_file(&["create"], &body).await;
+    let create_took = began.elapsed();
+    let id = created
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("Created dedicated inference "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the id: {created:?}"))
+        .to_string();
+    Uuid::parse_str(&id).unwrap_or_else(|_| panic!("{id} is a UUID: {created:?}"));
+    let token = created
+        .stdout
+        .lines()
+        .skip_while(|l| !l.contains("store it now"))
+        .nth(1)
+        .map(str::trim)
+        .unwrap_or_else(|| panic!("the endpoint token: {created:?}"))
+        .to_string();
+    created.assert(
+        0,
+        &[
+            &format!("Dedicated inference {id} is active."),
+            &format!("{NAME} ({REPO})"),
+        ],
+    );
+    let first = deployment(&sys, &api, &id).await;
+    assert_eq!(first["provider_model_id"], REPO, "{first}");
+    assert_eq!(first["model_slug"], NAME, "{first}");
+    assert_eq!(first["model_provider"], "hugging_face", "{first}");
+
+    // The CA from dictl, and the endpoint answers the token dictl showed.
+    let ca = dictl.run(&["ca", &id]).await;
+    ca.assert(0, &["-----BEGIN CERTIFICATE-----"]);
+    let client = ca_client(&ca.stdout);
+    let got = sys.call(Method::GET, &di_path(&id, ""), &api, None).await;
+    let endpoint = got.body["dedicated_inference"]["endpoints"]["public_endpoint_fqdn"]
+        .as_str()
+        .expect("a public endpoint")
+        .to_string();
+    assert_chat_ok(&client, &endpoint, &token, NAME).await;
+
+    // A partial file switches the repository; dictl fills in the rest from the latest spec.
+    let caller = call_continuously(&client, &endpoint, &token).await;
+    let switch = json!({"model_deployments": [{
+        "model_slug": NAME, "model_provider": "hugging_face", "provider_model_id": NEXT_REPO,
+        "accelerators": accelerators
+    }]});
+    let began = Instant::now();
+    let switched = dictl.wait_with_file(&["update", &id], &switch).await;
+    let switch_took = began.elapsed();
+    let calls = not_one_failed(caller).await;
+    switched.assert(
+        0,
+        &[
+            "version 2 is rolling out",
+            &format!("Dedicated inference {id} is active."),
+            &format!("{NAME} ({NEXT_REPO})"),
+        ],
+    );
+    let second = deployment(&sys, &api, &id).await;
+    assert_eq!(second["provider_model_id"], NEXT_REPO, "{second}");
+    assert_eq!(second["model_slug"], NAME, "{second}");
+    assert_eq!(
+        second["model_id"], first["model_id"],
+        "the same deployment: {second}"
+    );
+    assert_serving(&sys, &id, NEXT_REPO).await;
+
+    // A rename: the file has no deployments, so dictl sends the latest ones, which must keep
+    // naming the repository (without it the deployment would read as a catalog model).
+    let rename = json!({"name": "support-cli-v2"});
+    dictl
+        .wait_with_file(&["update", &id], &rename)
+        .await
+        .assert(
+            0,
+            &["version 3 is rolling out", &format!("{NAME} ({NEXT_REPO})")],
+        );
+    let got = dictl.run(&["get", &id, "-o", "json"]).await;
+    got.assert(0, &[]);
+    let got: Value = serde_json::from_str(&got.stdout).expect("JSON on stdout");
+    let di = &got["dedicated_inference"];
+    assert_eq!(di["name"], "support-cli-v2", "{di}");
+    assert_eq!(di["spec"]["version"], 3, "{di}");
+    let third = &di["spec"]["model_deployments"][0];
+    assert_eq!(third["provider_model_id"], NEXT_REPO, "{third}");
+    assert_eq!(third["model_slug"], NAME, "{third}");
+    assert_eq!(third["model_id"], first["model_id"], "{third}");
+    assert_serving(&sys, &id, NEXT_REPO).await;
+    assert_chat_ok(&client, &endpoint, &token, NAME).await;
+
+    // Delete, waited for until the API answers 404.
+    let deleted = dictl
+        .run(&["delete", &id, "--force", "--wait", "--timeout", "90s"])
+        .await;
+    deleted.assert(
+        0,
+        &[
+            &format!("Deletion of {id} accepted."),
+            &format!("Dedicated inference {id} is deleted."),
+        ],
+    );
+    wait_gone(&sys, &api, REGION, &id).await;
+    dictl.run(&["get", &id]).await.assert(1, &["not_found"]);
+    println!(
+        "dictl: create --wait {create_took:?}, switch --wait {switch_took:?} with {calls} calls answered"
+    );
 }
