@@ -5,6 +5,7 @@
 mod api;
 mod bad_input;
 mod byom;
+mod byom_clients;
 mod credentials;
 mod lifecycle;
 mod pydo_compat;
