@@ -70,7 +70,8 @@ pub struct ModelDeploymentInput {
     /// (`owner/name`, optionally `@revision`). godo sends `""` when unset.
     pub provider_model_id: Option<String>,
     pub model_provider: Option<String>,
-    #[schema(value_type = Option<Object>)]
+    /// Workload hints (other keys are kept as sent).
+    #[schema(value_type = Option<crate::spec::WorkloadConfig>)]
     pub workload_config: Option<serde_json::Value>,
     pub accelerators: Vec<AcceleratorInput>,
 }
@@ -145,7 +146,7 @@ pub struct ModelDeploymentOutput {
     pub model_slug: String,
     pub provider_model_id: String,
     pub model_provider: String,
-    #[schema(value_type = Object)]
+    #[schema(value_type = crate::spec::WorkloadConfig)]
     pub workload_config: serde_json::Value,
     pub accelerators: Vec<AcceleratorOutput>,
 }

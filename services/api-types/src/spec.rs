@@ -48,13 +48,64 @@ pub struct ModelSource {
     pub custom: bool,
 }
 
+/// What a deployment declares about its workload, in DigitalOcean's slot for workload hints
+/// (`model_deployments[].workload_config`). Every part is optional; other keys are kept as sent.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct WorkloadConfig {
+    /// Typical prompt length, tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_tokens: Option<u64>,
+    /// Typical completion length, tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo: Option<Slo>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<Autoscaling>,
+}
+
+/// Latency objectives, met at `percentile` of requests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Slo {
+    /// Time to first token, milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<f64>,
+    /// Time per output token after the first, milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpot_ms: Option<f64>,
+    /// Which percentile of requests must meet them (default 90).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub percentile: Option<f64>,
+}
+
+/// Replica bounds: with them, `accelerators[].scale` is the starting replica count.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Autoscaling {
+    /// Default 1; 0 lets an idle deployment scale to zero.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_replicas: Option<u32>,
+    /// Default: the starting `scale`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_replicas: Option<u32>,
+    /// With `min_replicas` 0: how long without requests before the last replica goes
+    /// (default 600).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_to_zero_after_seconds: Option<u32>,
+}
+
 impl ModelDeployment {
+    /// The workload it declares (the known parts of `workload_config`; central has checked
+    /// them).
+    pub fn workload(&self) -> WorkloadConfig {
+        serde_json::from_value(self.workload_config.clone()).unwrap_or_default()
+    }
+
     /// The context a deployment declares in its workload hints (`input_tokens` +
     /// `output_tokens` of `workload_config`), which bounds a sequence's length; `None` when it
     /// declares none, and the model's own maximum applies.
     pub fn declared_context(&self) -> Option<u64> {
-        let tokens = |k: &str| self.workload_config.get(k).and_then(serde_json::Value::as_u64);
-        match (tokens("input_tokens"), tokens("output_tokens")) {
+        let w = self.workload();
+        match (w.input_tokens, w.output_tokens) {
             (Some(i), Some(o)) if i + o > 0 => Some(i.saturating_add(o)),
             _ => None,
         }

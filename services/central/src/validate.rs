@@ -139,7 +139,11 @@ fn deployment(
     };
     let workload_config = match &d.workload_config {
         None | Some(serde_json::Value::Null) => serde_json::json!({}),
-        Some(v @ serde_json::Value::Object(_)) => bounded_workload_config(at, v)?,
+        Some(v @ serde_json::Value::Object(_)) => {
+            let v = bounded_workload_config(at, v)?;
+            declared_workload(&format!("{at}.workload_config"), &v)?;
+            v
+        }
         Some(_) => return Err(invalid(format!("{at}.workload_config must be an object."))),
     };
     if d.accelerators.is_empty() {
@@ -182,6 +186,14 @@ fn deployment(
                     a.accelerator_slug,
                     model.model_slug,
                     model.gpu_slugs.join(", ")
+                )));
+            }
+        }
+        if let Some((min, max)) = replica_bounds(&workload_config) {
+            if !(min.max(1)..=max).contains(&a.scale) {
+                return Err(invalid(format!(
+                    "{at}.scale is the starting replica count and must lie within workload_config.autoscaling's bounds ({}..={max}).",
+                    min.max(1)
                 )));
             }
         }
@@ -330,6 +342,95 @@ fn served_name(field: &str, name: &str) -> Result<String, ApiError> {
             "{field} {name:?} must be at most 128 letters, digits and any of - _ . / :"
         )))
     }
+}
+
+/// The replica bounds `workload_config.autoscaling` declares (already checked): `min_replicas`
+/// (default 1) and `max_replicas` (default: no bound below the largest scale); `None` without
+/// autoscaling, when `scale` is fixed.
+fn replica_bounds(config: &serde_json::Value) -> Option<(i64, i64)> {
+    let a = config.get("autoscaling")?;
+    let number = |k: &str| a.get(k).and_then(serde_json::Value::as_i64);
+    let min = number("min_replicas").unwrap_or(1);
+    let max = number("max_replicas").unwrap_or(MAX_SCALE).max(min);
+    Some((min, max))
+}
+
+/// The known parts of a deployment's workload hints (`input_tokens`, `output_tokens`, `slo`,
+/// `autoscaling`), each optional; other keys are kept as sent.
+fn declared_workload(at: &str, config: &serde_json::Value) -> Result<(), ApiError> {
+    use serde_json::Value;
+    let whole = |v: &Value, field: &str, range: std::ops::RangeInclusive<u64>| match v.as_u64() {
+        Some(n) if range.contains(&n) => Ok(()),
+        _ => Err(invalid(format!(
+            "{at}.{field} must be a whole number from {} to {}.",
+            range.start(),
+            range.end()
+        ))),
+    };
+    let object = |v: &Value, field: &str| {
+        if v.is_object() {
+            Ok(())
+        } else {
+            Err(invalid(format!("{at}.{field} must be an object.")))
+        }
+    };
+    for field in ["input_tokens", "output_tokens"] {
+        if let Some(v) = config.get(field) {
+            whole(v, field, 1..=10_000_000)?;
+        }
+    }
+    if let Some(slo) = config.get("slo") {
+        object(slo, "slo")?;
+        for field in ["ttft_ms", "tpot_ms"] {
+            if let Some(v) = slo.get(field) {
+                match v.as_f64() {
+                    Some(ms) if ms > 0.0 && ms <= 3_600_000.0 => {}
+                    _ => {
+                        return Err(invalid(format!(
+                            "{at}.slo.{field} must be a number of milliseconds above 0 and at most 3600000."
+                        )))
+                    }
+                }
+            }
+        }
+        if let Some(v) = slo.get("percentile") {
+            match v.as_f64() {
+                Some(p) if (1.0..=99.99).contains(&p) => {}
+                _ => {
+                    return Err(invalid(format!(
+                        "{at}.slo.percentile must be a number from 1 to 99.99 (e.g. 90)."
+                    )))
+                }
+            }
+        }
+    }
+    if let Some(auto) = config.get("autoscaling") {
+        object(auto, "autoscaling")?;
+        let max_scale = MAX_SCALE as u64;
+        if let Some(v) = auto.get("min_replicas") {
+            whole(v, "autoscaling.min_replicas", 0..=max_scale)?;
+        }
+        if let Some(v) = auto.get("max_replicas") {
+            whole(v, "autoscaling.max_replicas", 1..=max_scale)?;
+        }
+        let number = |k: &str| auto.get(k).and_then(Value::as_u64);
+        if let (Some(min), Some(max)) = (number("min_replicas"), number("max_replicas")) {
+            if min > max {
+                return Err(invalid(format!(
+                    "{at}.autoscaling.min_replicas ({min}) is above max_replicas ({max})."
+                )));
+            }
+        }
+        if let Some(v) = auto.get("scale_to_zero_after_seconds") {
+            whole(v, "autoscaling.scale_to_zero_after_seconds", 60..=7 * 24 * 3600)?;
+            if number("min_replicas") != Some(0) {
+                return Err(invalid(format!(
+                    "{at}.autoscaling.scale_to_zero_after_seconds applies only with min_replicas 0."
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn bounded_workload_config(
@@ -508,6 +609,47 @@ mod tests {
         s["model_deployments"][0]["workload_config"] =
             serde_json::json!({ "padding": "x".repeat(MAX_WORKLOAD_CONFIG_BYTES) });
         assert!(message(s).starts_with("spec.model_deployments[0].workload_config must be at most"));
+    }
+
+    #[test]
+    fn a_declared_workload_is_checked_part_by_part() {
+        let with = |config: serde_json::Value, scale: i64| {
+            let mut s = base();
+            s["model_deployments"][0]["workload_config"] = config;
+            s["model_deployments"][0]["accelerators"][0]["scale"] = scale.into();
+            s
+        };
+        let catalog = Catalog::parse(EMBEDDED).unwrap();
+        let full = serde_json::json!({"input_tokens": 3500, "output_tokens": 200,
+            "slo": {"ttft_ms": 600, "tpot_ms": 60, "percentile": 90},
+            "autoscaling": {"min_replicas": 0, "max_replicas": 4, "scale_to_zero_after_seconds": 600},
+            "a_hint_of_our_own": true});
+        let checked = super::spec(&catalog, &input(with(full.clone(), 2))).unwrap();
+        // Kept as sent (unknown keys too), and read back typed.
+        let d = &checked.spec.model_deployments[0];
+        assert_eq!(d.workload_config, full);
+        let w = d.workload();
+        assert_eq!(w.autoscaling.unwrap().max_replicas, Some(4));
+        assert_eq!(w.slo.unwrap().ttft_ms, Some(600.0));
+        assert_eq!(d.declared_context(), Some(3700));
+        for (config, scale, says) in [
+            (serde_json::json!({"input_tokens": 0}), 1, "workload_config.input_tokens must be a whole number"),
+            (serde_json::json!({"output_tokens": "200"}), 1, "workload_config.output_tokens"),
+            (serde_json::json!({"slo": 600}), 1, "workload_config.slo must be an object"),
+            (serde_json::json!({"slo": {"ttft_ms": -1}}), 1, "workload_config.slo.ttft_ms"),
+            (serde_json::json!({"slo": {"percentile": 100}}), 1, "workload_config.slo.percentile"),
+            (serde_json::json!({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}), 2, "min_replicas (3) is above max_replicas (2)"),
+            (serde_json::json!({"autoscaling": {"max_replicas": 0}}), 1, "autoscaling.max_replicas must be"),
+            (serde_json::json!({"autoscaling": {"min_replicas": 1, "scale_to_zero_after_seconds": 600}}), 1, "applies only with min_replicas 0"),
+            (serde_json::json!({"autoscaling": {"min_replicas": 0, "scale_to_zero_after_seconds": 5}}), 1, "scale_to_zero_after_seconds must be a whole number from 60"),
+            // The starting scale lies within the bounds.
+            (serde_json::json!({"autoscaling": {"min_replicas": 2, "max_replicas": 4}}), 1, "accelerators[0].scale is the starting replica count"),
+            (serde_json::json!({"autoscaling": {"max_replicas": 2}}), 3, "(1..=2)"),
+        ] {
+            let m = message(with(config.clone(), scale));
+            assert!(m.starts_with("spec.model_deployments[0]"), "{config}: {m}");
+            assert!(m.contains(says), "{config}: {m}");
+        }
     }
 
     #[test]
