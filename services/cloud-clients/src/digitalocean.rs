@@ -1081,7 +1081,7 @@ fn decode_key<T: DeserializeOwned>(reply: &Reply, key: &str) -> Result<T, DoErro
 
 /// Percent-encodes a path segment (ids are UUIDs, but a stray `/` or `?` must not change the
 /// route).
-fn seg(s: &str) -> String {
+pub(crate) fn seg(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {

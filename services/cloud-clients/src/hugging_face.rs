@@ -569,19 +569,8 @@ fn repo_path(repo_id: &str) -> Result<String, HubError> {
     }
 }
 
-/// Percent-encodes a path segment (a revision such as `refs/pr/1` is one segment, as
-/// `huggingface_hub` sends it).
-fn seg(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
+// A revision such as `refs/pr/1` is one path segment, as `huggingface_hub` sends it.
+use crate::digitalocean::seg;
 
 #[cfg(test)]
 mod tests {

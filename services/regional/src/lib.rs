@@ -140,6 +140,19 @@ impl Server {
     }
 }
 
+/// Retries for what the regional service asks while central waits for its answer (the cloud's
+/// VPCs, the Hub's models): brief, so that the whole answer arrives well inside that wait.
+fn retry_within_a_request() -> cloud_clients::retry::RetryConfig {
+    cloud_clients::retry::RetryConfig {
+        min_delay: Duration::from_millis(100),
+        max_delay: Duration::from_millis(500),
+        max_attempts: 3,
+        max_elapsed: Duration::from_secs(3),
+        max_retry_after: Duration::from_secs(1),
+        jitter: true,
+    }
+}
+
 pub fn router(state: AppState) -> axum::Router {
     handlers::routes()
         .layer(axum::middleware::from_fn_with_state(

@@ -24,7 +24,6 @@ use std::time::Duration;
 use api_types::catalog::{Catalog, Size};
 use api_types::spec::ModelDeployment;
 use cloud_clients::hugging_face::{HubClient, HubClientOptions, HubError, ModelInfo};
-use cloud_clients::retry::RetryConfig;
 
 use crate::ApiError;
 
@@ -56,14 +55,7 @@ impl Models {
         let options = HubClientOptions {
             timeout: Duration::from_secs(3),
             connect_timeout: Duration::from_secs(1),
-            retry: RetryConfig {
-                min_delay: Duration::from_millis(100),
-                max_delay: Duration::from_millis(500),
-                max_attempts: 3,
-                max_elapsed: Duration::from_secs(3),
-                max_retry_after: Duration::from_secs(1),
-                jitter: true,
-            },
+            retry: crate::retry_within_a_request(),
         };
         Ok(Models {
             hub: HubClient::with_options(base_url, options)?,

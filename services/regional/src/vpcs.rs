@@ -10,7 +10,6 @@
 use std::time::Duration;
 
 use cloud_clients::digitalocean::{DoClient, DoClientOptions, DoError};
-use cloud_clients::retry::RetryConfig;
 use uuid::Uuid;
 
 use crate::ApiError;
@@ -28,14 +27,7 @@ impl Vpcs {
         let options = DoClientOptions {
             timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(1),
-            retry: RetryConfig {
-                min_delay: Duration::from_millis(100),
-                max_delay: Duration::from_millis(500),
-                max_attempts: 3,
-                max_elapsed: Duration::from_secs(3),
-                max_retry_after: Duration::from_secs(1),
-                jitter: true,
-            },
+            retry: crate::retry_within_a_request(),
             ..DoClientOptions::default()
         };
         Ok(Vpcs {
