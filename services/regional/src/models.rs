@@ -292,10 +292,11 @@ impl Need {
         if parameters.is_empty() {
             return Err("has no safetensors weights: the model server needs them to load (and the Hub to size) the model.".into());
         }
+        // A Hub's numbers are input: saturating, so absurd ones read as "does not fit".
         let weights: u64 = parameters
             .iter()
             .map(|(dtype, count)| count.saturating_mul(served_bytes(dtype)))
-            .sum();
+            .fold(0, u64::saturating_add);
         // Multimodal configs keep the language model's numbers under `text_config`.
         let text = config.get("text_config").filter(|t| t.is_object()).unwrap_or(config);
         let number = |k: &str| text.get(k).and_then(serde_json::Value::as_u64);
@@ -310,7 +311,9 @@ impl Need {
             }
         };
         // Keys and values, every layer, in 16-bit.
-        let kv_bytes_per_token = 2 * layers * kv_heads * head_dim * 2;
+        let kv_bytes_per_token = [layers, kv_heads, head_dim, 2]
+            .into_iter()
+            .fold(2u64, u64::saturating_mul);
         let model_context = number("max_position_embeddings");
         let context = declared_context.or(model_context).unwrap_or(DEFAULT_CONTEXT);
         Ok(Need {
@@ -429,5 +432,13 @@ mod tests {
         assert!(why.contains("num_hidden_layers"), "{why}");
         let why = Need::of(&BTreeMap::new(), &json!({}), None).unwrap_err();
         assert!(why.contains("safetensors"), "{why}");
+        // Absurd numbers do not overflow: they do not fit.
+        let huge: BTreeMap<String, u64> =
+            [("F64".to_string(), u64::MAX), ("BF16".to_string(), u64::MAX)].into_iter().collect();
+        let config = json!({"num_hidden_layers": u64::MAX, "num_attention_heads": 0,
+                            "head_dim": u64::MAX, "max_position_embeddings": u64::MAX});
+        let need = Need::of(&huge, &config, None).unwrap();
+        let catalog = Catalog::parse(EMBEDDED).unwrap();
+        assert!(catalog.sizes.iter().all(|s| !need.fits(s)));
     }
 }
