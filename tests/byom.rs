@@ -175,7 +175,7 @@ async fn what_cannot_be_served_is_refused_at_once_saying_what_to_change() {
     let r = refused("my-org/private-tune", GPU, Some("hf_someone_else")).await;
     assert_refused(&r, field, &["grant"]);
     let r = refused("vendor/gated-tune", GPU, None).await;
-    assert_refused(&r, field, &["gated", "hugging_face_token", "huggingface.co/vendor/gated-tune"]);
+    assert_refused(&r, field, &["gated", "hugging_face_token", "request access at http", "/vendor/gated-tune"]);
     let r = refused("vendor/gated-tune", GPU, Some("hf_someone_else")).await;
     assert_refused(&r, field, &["gated", "no access", "request access"]);
     let r = refused("my-org/private-tune", GPU, Some("hf_revoked_or_made_up")).await;
@@ -279,4 +279,202 @@ async fn a_model_that_can_no_longer_be_loaded_is_an_error_with_the_reason() {
     assert!(text.contains("Repository Not Found"), "{text}");
     // The model server that was running keeps serving.
     assert_chat_ok(&client, &endpoint, &token, "my-org/short-lived").await;
+}
+
+/// Central repeats an operation whose answer it lost (a timeout, a restart). The region checked
+/// the Hub when it applied it; asking again — the Hub down now, or the token since revoked —
+/// must not refuse what already landed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_operation_is_answered_without_asking_the_hub_again() {
+    let sys = System::start().await;
+    let team = Uuid::new_v4();
+    let api = sys.token(team, &[]).await;
+    sys.hub.add_token(OWNER, "my-org").unwrap();
+    sys.hub
+        .publish(llama_8b("my-org/support-llama").private().owned_by(OWNER))
+        .unwrap();
+    let created = post(
+        &sys,
+        &api,
+        create_body("again", deployment("my-org/support-llama", None, GPU), Some(OWNER)),
+    )
+    .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.body["dedicated_inference"]["id"].as_str().unwrap().to_string();
+    let mut spec = created.body["dedicated_inference"]["spec"].clone();
+    spec["model_deployments"][0]["accelerators"][0]["scale"] = json!(2);
+    let spec: api_types::spec::Spec = {
+        // The normalised spec central sends: the public one's fields, as central validates them.
+        let d = &spec["model_deployments"][0];
+        serde_json::from_value(json!({
+            "version": spec["version"], "name": "again", "region": "atl1", "vpc_uuid": null,
+            "enable_public_endpoint": true,
+            "model_deployments": [{
+                "model_id": d["model_id"], "model_slug": d["model_slug"],
+                "model_provider": "hugging_face", "provider_model_id": "my-org/support-llama",
+                "source": {"repository": "my-org/support-llama", "revision": null, "custom": true},
+                "workload_config": {},
+                "accelerators": [{"accelerator_slug": GPU, "role": "prefill_decode", "scale": 2}]
+            }]
+        }))
+        .unwrap()
+    };
+    let region = &sys.regions[0];
+    let operation = Uuid::new_v4();
+    let patch = |token: &'static str| {
+        let body = api_types::regional::PatchRequest {
+            team_id: team,
+            operation_id: Some(operation),
+            spec: Some(spec.clone()),
+            hugging_face_token: Some(token.to_string()),
+            requires_hugging_face_token: false,
+        };
+        sys.http
+            .patch(format!(
+                "http://{}/internal/v1/dedicated-inferences/{id}",
+                region.proxy.addr
+            ))
+            .header(api_types::regional::SECRET_HEADER, &region.secret)
+            .json(&body)
+            .send()
+    };
+    // A new token: every deployment is asked about, and the operation lands.
+    sys.hub.add_token("hf_new_owner_token", "my-org").unwrap();
+    sys.hub.grant("my-org/support-llama", "hf_new_owner_token").unwrap();
+    let first = patch("hf_new_owner_token").await.unwrap();
+    assert_eq!(first.status(), 200, "{}", first.text().await.unwrap());
+    // Another change lands after it (another GPU size: a change the Hub is asked about).
+    let later = {
+        let mut spec = spec.clone();
+        spec.version = 2;
+        spec.model_deployments[0].accelerators[0].accelerator_slug = "gpu-h200x1-141gb".into();
+        let body = api_types::regional::PatchRequest {
+            team_id: team,
+            operation_id: Some(Uuid::new_v4()),
+            spec: Some(spec),
+            hugging_face_token: None,
+            requires_hugging_face_token: false,
+        };
+        sys.http
+            .patch(format!(
+                "http://{}/internal/v1/dedicated-inferences/{id}",
+                region.proxy.addr
+            ))
+            .header(api_types::regional::SECRET_HEADER, &region.secret)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    };
+    assert_eq!(later.status(), 200, "{}", later.text().await.unwrap());
+    // Then the Hub fails, and the token is revoked: the first operation's repetition (its spec
+    // now differs from the latest) still gets the DI as it is.
+    sys.hub.revoke_token("hf_new_owner_token");
+    sys.hub.set_faults(hub_sim::HubFaults {
+        error_rate: 1.0,
+        ..Default::default()
+    });
+    let again = patch("hf_new_owner_token").await.unwrap();
+    let status = again.status();
+    let body: Value = again.json().await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["record"]["pending_spec"]["version"], 3, "{body}");
+    // A different operation is asked about: a token the Hub does not know is refused.
+    sys.hub.set_faults(hub_sim::HubFaults::default());
+    let other = {
+        let mut spec = spec.clone();
+        spec.version = 3;
+        let body = api_types::regional::PatchRequest {
+            team_id: team,
+            operation_id: Some(Uuid::new_v4()),
+            spec: Some(spec),
+            hugging_face_token: Some("hf_never_issued".to_string()),
+            requires_hugging_face_token: false,
+        };
+        sys.http
+            .patch(format!(
+                "http://{}/internal/v1/dedicated-inferences/{id}",
+                region.proxy.addr
+            ))
+            .header(api_types::regional::SECRET_HEADER, &region.secret)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    };
+    let status = other.status();
+    let text = other.text().await.unwrap();
+    assert_eq!(status, 422, "{text}");
+    assert!(text.contains("hugging_face_token"), "{text}");
+}
+
+/// A revision that is a path (`refs/pr/1`, as the Hub names pull requests) is one revision, to
+/// the API's check and to the model server's download alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revision_with_a_slash_is_served() {
+    let sys = start(CloudOptions::default()).await;
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    sys.hub.publish(llama_8b("my-org/reviewed")).unwrap();
+    sys.hub
+        .push_revision("my-org/reviewed", "refs/pr/1", None)
+        .unwrap();
+    let created = post(
+        &sys,
+        &api,
+        create_body("reviewed", deployment("my-org/reviewed@refs/pr/1", Some("pr-1"), GPU), None),
+    )
+    .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.body["dedicated_inference"]["id"].as_str().unwrap();
+    let (active, _) = wait_active(&sys, &api, "atl1", id, 1).await;
+    assert_eq!(
+        active["spec"]["model_deployments"][0]["provider_model_id"],
+        "my-org/reviewed@refs/pr/1"
+    );
+    // A revision the repository does not have is refused at once.
+    let r = post(
+        &sys,
+        &api,
+        create_body("unreviewed", deployment("my-org/reviewed@refs/pr/2", None, GPU), None),
+    )
+    .await;
+    assert_refused(&r, "spec.model_deployments[0].provider_model_id", &["refs/pr/2"]);
+}
+
+/// The Hub down while a create is checked: 503 with Retry-After and nothing stored — not a
+/// create that recovery finishes later behind the customer's back (billing a DI they were told
+/// failed), nor a name held against their corrected retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_the_hub_could_not_check_is_not_created_later() {
+    let sys = System::start().await;
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    sys.hub.add_token(OWNER, "my-org").unwrap();
+    sys.hub
+        .publish(llama_8b("my-org/support-llama").private().owned_by(OWNER))
+        .unwrap();
+    sys.hub.set_faults(hub_sim::HubFaults {
+        error_rate: 1.0,
+        ..Default::default()
+    });
+    let body = create_body("later", deployment("my-org/support-llama", None, GPU), Some(OWNER));
+    let r = post(&sys, &api, body).await;
+    r.assert_error(503, "service_unavailable");
+    sys.hub.set_faults(hub_sim::HubFaults::default());
+    // Recovery runs meanwhile, the Hub back: it finds nothing to finish.
+    central::feed::recover_once(&sys.central.app)
+        .await
+        .expect("recovery runs");
+    sys.settle().await;
+    let list = sys
+        .call(Method::GET, "/v2/dedicated-inferences", &api, None)
+        .await;
+    assert_eq!(list.body["meta"]["total"], 0, "{}", list.body);
+    // The customer's retry, with another GPU size, is a create of its own under that name.
+    let body = create_body(
+        "later",
+        deployment("my-org/support-llama", None, "gpu-h200x1-141gb"),
+        Some(OWNER),
+    );
+    let r = post(&sys, &api, body).await;
+    assert_eq!(r.status, 202, "{}", r.body);
 }

@@ -11,6 +11,11 @@ use crate::spec::{ModelDeployment, Spec};
 
 pub const SECRET_HEADER: &str = "x-region-secret";
 
+/// The `id` of a region's 503 that changed nothing: a dependency it asks before storing (the
+/// cloud's VPCs, the Hugging Face Hub) did not answer. Unlike any other 5xx, central knows the
+/// call did not take effect.
+pub const DEPENDENCY_UNAVAILABLE: &str = "dependency_unavailable";
+
 /// Create a dedicated inference with an id central chose. Retrying with the same id is safe: the
 /// region answers with what it already has.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -87,7 +87,7 @@ pub struct Autoscaling {
     /// Default: the starting `scale`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_replicas: Option<u32>,
-    /// With `min_replicas` 0: how long without requests before the last replica goes
+    /// How long without requests before the last replica goes, once `min_replicas` is 0
     /// (default 600).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale_to_zero_after_seconds: Option<u32>,

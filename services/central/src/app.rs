@@ -136,7 +136,9 @@ impl From<OperationError> for ApiError {
 
 fn region_failure(e: RegionCallError) -> OperationError {
     match e {
-        RegionCallError::Rejected { .. } => OperationError::Refused(region_error(e)),
+        RegionCallError::Rejected { .. } | RegionCallError::NotApplied(_) => {
+            OperationError::Refused(region_error(e))
+        }
         _ => OperationError::Unsettled(region_error(e)),
     }
 }
@@ -182,6 +184,12 @@ fn region_error(e: RegionCallError) -> ApiError {
         },
         RegionCallError::Unavailable(detail) => {
             tracing::warn!(%detail, "region unavailable");
+            ApiError::ServiceUnavailable {
+                retry_after_secs: RETRY_AFTER_SECS,
+            }
+        }
+        RegionCallError::NotApplied(detail) => {
+            tracing::warn!(%detail, "region changed nothing: a dependency of it is unavailable");
             ApiError::ServiceUnavailable {
                 retry_after_secs: RETRY_AFTER_SECS,
             }
@@ -420,6 +428,12 @@ impl App {
             Err(RegionCallError::Rejected { status, error }) if (400..500).contains(&status) => {
                 self.store.create_abort(di_id).await.map_err(store_error)?;
                 Err(region_error(RegionCallError::Rejected { status, error }))
+            }
+            // Nothing was stored: the create is over (the customer's retry starts afresh), not
+            // one for recovery to finish behind a 503.
+            Err(e @ RegionCallError::NotApplied(_)) => {
+                self.store.create_abort(di_id).await.map_err(store_error)?;
+                Err(region_error(e))
             }
             Err(e) => Err(region_error(e)),
         }

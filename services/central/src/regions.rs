@@ -17,6 +17,9 @@ use serde::Serialize;
 pub enum RegionCallError {
     UnknownRegion,
     Unavailable(String),
+    /// The region answered that it changed nothing because something it asks first (the cloud,
+    /// the Hugging Face Hub) did not answer: a retry may work, and nothing is left to settle.
+    NotApplied(String),
     Rejected { status: u16, error: RegionError },
 }
 
@@ -165,9 +168,13 @@ async fn decode<T: DeserializeOwned>(response: reqwest::Response) -> Result<T, R
             .map_err(|e| RegionCallError::Unavailable(format!("decoding region answer: {e}")));
     }
     if status.is_server_error() {
-        return Err(RegionCallError::Unavailable(format!(
-            "region answered {status}"
-        )));
+        let error = response.json::<RegionError>().await.ok();
+        return Err(match error {
+            Some(e) if e.id == api_types::regional::DEPENDENCY_UNAVAILABLE => {
+                RegionCallError::NotApplied(e.message)
+            }
+            _ => RegionCallError::Unavailable(format!("region answered {status}")),
+        });
     }
     let error = response
         .json::<RegionError>()

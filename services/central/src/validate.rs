@@ -315,7 +315,7 @@ fn repository(field: &str, text: &str) -> Result<ModelSource, ApiError> {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'))
             && !rev.contains("..")
-            && !rev.starts_with(['/', '.']);
+            && !rev.starts_with(['/', '.', '-']);
         if !rev_ok {
             return Err(invalid(format!(
                 "{field} {text:?} has an invalid revision: a branch, tag or commit after '@'."
@@ -331,7 +331,9 @@ fn repository(field: &str, text: &str) -> Result<ModelSource, ApiError> {
 
 /// The name clients call a customer's own model by (`model` in their requests).
 fn served_name(field: &str, name: &str) -> Result<String, ApiError> {
+    // It becomes a model server argument: a leading '-' would read as an option.
     let ok = name.len() <= 128
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/' | b':'));
@@ -339,7 +341,7 @@ fn served_name(field: &str, name: &str) -> Result<String, ApiError> {
         Ok(name.to_string())
     } else {
         Err(invalid(format!(
-            "{field} {name:?} must be at most 128 letters, digits and any of - _ . / :"
+            "{field} {name:?} must start with a letter or digit and be at most 128 letters, digits and any of - _ . / :"
         )))
     }
 }
@@ -422,12 +424,9 @@ fn declared_workload(at: &str, config: &serde_json::Value) -> Result<(), ApiErro
             }
         }
         if let Some(v) = auto.get("scale_to_zero_after_seconds") {
+            // Kept with min_replicas above 0 too (it applies once min_replicas is 0), so that
+            // a configuration can move between the two by changing one number.
             whole(v, "autoscaling.scale_to_zero_after_seconds", 60..=7 * 24 * 3600)?;
-            if number("min_replicas") != Some(0) {
-                return Err(invalid(format!(
-                    "{at}.autoscaling.scale_to_zero_after_seconds applies only with min_replicas 0."
-                )));
-            }
         }
     }
     Ok(())
@@ -553,10 +552,13 @@ mod tests {
         assert!(m.contains("provider_model_id") && m.contains("Qwen/Qwen2.5-7B-Instruct"), "{m}");
         let m = with(serde_json::json!({"model_provider": "hugging_face", "provider_model_id": "", "accelerators": acc}));
         assert!(m.contains("provider_model_id") && m.contains("model_slug"), "{m}");
-        for bad in ["no-owner", "a/b/c", "-x/y", "x/y@", "x/y@../main", "x/ y", "x/y..z"] {
+        for bad in ["no-owner", "a/b/c", "-x/y", "x/y@", "x/y@../main", "x/ y", "x/y..z", "x/y@-main"] {
             let m = with(serde_json::json!({"model_provider": "hugging_face", "provider_model_id": bad, "accelerators": acc}));
             assert!(m.starts_with("spec.model_deployments[0].provider_model_id"), "{bad}: {m}");
         }
+        let m = with(serde_json::json!({"model_provider": "hugging_face", "model_slug": "-bot",
+            "provider_model_id": "my-org/a", "accelerators": acc}));
+        assert!(m.starts_with("spec.model_deployments[0].model_slug"), "{m}");
         let mut s = base();
         let d = serde_json::json!({"model_provider": "hugging_face", "model_slug": "bot",
             "provider_model_id": "my-org/a", "accelerators": acc});
@@ -640,7 +642,6 @@ mod tests {
             (serde_json::json!({"slo": {"percentile": 100}}), 1, "workload_config.slo.percentile"),
             (serde_json::json!({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}), 2, "min_replicas (3) is above max_replicas (2)"),
             (serde_json::json!({"autoscaling": {"max_replicas": 0}}), 1, "autoscaling.max_replicas must be"),
-            (serde_json::json!({"autoscaling": {"min_replicas": 1, "scale_to_zero_after_seconds": 600}}), 1, "applies only with min_replicas 0"),
             (serde_json::json!({"autoscaling": {"min_replicas": 0, "scale_to_zero_after_seconds": 5}}), 1, "scale_to_zero_after_seconds must be a whole number from 60"),
             // The starting scale lies within the bounds.
             (serde_json::json!({"autoscaling": {"min_replicas": 2, "max_replicas": 4}}), 1, "accelerators[0].scale is the starting replica count"),

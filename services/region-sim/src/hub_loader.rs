@@ -104,12 +104,21 @@ impl ModelLoader for HubLoader {
             },
         };
         let revision = request.arg("--revision").unwrap_or("main");
-        let url = format!("{hub}/{repo}/resolve/{revision}/config.json");
-        let Ok(parsed) = reqwest::Url::parse(&url) else {
+        // As huggingface_hub builds it: the revision is one path segment (`refs/pr/1` encoded).
+        let parsed = reqwest::Url::parse(&hub).ok().and_then(|mut url| {
+            url.path_segments_mut()
+                .ok()?
+                .pop_if_empty()
+                .extend(repo.split('/'))
+                .extend(["resolve", revision, "config.json"]);
+            Some(url)
+        });
+        let Some(parsed) = parsed else {
             return Some(Err(format!(
-                "ValueError: invalid Hugging Face Hub URL: {url}"
+                "ValueError: invalid Hugging Face Hub URL: {hub}"
             )));
         };
+        let url = parsed.to_string();
         if !is_loopback(&parsed) {
             return Some(Ok(()));
         }

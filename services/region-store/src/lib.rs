@@ -604,6 +604,21 @@ impl Store {
         Ok(recorded.rows_affected() == 1)
     }
 
+    /// Whether this store's operation (see [`Store::for_operation`]) was applied already: its
+    /// repetition is answered with the DI as it is, without asking anything again.
+    pub async fn operation_applied(&self) -> Result<bool> {
+        let Some(operation) = self.operation else {
+            return Ok(false);
+        };
+        Ok(
+            sqlx::query("SELECT 1 FROM applied_operations WHERE operation_id = $1")
+                .bind(operation)
+                .fetch_optional(&self.pool)
+                .await?
+                .is_some(),
+        )
+    }
+
     /// Forgets operations applied more than `age` ago; central repeats one for at most a day.
     pub async fn applied_operations_purge(&self, age: std::time::Duration) -> Result<u64> {
         Ok(sqlx::query(

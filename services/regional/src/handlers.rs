@@ -168,10 +168,13 @@ async fn patch(
     payload: Result<Json<PatchRequest>, JsonRejection>,
 ) -> ApiResult<RecordEnvelope> {
     let req = body(payload)?;
-    check_models(&state, id, &req).await?;
-    let record = state
-        .store
-        .for_operation(req.operation_id)
+    let store = state.store.for_operation(req.operation_id);
+    // A repeated operation (central's retry or recovery after a lost answer) was checked when
+    // it was applied: asking the Hub again could refuse what already landed.
+    if !store.operation_applied().await? {
+        check_models(&state, id, &req).await?;
+    }
+    let record = store
         .dedicated_inference_patch(
             id,
             req.team_id,
@@ -196,18 +199,15 @@ async fn check_models(state: &AppState, id: Uuid, req: &PatchRequest) -> Result<
         .spec
         .as_ref()
         .map_or(latest, |s| s.model_deployments.as_slice());
-    let stored;
-    let token = match req.hugging_face_token.as_deref() {
-        Some(t) => Some(t),
-        None => {
-            stored = state.store.hugging_face_token(id).await?;
-            stored.as_deref()
-        }
-    };
+    // Terraform sends the token with every update: only a token that differs from the DI's is
+    // a change to check.
+    let stored = state.store.hugging_face_token(id).await?;
+    let token = req.hugging_face_token.as_deref().or(stored.as_deref());
+    let token_changed = token != stored.as_deref();
     let previous = if req.spec.is_some() { latest } else { &[] };
     state
         .models
-        .check(deployments, previous, token, req.hugging_face_token.is_some())
+        .check(deployments, previous, token, token_changed)
         .await
 }
 

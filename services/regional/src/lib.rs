@@ -263,8 +263,8 @@ impl IntoResponse for ApiError {
                 tracing::warn!(%detail, "dependency unavailable");
                 (
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "service_unavailable",
-                    "A dependency is unavailable; retry shortly".into(),
+                    api_types::regional::DEPENDENCY_UNAVAILABLE,
+                    "A dependency is unavailable and nothing was changed; retry shortly".into(),
                 )
             }
             ApiError::Internal(detail) => {

@@ -31,13 +31,15 @@ use crate::ApiError;
 const GPU_MEMORY_UTILIZATION: f64 = 0.9;
 /// Per GPU, what neither weights nor KV cache take: activations, CUDA graphs, the runtime.
 const OVERHEAD_PER_GPU_GIB: f64 = 1.0;
-/// The context assumed when a repository's config names none.
+/// The context sized for when a repository's config names none.
 const DEFAULT_CONTEXT: u64 = 4096;
 const GIB: f64 = (1u64 << 30) as f64;
 
 #[derive(Clone, Debug)]
 pub struct Models {
     hub: HubClient,
+    /// The Hub's address, for the links messages give.
+    hub_url: String,
     catalog: Catalog,
     region: String,
 }
@@ -59,6 +61,7 @@ impl Models {
         };
         Ok(Models {
             hub: HubClient::with_options(base_url, options)?,
+            hub_url: base_url.trim_end_matches('/').to_string(),
             catalog,
             region: region.to_string(),
         })
@@ -79,7 +82,9 @@ impl Models {
         let unchanged = |d: &ModelDeployment| {
             !token_changed
                 && previous.iter().any(|q| {
-                    q.source == d.source
+                    // The Hub's repository ids ignore case.
+                    q.source.repository.eq_ignore_ascii_case(&d.source.repository)
+                        && q.source.revision == d.source.revision
                         && q.declared_context() == d.declared_context()
                         && slugs(q) == slugs(d)
                 })
@@ -141,7 +146,7 @@ impl Models {
                 revision.unwrap_or("main")
             ))),
             Err(HubError::InvalidToken) => Err(rejected_token()),
-            Err(e) => Err(unavailable(e)),
+            Err(e) => Err(hub_refused(field, repo, e)),
         }
     }
 
@@ -159,7 +164,7 @@ impl Models {
         match self.hub.model_config(repo, revision, token).await {
             Ok(config) => Ok(config),
             Err(HubError::GatedNoAccess { with_token }) => {
-                let ask = format!("request access at https://huggingface.co/{repo}");
+                let ask = format!("request access at {}/{repo}", self.hub_url);
                 Err(refused(if with_token {
                     format!("{repo:?} is gated and the hugging_face_token's account has no access: {ask}, then retry.")
                 } else {
@@ -169,15 +174,16 @@ impl Models {
             Err(HubError::EntryNotFound) => Err(refused(format!(
                 "{repo:?} has no config.json: it is not a model the model server can load."
             ))),
-            Err(HubError::RepoNotFound) => Err(refused(format!(
-                "{repo:?} is not readable with the hugging_face_token sent."
-            ))),
+            Err(HubError::RepoNotFound) => Err(refused(match token {
+                Some(_) => format!("{repo:?} is not readable with the hugging_face_token."),
+                None => format!("{repo:?} is not readable without a hugging_face_token."),
+            })),
             Err(HubError::RevisionNotFound) => Err(refused(format!(
                 "{repo:?} has no revision {:?}.",
                 revision.unwrap_or("main")
             ))),
             Err(HubError::InvalidToken) => Err(rejected_token()),
-            Err(e) => Err(unavailable(e)),
+            Err(e) => Err(hub_refused(field, repo, e)),
         }
     }
 
@@ -202,10 +208,9 @@ impl Models {
                 self.catalog.vllm_architectures.join(", ")
             )));
         }
-        let need = Need::of(&m.info.safetensors_parameters, &m.config, d.declared_context())
-            .map_err(|why| {
-                ApiError::Unprocessable(format!("{at}.provider_model_id {repo:?} {why}"))
-            })?;
+        let need = Need::of(&m.info.safetensors_parameters, &m.config).map_err(|why| {
+            ApiError::Unprocessable(format!("{at}.provider_model_id {repo:?} {why}"))
+        })?;
         if let Some(max) = need.model_context {
             if let Some(declared) = d.declared_context() {
                 if declared > max {
@@ -222,13 +227,19 @@ impl Models {
             if need.fits(size) {
                 continue;
             }
+            if !need.splits_over(size.gpu.count) {
+                return Err(ApiError::Unprocessable(format!(
+                    "{at}.accelerators[{j}].accelerator_slug {}: {repo:?} has {} attention heads ({} for keys and values), which the size's {} GPUs cannot share evenly (tensor parallelism); choose a size with a GPU count that divides them.",
+                    size.gpu_slug, need.heads, need.kv_heads, size.gpu.count
+                )));
+            }
             let smallest = self.smallest_fitting(&need);
             let advice = match smallest {
                 Some(s) => format!("the smallest size in {} that fits is {}", self.region, s.gpu_slug),
                 None => format!("no size in {} fits it", self.region),
             };
             return Err(ApiError::Unprocessable(format!(
-                "{at}.accelerators[{j}].accelerator_slug {}: {repo:?} needs {:.1} GiB of GPU memory ({:.1} GiB of weights, {:.1} GiB of KV cache for a {}-token context, {:.1} GiB of overhead) and the size offers {:.1} GiB ({:.0} % of {} GiB); {advice}. A shorter context (workload_config input_tokens + output_tokens) needs less KV cache.",
+                "{at}.accelerators[{j}].accelerator_slug {}: {repo:?} needs {:.1} GiB of GPU memory ({:.1} GiB of weights, {:.1} GiB of KV cache for a {}-token context, {:.1} GiB of overhead) and the size offers {:.1} GiB ({:.0} % of {} GiB); {advice}.",
                 size.gpu_slug,
                 need.total_gib(size),
                 need.weights_gib,
@@ -250,6 +261,7 @@ impl Models {
             .sizes
             .iter()
             .filter(|s| s.regions.iter().any(|r| r == &self.region) && need.fits(s))
+            .filter(|s| need.splits_over(s.gpu.count))
             .collect();
         sizes.sort_by(|a, b| {
             a.node_vram_gb().cmp(&b.node_vram_gb()).then_with(|| {
@@ -277,18 +289,17 @@ fn usable_gib(size: &Size) -> f64 {
 struct Need {
     weights_gib: f64,
     kv_bytes_per_token: u64,
-    /// The sequence length sized for: the declared context, else the model's.
+    /// The sequence length sized for: the model's own (vLLM's default `--max-model-len`); one
+    /// sequence of it must fit, or vLLM does not start.
     context: u64,
     /// The model's own context (`max_position_embeddings`), when its config says.
     model_context: Option<u64>,
+    heads: u64,
+    kv_heads: u64,
 }
 
 impl Need {
-    fn of(
-        parameters: &BTreeMap<String, u64>,
-        config: &serde_json::Value,
-        declared_context: Option<u64>,
-    ) -> Result<Need, String> {
+    fn of(parameters: &BTreeMap<String, u64>, config: &serde_json::Value) -> Result<Need, String> {
         if parameters.is_empty() {
             return Err("has no safetensors weights: the model server needs them to load (and the Hub to size) the model.".into());
         }
@@ -300,28 +311,45 @@ impl Need {
         // Multimodal configs keep the language model's numbers under `text_config`.
         let text = config.get("text_config").filter(|t| t.is_object()).unwrap_or(config);
         let number = |k: &str| text.get(k).and_then(serde_json::Value::as_u64);
-        let layers = number("num_hidden_layers").ok_or("has no num_hidden_layers in its config.json.")?;
-        let heads = number("num_attention_heads").ok_or("has no num_attention_heads in its config.json.")?;
-        let kv_heads = number("num_key_value_heads").unwrap_or(heads);
+        // Each must be a positive whole number: a zero would size the KV cache at nothing.
+        let positive = |k: &str| match number(k) {
+            Some(n) if n > 0 => Ok(n),
+            _ => Err(format!("has no positive {k} in its config.json.")),
+        };
+        let layers = positive("num_hidden_layers")?;
+        let heads = positive("num_attention_heads")?;
+        let kv_heads = match number("num_key_value_heads") {
+            None => heads,
+            Some(_) => positive("num_key_value_heads")?,
+        };
         let head_dim = match number("head_dim") {
-            Some(d) => d,
-            None => {
-                let hidden = number("hidden_size").ok_or("has no hidden_size in its config.json.")?;
-                hidden / heads.max(1)
-            }
+            Some(_) => positive("head_dim")?,
+            None => match positive("hidden_size")? / heads {
+                0 => return Err("has a hidden_size smaller than its num_attention_heads.".into()),
+                d => d,
+            },
         };
         // Keys and values, every layer, in 16-bit.
         let kv_bytes_per_token = [layers, kv_heads, head_dim, 2]
             .into_iter()
             .fold(2u64, u64::saturating_mul);
-        let model_context = number("max_position_embeddings");
-        let context = declared_context.or(model_context).unwrap_or(DEFAULT_CONTEXT);
+        let model_context = number("max_position_embeddings").filter(|n| *n > 0);
         Ok(Need {
             weights_gib: weights as f64 / GIB,
             kv_bytes_per_token,
-            context,
+            context: model_context.unwrap_or(DEFAULT_CONTEXT),
             model_context,
+            heads,
+            kv_heads,
         })
+    }
+
+    /// Whether tensor parallelism over `gpus` GPUs can split the attention heads evenly (vLLM
+    /// refuses otherwise): the query heads must divide, and the key-value heads divide or are
+    /// replicated evenly.
+    fn splits_over(&self, gpus: u32) -> bool {
+        let gpus = u64::from(gpus.max(1));
+        self.heads % gpus == 0 && (self.kv_heads % gpus == 0 || gpus % self.kv_heads == 0)
     }
 
     fn kv_gib(&self) -> f64 {
@@ -333,7 +361,7 @@ impl Need {
     }
 
     fn fits(&self, size: &Size) -> bool {
-        self.total_gib(size) <= usable_gib(size)
+        self.total_gib(size) <= usable_gib(size) && self.splits_over(size.gpu.count)
     }
 }
 
@@ -351,8 +379,19 @@ fn served_bytes(dtype: &str) -> u64 {
 
 fn rejected_token() -> ApiError {
     ApiError::Unprocessable(
-        "hugging_face_token is not accepted by Hugging Face (invalid, expired or revoked): send a token with read access.".into(),
+        "access_tokens.hugging_face_token is not accepted by Hugging Face (invalid, expired or revoked): send a token with read access.".into(),
     )
+}
+
+/// A Hub answer other than the ones the checks know: a failure that may pass is a 503 (retry),
+/// any other is final and quoted, since retrying would get the same.
+fn hub_refused(field: &str, repo: &str, e: HubError) -> ApiError {
+    if e.is_transient() {
+        return unavailable(e);
+    }
+    ApiError::Unprocessable(format!(
+        "{field} {repo:?}: Hugging Face answered what the model server could not use ({e})."
+    ))
 }
 
 fn unavailable(e: HubError) -> ApiError {
@@ -377,21 +416,18 @@ mod tests {
     #[test]
     fn weights_and_kv_cache_are_sized_from_the_hubs_numbers() {
         let (params, config) = llama_8b();
-        let need = Need::of(&params, &config, None).unwrap();
+        let need = Need::of(&params, &config).unwrap();
         // 8.03 B parameters in BF16: 14.96 GiB.
         assert!((need.weights_gib - 14.96).abs() < 0.01, "{need:?}");
         // 2 × 32 layers × 8 KV heads × 128 dims × 2 bytes = 128 KiB per token; 16 GiB at 128k.
         assert_eq!(need.kv_bytes_per_token, 131_072);
         assert_eq!(need.context, 131_072);
         assert!((need.kv_gib() - 16.0).abs() < 1e-9);
-        // A declared context sizes the KV cache instead.
-        let short = Need::of(&params, &config, Some(8192)).unwrap();
-        assert!((short.kv_gib() - 1.0).abs() < 1e-9);
         // 32-bit checkpoints are served in 16 bits; 8-bit ones stay 8-bit.
         let f32: BTreeMap<String, u64> = [("F32".to_string(), 1u64 << 30)].into_iter().collect();
-        assert!((Need::of(&f32, &config, None).unwrap().weights_gib - 2.0).abs() < 1e-9);
+        assert!((Need::of(&f32, &config).unwrap().weights_gib - 2.0).abs() < 1e-9);
         let f8: BTreeMap<String, u64> = [("F8_E4M3".to_string(), 1u64 << 30)].into_iter().collect();
-        assert!((Need::of(&f8, &config, None).unwrap().weights_gib - 1.0).abs() < 1e-9);
+        assert!((Need::of(&f8, &config).unwrap().weights_gib - 1.0).abs() < 1e-9);
     }
 
     #[test]
@@ -403,41 +439,59 @@ mod tests {
         let params: BTreeMap<String, u64> = [("BF16".to_string(), 70_553_706_496)].into_iter().collect();
         let config = json!({"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
                             "num_key_value_heads": 8, "max_position_embeddings": 131072});
-        let need = Need::of(&params, &config, Some(8192)).unwrap();
+        let need = Need::of(&params, &config).unwrap();
         assert!(!need.fits(size("gpu-h100x1-80gb")));
         assert!(!need.fits(size("gpu-h200x1-141gb")));
         assert!(need.fits(size("gpu-mi300x1-192gb")));
         assert_eq!(models.smallest_fitting(&need).unwrap().gpu_slug, "gpu-mi300x1-192gb");
         // An 8B model fits an L40S, its full 128k context included: the smallest size.
         let (params, config) = llama_8b();
-        let need = Need::of(&params, &config, None).unwrap();
+        let need = Need::of(&params, &config).unwrap();
         assert!(need.fits(size("gpu-l40sx1-48gb")));
         assert_eq!(models.smallest_fitting(&need).unwrap().gpu_slug, "gpu-l40sx1-48gb");
-        // A 14B model (Qwen2.5 14B's numbers) fits an L40S only with a shorter context.
+        // A 14B model (Qwen2.5 14B's numbers): its 128k context's KV cache does not fit an L40S.
         let params: BTreeMap<String, u64> = [("BF16".to_string(), 14_770_033_664)].into_iter().collect();
         let config = json!({"hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
                             "num_key_value_heads": 8, "max_position_embeddings": 131072});
-        assert!(!Need::of(&params, &config, None).unwrap().fits(size("gpu-l40sx1-48gb")));
-        assert!(Need::of(&params, &config, Some(16384)).unwrap().fits(size("gpu-l40sx1-48gb")));
-        assert_eq!(
-            models.smallest_fitting(&Need::of(&params, &config, None).unwrap()).unwrap().gpu_slug,
-            "gpu-h100x1-80gb"
-        );
+        let need = Need::of(&params, &config).unwrap();
+        assert!(!need.fits(size("gpu-l40sx1-48gb")));
+        assert_eq!(models.smallest_fitting(&need).unwrap().gpu_slug, "gpu-h100x1-80gb");
+    }
+
+    #[test]
+    fn tensor_parallelism_must_split_the_heads() {
+        // Qwen2.5 7B: 28 query heads, 4 key-value heads.
+        let params: BTreeMap<String, u64> = [("BF16".to_string(), 7_615_616_512)].into_iter().collect();
+        let config = json!({"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                            "num_key_value_heads": 4, "max_position_embeddings": 32768});
+        let need = Need::of(&params, &config).unwrap();
+        assert!(need.splits_over(1) && need.splits_over(4));
+        assert!(!need.splits_over(8), "28 heads do not split over 8 GPUs");
+        let catalog = Catalog::parse(EMBEDDED).unwrap();
+        assert!(!need.fits(catalog.size("gpu-h100x8-640gb").unwrap()));
+        // Fewer key-value heads than GPUs are replicated, when the GPUs divide by them.
+        let gqa = json!({"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                         "num_key_value_heads": 2, "max_position_embeddings": 8192});
+        assert!(Need::of(&params, &gqa).unwrap().splits_over(8));
     }
 
     #[test]
     fn a_config_without_its_numbers_is_refused_by_name() {
         let (params, _) = llama_8b();
-        let why = Need::of(&params, &json!({"hidden_size": 1}), None).unwrap_err();
+        let why = Need::of(&params, &json!({"hidden_size": 1})).unwrap_err();
         assert!(why.contains("num_hidden_layers"), "{why}");
-        let why = Need::of(&BTreeMap::new(), &json!({}), None).unwrap_err();
+        // Zeros would size the KV cache at nothing.
+        let zero = json!({"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                          "num_key_value_heads": 0});
+        assert!(Need::of(&params, &zero).unwrap_err().contains("num_key_value_heads"));
+        let why = Need::of(&BTreeMap::new(), &json!({})).unwrap_err();
         assert!(why.contains("safetensors"), "{why}");
         // Absurd numbers do not overflow: they do not fit.
         let huge: BTreeMap<String, u64> =
             [("F64".to_string(), u64::MAX), ("BF16".to_string(), u64::MAX)].into_iter().collect();
-        let config = json!({"num_hidden_layers": u64::MAX, "num_attention_heads": 0,
+        let config = json!({"num_hidden_layers": u64::MAX, "num_attention_heads": 1,
                             "head_dim": u64::MAX, "max_position_embeddings": u64::MAX});
-        let need = Need::of(&huge, &config, None).unwrap();
+        let need = Need::of(&huge, &config).unwrap();
         let catalog = Catalog::parse(EMBEDDED).unwrap();
         assert!(catalog.sizes.iter().all(|s| !need.fits(s)));
     }

@@ -269,9 +269,6 @@ fn vllm_deployment(input: &ManifestInput, m: &Model) -> Value {
         json!("--tensor-parallel-size"),
         json!(gpus),
     ]);
-    if let Some(len) = m.max_model_len {
-        args.extend([json!("--max-model-len"), json!(len.to_string())]);
-    }
     let mut container = json!({
         "name": "vllm",
         "image": image,
@@ -905,6 +902,7 @@ mod tests {
             revision: Some("v2".into()),
             custom: true,
         };
+        // Workload hints are typical lengths, not limits: no --max-model-len from them.
         d.workload_config = json!({"input_tokens": 3500, "output_tokens": 500});
         let mut i = input(&[d], true);
         i.hub_endpoint = Some("http://hub.test".into());
@@ -930,9 +928,7 @@ mod tests {
                 "8000",
                 "--enable-prefix-caching",
                 "--tensor-parallel-size",
-                "8",
-                "--max-model-len",
-                "4000"
+                "8"
             ]
         );
         assert_eq!(c["env"], json!([{"name": "HF_ENDPOINT", "value": "http://hub.test"}]));

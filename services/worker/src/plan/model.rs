@@ -84,8 +84,6 @@ pub struct Model {
     /// The Hugging Face repository vLLM loads (`--model`), at `revision` when one is named.
     pub repository: String,
     pub revision: Option<String>,
-    /// The longest sequence the deployment declares (`--max-model-len`); `None`: the model's.
-    pub max_model_len: Option<u64>,
     pub accelerator_slug: String,
     pub role: String,
     /// Replicas: one pod per node, each pod taking every GPU of its node.
@@ -117,7 +115,6 @@ impl Model {
                 md.source.repository.clone()
             },
             revision: md.source.revision.clone(),
-            max_model_len: md.declared_context(),
             accelerator_slug: group.accelerator_slug.clone(),
             role: group.role.clone(),
             scale,
