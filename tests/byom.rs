@@ -478,3 +478,29 @@ async fn a_create_the_hub_could_not_check_is_not_created_later() {
     let r = post(&sys, &api, body).await;
     assert_eq!(r.status, 202, "{}", r.body);
 }
+
+/// A slow Hub and many deployments: the region asks about them at once, so the answer still
+/// arrives inside central's wait for the region (asked one after another, eight deployments at
+/// 400 ms an answer took about 7 s, past the 5 s central waits).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_deployments_are_checked_inside_centrals_wait() {
+    let sys = System::start().await;
+    let api = sys.token(Uuid::new_v4(), &[]).await;
+    sys.hub.add_token(OWNER, "my-org").unwrap();
+    let deployments: Vec<Value> = (0..8)
+        .map(|i| {
+            let repo = format!("my-org/tune-{i}");
+            sys.hub.publish(llama_8b(&repo).private().owned_by(OWNER)).unwrap();
+            deployment(&repo, None, GPU)
+        })
+        .collect();
+    sys.hub.set_faults(hub_sim::HubFaults {
+        latency_ms: 400,
+        ..Default::default()
+    });
+    let mut body = create_body("many", deployments[0].clone(), Some(OWNER));
+    body["spec"]["model_deployments"] = Value::Array(deployments);
+    let started = std::time::Instant::now();
+    let r = post(&sys, &api, body).await;
+    assert_eq!(r.status, 202, "after {:?}: {}", started.elapsed(), r.body);
+}

@@ -122,18 +122,18 @@ async fn create(
     }
     // The VPC is the team's own in this region, or its default here: answered before anything
     // is stored, so a foreign or unknown VPC is refused at once.
-    let vpc = state.vpcs.resolve(req.team_id, req.spec.vpc_uuid).await?;
-    req.spec.vpc_uuid = Some(vpc);
-    // So is a customer's own model that cannot be served as declared.
-    state
-        .models
-        .check(
+    // So is a model that cannot be served as declared. Both questions at once: the answer must
+    // arrive inside central's wait.
+    let (vpc, ()) = tokio::try_join!(
+        state.vpcs.resolve(req.team_id, req.spec.vpc_uuid),
+        state.models.check(
             &req.spec.model_deployments,
             &[],
             req.hugging_face_token.as_deref(),
             true,
-        )
-        .await?;
+        ),
+    )?;
+    req.spec.vpc_uuid = Some(vpc);
     let authority =
         ca::generate(req.id).map_err(|e| ApiError::Internal(format!("CA generation: {e}")))?;
     let record = state

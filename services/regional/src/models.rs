@@ -34,6 +34,9 @@ const OVERHEAD_PER_GPU_GIB: f64 = 1.0;
 /// The context sized for when a repository's config names none.
 const DEFAULT_CONTEXT: u64 = 4096;
 const GIB: f64 = (1u64 << 30) as f64;
+/// How long the Hub's answers may take in all: well inside central's wait for the region (5 s
+/// by default), so that a slow Hub is a 503 the region gives, with nothing stored.
+const CHECK_BUDGET: Duration = Duration::from_millis(3500);
 
 #[derive(Clone, Debug)]
 pub struct Models {
@@ -101,27 +104,54 @@ impl Models {
             .enumerate()
             .filter(|(_, d)| (d.source.custom || gated_catalog_model(d)) && !unchanged(d))
             .collect();
-        if let Some(token) = token.filter(|_| token_changed || !to_check.is_empty()) {
-            match self.hub.whoami(token).await {
-                Ok(_) => {}
-                Err(HubError::InvalidToken) => return Err(rejected_token()),
-                Err(e) => return Err(unavailable(e)),
+        let ask = async {
+            if let Some(token) = token.filter(|_| token_changed || !to_check.is_empty()) {
+                match self.hub.whoami(token).await {
+                    Ok(_) => {}
+                    Err(HubError::InvalidToken) => return Err(rejected_token()),
+                    Err(e) => return Err(unavailable(e)),
+                }
             }
+            // The deployments at once: the answer must arrive inside central's wait however
+            // many there are. The first refusal in spec order is the one reported.
+            let answers = futures::future::join_all(
+                to_check.iter().map(|(i, d)| self.check_one(*i, d, token)),
+            )
+            .await;
+            answers.into_iter().collect::<Result<Vec<()>, ApiError>>()?;
+            Ok(())
+        };
+        match tokio::time::timeout(CHECK_BUDGET, ask).await {
+            Ok(answer) => answer,
+            Err(_) => Err(ApiError::Unavailable(format!(
+                "the Hugging Face Hub did not answer within {CHECK_BUDGET:?}"
+            ))),
         }
-        for (i, d) in to_check {
-            let at = format!("spec.model_deployments[{i}]");
-            if d.source.custom {
-                let field = format!("{at}.provider_model_id");
-                let info = self.info(&field, d, token).await?;
-                let config = self.config(&field, d, token).await?;
-                self.fits(&at, d, &Described { info, config })?;
-            } else {
-                // The catalog says where it runs; whether the token may download it is the
-                // Hub's to say.
-                self.config(&format!("{at}.model_slug"), d, token).await?;
-            }
+    }
+
+    async fn check_one(
+        &self,
+        i: usize,
+        d: &ModelDeployment,
+        token: Option<&str>,
+    ) -> Result<(), ApiError> {
+        let at = format!("spec.model_deployments[{i}]");
+        if d.source.custom {
+            let field = format!("{at}.provider_model_id");
+            let (info, config) = futures::future::join(
+                self.info(&field, d, token),
+                self.config(&field, d, token),
+            )
+            .await;
+            let (info, config) = (info?, config?);
+            self.fits(&at, d, &Described { info, config })
+        } else {
+            // The catalog says where it runs; whether the token may download it is the Hub's
+            // to say.
+            self.config(&format!("{at}.model_slug"), d, token)
+                .await
+                .map(|_| ())
         }
-        Ok(())
     }
 
     /// The repository's model info: it exists, the token can read it, the revision is one of
