@@ -255,6 +255,9 @@ pub(crate) async fn serve_tls(
                 Err(_) => continue,
             },
         };
+        // Streamed tokens go out as they are made, as from a gateway (Envoy sets TCP_NODELAY):
+        // Nagle's algorithm would hold each small write for the client's delayed ACK.
+        let _ = stream.set_nodelay(true);
         let Some(cfg) = tls() else {
             // No usable certificate: close the connection, the client sees a handshake failure.
             drop(stream);
