@@ -588,15 +588,10 @@ async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
     let gen = generate_at_least(&model, &prompt, max_tokens, min_tokens);
     let timing = inner.timing.read().expect("timing lock").clone();
     let tokens = crate::serving::chat_tokens(&prompt);
-    let session =
-        match crate::serving::start(&timing.serving, &a.backends, &model, a.turn, tokens, &gen) {
-            Some(Err(e)) => return with_backend(bad_request(e), &a.backend),
-            Some(Ok(s)) => {
-                a.backend = s.pod().to_string();
-                Some(s)
-            }
-            None => None,
-        };
+    let session = match serve(&timing, &mut a, &model, tokens, &gen) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let created = chrono::Utc::now().timestamp();
     let usage = json!({
@@ -626,18 +621,9 @@ async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
             u["usage"] = usage;
             events.push(u);
         }
-        return with_backend(
-            match session {
-                Some(s) => s.sse(events, 1),
-                None => sse(events, timing, 1),
-            },
-            &a.backend,
-        );
+        return with_backend(answer_stream(session, events, timing, 1), &a.backend);
     }
-    match session {
-        Some(s) => s.finish().await,
-        None => sleep_for(&timing, gen.tokens.len()).await,
-    }
+    answer_after(session, &timing, gen.tokens.len()).await;
     with_backend(
         Json(json!({
             "id": id,
@@ -691,15 +677,10 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
     let prompt_tokens = count_tokens(&prompt);
     let timing = inner.timing.read().expect("timing lock").clone();
     let tokens = crate::serving::tokenize(&prompt);
-    let session =
-        match crate::serving::start(&timing.serving, &a.backends, &model, a.turn, tokens, &gen) {
-            Some(Err(e)) => return with_backend(bad_request(e), &a.backend),
-            Some(Ok(s)) => {
-                a.backend = s.pod().to_string();
-                Some(s)
-            }
-            None => None,
-        };
+    let session = match serve(&timing, &mut a, &model, tokens, &gen) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
     let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
     let created = chrono::Utc::now().timestamp();
     let usage = json!({
@@ -724,18 +705,9 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
             u["usage"] = usage;
             events.push(u);
         }
-        return with_backend(
-            match session {
-                Some(s) => s.sse(events, 0),
-                None => sse(events, timing, 0),
-            },
-            &a.backend,
-        );
+        return with_backend(answer_stream(session, events, timing, 0), &a.backend);
     }
-    match session {
-        Some(s) => s.finish().await,
-        None => sleep_for(&timing, gen.tokens.len()).await,
-    }
+    answer_after(session, &timing, gen.tokens.len()).await;
     with_backend(
         Json(json!({
             "id": id,
@@ -748,6 +720,46 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
         .into_response(),
         &a.backend,
     )
+}
+
+/// Hands the request to the serving model when it is on ([`crate::serving::start`]): the pod
+/// its picker chose answers it. `Err`: the answer already (a request no replica could hold).
+fn serve(
+    timing: &ModelTiming,
+    a: &mut Admitted,
+    model: &str,
+    tokens: Vec<u64>,
+    gen: &Generation,
+) -> Result<Option<crate::serving::Session>, Box<Response>> {
+    match crate::serving::start(&timing.serving, &a.backends, model, a.turn, tokens, gen) {
+        Some(Err(e)) => Err(Box::new(with_backend(bad_request(e), &a.backend))),
+        Some(Ok(s)) => {
+            a.backend = s.pod().to_string();
+            Ok(Some(s))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Streams `events` at the serving model's pace, else after the fixed delays.
+fn answer_stream(
+    session: Option<crate::serving::Session>,
+    events: Vec<Value>,
+    timing: ModelTiming,
+    preamble: usize,
+) -> Response {
+    match session {
+        Some(s) => s.sse(events, preamble),
+        None => sse(events, timing, preamble),
+    }
+}
+
+/// Waits until the whole answer is generated.
+async fn answer_after(session: Option<crate::serving::Session>, t: &ModelTiming, tokens: usize) {
+    match session {
+        Some(s) => s.finish().await,
+        None => sleep_for(t, tokens).await,
+    }
 }
 
 async fn sleep_for(t: &ModelTiming, tokens: usize) {

@@ -39,7 +39,7 @@
 //! on the cloud controller's next look at the cluster (within its idle interval).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::Value;
 
@@ -260,16 +260,6 @@ pub struct PoolSpec {
     pub picker: Option<PickerConfig>,
 }
 
-fn str_args(container: &Value) -> Vec<String> {
-    ["command", "args"]
-        .iter()
-        .filter_map(|f| container.get(*f).and_then(Value::as_array))
-        .flatten()
-        .filter_map(Value::as_str)
-        .map(str::to_string)
-        .collect()
-}
-
 /// The text of the `EndpointPickerConfig` the pool's endpoint picker runs with: `Ok(None)`
 /// when the pool has no reachable picker, `Err` when the chain breaks where the real picker's
 /// pod could not start (its ConfigMap or key missing).
@@ -308,7 +298,7 @@ pub fn epp_config_text(
         .map(Vec::as_slice)
         .unwrap_or_default();
     for c in containers {
-        let args = str_args(c);
+        let args = routing::command_line(c);
         if let Some(text) = routing::flag_value(&args, "--config-text") {
             return Ok(Some(text));
         }
@@ -364,6 +354,25 @@ pub fn epp_config_text(
     Ok(None)
 }
 
+/// [`PickerConfig::parse`], remembered: the cloud controller derives every endpoint's wiring
+/// again after each burst of changes and every idle interval.
+fn parse_cached(text: &str) -> Result<PickerConfig, String> {
+    static SEEN: OnceLock<Mutex<HashMap<String, Result<PickerConfig, String>>>> = OnceLock::new();
+    let mut seen = SEEN
+        .get_or_init(Default::default)
+        .lock()
+        .expect("parse cache lock");
+    if let Some(r) = seen.get(text) {
+        return r.clone();
+    }
+    if seen.len() >= 256 {
+        seen.clear();
+    }
+    let r = PickerConfig::parse(text);
+    seen.insert(text.to_string(), r.clone());
+    r
+}
+
 /// The [`PoolSpec`] of InferencePool `pool` (a missing picker is round robin; a broken or
 /// unparsable configuration is also reported in `problems`).
 pub fn pool_spec(
@@ -379,7 +388,7 @@ pub fn pool_spec(
         .unwrap_or_else(|| format!("{ns}/{name}"));
     let picker = match pool.map(|p| epp_config_text(objs, ns, p)) {
         None | Some(Ok(None)) => None,
-        Some(Ok(Some(text))) => match PickerConfig::parse(&text) {
+        Some(Ok(Some(text))) => match parse_cached(&text) {
             Ok(c) => Some(c),
             Err(e) => {
                 problems.push(format!(

@@ -160,23 +160,22 @@ pub fn served_model_name(args: &[String]) -> Option<String> {
         })
 }
 
+/// A container's command line: its `command`, then its `args`.
+pub(crate) fn command_line(container: &Value) -> Vec<String> {
+    let mut all = Vec::new();
+    for field in ["command", "args"] {
+        if let Some(a) = container.get(field).and_then(Value::as_array) {
+            all.extend(a.iter().filter_map(Value::as_str).map(str::to_string));
+        }
+    }
+    all
+}
+
 fn container_args(pod_spec: &Value) -> Vec<Vec<String>> {
     pod_spec
         .get("containers")
         .and_then(Value::as_array)
-        .map(|cs| {
-            cs.iter()
-                .map(|c| {
-                    let mut all = Vec::new();
-                    for field in ["command", "args"] {
-                        if let Some(a) = c.get(field).and_then(Value::as_array) {
-                            all.extend(a.iter().filter_map(Value::as_str).map(str::to_string));
-                        }
-                    }
-                    all
-                })
-                .collect()
-        })
+        .map(|cs| cs.iter().map(command_line).collect())
         .unwrap_or_default()
 }
 

@@ -286,15 +286,7 @@ impl ReplicaSpec {
             .or_else(|| size.as_ref().and_then(|s| s.gpu_model.clone()));
         let args: Vec<String> = containers
             .iter()
-            .map(|c| {
-                ["command", "args"]
-                    .iter()
-                    .filter_map(|f| c.get(*f).and_then(Value::as_array))
-                    .flatten()
-                    .filter_map(Value::as_str)
-                    .map(str::to_string)
-                    .collect::<Vec<_>>()
-            })
+            .map(routing::command_line)
             .find(|a| a.iter().any(|x| x.starts_with("--model") || x == "serve"))
             .unwrap_or_default();
         let num = |flag: &str| routing::flag_value(&args, flag).and_then(|v| v.parse::<u32>().ok());
@@ -1326,14 +1318,13 @@ pub(crate) fn attach(cfg: &mut EndpointConfig, scope: usize) {
     let Route::Pool { endpoints, .. } = &mut cfg.route else {
         return;
     };
-    let mut pools: HashMap<
-        String,
-        (
-            Arc<PoolPicker>,
-            Option<crate::picker::PickerConfig>,
-            Vec<String>,
-        ),
-    > = HashMap::new();
+    // Per pool key: its picker, the configuration it gets and its pods.
+    type Pool = (
+        Arc<PoolPicker>,
+        Option<crate::picker::PickerConfig>,
+        Vec<String>,
+    );
+    let mut pools: HashMap<String, Pool> = HashMap::new();
     for b in endpoints.iter_mut() {
         let key = b
             .serving
