@@ -176,6 +176,9 @@ const STEP_OVERHEAD: f64 = 0.0005;
 /// Efficiency of tensor parallelism per GPU beyond the first.
 const TP_EFFICIENCY: f64 = 0.9;
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+/// The smallest KV cache a replica gets from its memory, in tokens (`max_model_len` 8192, as
+/// `/v1/models` says).
+const MIN_CACHE_TOKENS: usize = 8192;
 
 /// The model's size as serving sees it, scaled from Llama-3.1-8B (32 layers, 8 KV heads of 128:
 /// 128 KiB of BF16 KV per token).
@@ -345,8 +348,9 @@ impl Shape {
         let num_blocks = cfg
             .kv_cache_blocks
             .map(|b| b as usize)
-            // Weights that (nearly) fill the GPUs: a minimal cache rather than no service.
-            .unwrap_or(from_memory.max(64))
+            // Weights that (nearly) fill the GPUs would keep a real vLLM from starting; the
+            // simulated one keeps a cache of 8192 tokens, the longest context it advertises.
+            .unwrap_or(from_memory.max(MIN_CACHE_TOKENS / block_size))
             .max(1);
         Shape {
             gpu,
