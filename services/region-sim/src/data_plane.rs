@@ -37,13 +37,15 @@ use tokio_rustls::TlsAcceptor;
 use crate::faults::{Api, Faults, Verdict};
 
 /// How fast the fake model answers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelTiming {
-    /// Time to first token, in milliseconds.
+    /// Time to first token, in milliseconds (without the serving model).
     pub ttft_ms: u64,
-    /// Delay between tokens, in milliseconds.
+    /// Delay between tokens, in milliseconds (without the serving model).
     pub per_token_ms: u64,
+    /// The serving model ([`crate::serving`]); off (time scale 0) by default.
+    pub serving: crate::serving::ServingConfig,
 }
 
 impl Default for ModelTiming {
@@ -51,6 +53,7 @@ impl Default for ModelTiming {
         Self {
             ttft_ms: 20,
             per_token_ms: 5,
+            serving: Default::default(),
         }
     }
 }
@@ -78,6 +81,8 @@ pub struct Backend {
     pub pod: String,
     /// Served model name; `None` accepts any model name.
     pub model: Option<String>,
+    /// What the serving model needs to know about the pod and its pool.
+    pub serving: crate::serving::BackendServing,
 }
 
 impl Backend {
@@ -85,6 +90,7 @@ impl Backend {
         Backend {
             pod: pod.into(),
             model: model.map(str::to_string),
+            serving: Default::default(),
         }
     }
 }
@@ -192,7 +198,8 @@ impl Endpoint {
 
     /// Applies a new configuration. The certificate is reloaded only when it changed; an invalid
     /// one leaves the listener without a certificate (handshakes fail) and is reported.
-    pub fn update(&self, cfg: EndpointConfig) -> Result<(), String> {
+    pub fn update(&self, mut cfg: EndpointConfig) -> Result<(), String> {
+        crate::serving::attach(&mut cfg, Arc::as_ptr(&self.inner) as usize);
         let mut current = self.inner.config.write().expect("endpoint lock");
         let mut result = Ok(());
         if current.tls != cfg.tls || self.inner.tls.read().expect("tls lock").is_none() {
@@ -255,6 +262,9 @@ pub(crate) async fn serve_tls(
                 Err(_) => continue,
             },
         };
+        // Streamed tokens go out as they are made, as from a gateway (Envoy sets TCP_NODELAY):
+        // Nagle's algorithm would hold each small write for the client's delayed ACK.
+        let _ = stream.set_nodelay(true);
         let Some(cfg) = tls() else {
             // No usable certificate: close the connection, the client sees a handshake failure.
             drop(stream);
@@ -461,6 +471,8 @@ struct Common {
     body: Value,
     model: String,
     max_tokens: Option<u32>,
+    /// vLLM's `min_tokens`, or `max_tokens` with `ignore_eos`: the answer is at least this long.
+    min_tokens: u32,
     stream: bool,
     include_usage: bool,
 }
@@ -507,6 +519,14 @@ fn common(body: &Bytes, a: &mut Admitted) -> Result<Common, Box<Response>> {
             }
         },
     };
+    let min_tokens = if v.get("ignore_eos").and_then(Value::as_bool) == Some(true) {
+        max_tokens.unwrap_or(0)
+    } else {
+        v.get("min_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            .min(65_536) as u32
+    };
     let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let include_usage = v
         .pointer("/stream_options/include_usage")
@@ -516,6 +536,7 @@ fn common(body: &Bytes, a: &mut Admitted) -> Result<Common, Box<Response>> {
         body: v,
         model,
         max_tokens,
+        min_tokens,
         stream,
         include_usage,
     })
@@ -542,6 +563,7 @@ async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
         body: v,
         model,
         max_tokens,
+        min_tokens,
         stream,
         include_usage,
     } = match common(&body, &mut a) {
@@ -563,8 +585,13 @@ async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
         prompt.push('\n');
     }
     let prompt_tokens = count_tokens(&prompt) + 3 * messages.len() as u32;
-    let gen = generate(&model, &prompt, max_tokens);
+    let gen = generate_at_least(&model, &prompt, max_tokens, min_tokens);
     let timing = inner.timing.read().expect("timing lock").clone();
+    let tokens = crate::serving::chat_tokens(&prompt);
+    let session = match serve(&timing, &mut a, &model, tokens, &gen) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let created = chrono::Utc::now().timestamp();
     let usage = json!({
@@ -594,9 +621,9 @@ async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
             u["usage"] = usage;
             events.push(u);
         }
-        return with_backend(sse(events, timing, 1), &a.backend);
+        return with_backend(answer_stream(session, events, timing, 1), &a.backend);
     }
-    sleep_for(&timing, gen.tokens.len()).await;
+    answer_after(session, &timing, gen.tokens.len()).await;
     with_backend(
         Json(json!({
             "id": id,
@@ -625,6 +652,7 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
         body: v,
         model,
         max_tokens,
+        min_tokens,
         stream,
         include_usage,
     } = match common(&body, &mut a) {
@@ -645,9 +673,14 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
         _ => return with_backend(bad_request("`prompt` is required"), &a.backend),
     };
     // vLLM's default for /v1/completions is 16 tokens, as in OpenAI's legacy API.
-    let gen = generate(&model, &prompt, Some(max_tokens.unwrap_or(16)));
+    let gen = generate_at_least(&model, &prompt, Some(max_tokens.unwrap_or(16)), min_tokens);
     let prompt_tokens = count_tokens(&prompt);
     let timing = inner.timing.read().expect("timing lock").clone();
+    let tokens = crate::serving::tokenize(&prompt);
+    let session = match serve(&timing, &mut a, &model, tokens, &gen) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
     let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
     let created = chrono::Utc::now().timestamp();
     let usage = json!({
@@ -672,9 +705,9 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
             u["usage"] = usage;
             events.push(u);
         }
-        return with_backend(sse(events, timing, 0), &a.backend);
+        return with_backend(answer_stream(session, events, timing, 0), &a.backend);
     }
-    sleep_for(&timing, gen.tokens.len()).await;
+    answer_after(session, &timing, gen.tokens.len()).await;
     with_backend(
         Json(json!({
             "id": id,
@@ -687,6 +720,46 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
         .into_response(),
         &a.backend,
     )
+}
+
+/// Hands the request to the serving model when it is on ([`crate::serving::start`]): the pod
+/// its picker chose answers it. `Err`: the answer already (a request no replica could hold).
+fn serve(
+    timing: &ModelTiming,
+    a: &mut Admitted,
+    model: &str,
+    tokens: Vec<u64>,
+    gen: &Generation,
+) -> Result<Option<crate::serving::Session>, Box<Response>> {
+    match crate::serving::start(&timing.serving, &a.backends, model, a.turn, tokens, gen) {
+        Some(Err(e)) => Err(Box::new(with_backend(bad_request(e), &a.backend))),
+        Some(Ok(s)) => {
+            a.backend = s.pod().to_string();
+            Ok(Some(s))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Streams `events` at the serving model's pace, else after the fixed delays.
+fn answer_stream(
+    session: Option<crate::serving::Session>,
+    events: Vec<Value>,
+    timing: ModelTiming,
+    preamble: usize,
+) -> Response {
+    match session {
+        Some(s) => s.sse(events, preamble),
+        None => sse(events, timing, preamble),
+    }
+}
+
+/// Waits until the whole answer is generated.
+async fn answer_after(session: Option<crate::serving::Session>, t: &ModelTiming, tokens: usize) {
+    match session {
+        Some(s) => s.finish().await,
+        None => sleep_for(t, tokens).await,
+    }
 }
 
 async fn sleep_for(t: &ModelTiming, tokens: usize) {
@@ -827,10 +900,21 @@ const WORDS: &[&str] = &[
 
 /// Output derived only from (model, prompt, max_tokens): same input, same output.
 pub fn generate(model: &str, prompt: &str, max_tokens: Option<u32>) -> Generation {
+    generate_at_least(model, prompt, max_tokens, 0)
+}
+
+/// As [`generate`], continuing the same word sequence up to `min_tokens` (vLLM's `min_tokens`,
+/// or `max_tokens` with `ignore_eos`) when the answer would stop earlier.
+pub fn generate_at_least(
+    model: &str,
+    prompt: &str,
+    max_tokens: Option<u32>,
+    min_tokens: u32,
+) -> Generation {
     let digest = Sha256::digest(format!("{model}\n{prompt}").as_bytes());
     let mut seed = u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
     let natural = 8 + (seed % 25) as u32;
-    let n = max_tokens.map_or(natural, |m| m.min(natural));
+    let n = max_tokens.map_or(natural.max(min_tokens), |m| m.min(natural.max(min_tokens)));
     let mut tokens = Vec::with_capacity(n as usize);
     for i in 0..n {
         // splitmix64: cheap, stable across platforms and versions.
@@ -848,7 +932,12 @@ pub fn generate(model: &str, prompt: &str, max_tokens: Option<u32>) -> Generatio
     }
     Generation {
         tokens,
-        finish_reason: if n < natural { "length" } else { "stop" },
+        // Cut by max_tokens, or forced on to it.
+        finish_reason: if n < natural || (n > natural && max_tokens == Some(n)) {
+            "length"
+        } else {
+            "stop"
+        },
     }
 }
 

@@ -614,7 +614,11 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/_sim/model", get(admin_model_get).put(admin_model_put))
         .route("/_sim/stats", get(admin_stats))
         .route("/_sim/stats/reset", post(admin_stats_reset))
-        .route("/_sim/nodes/{name}/kill", post(admin_kill_node));
+        .route("/_sim/nodes/{name}/kill", post(admin_kill_node))
+        .route(
+            "/_sim/clusters/{id}/pods/{ns}/{name}/metrics",
+            get(crate::serving::admin_pod_metrics),
+        );
     Router::new()
         .merge(v2)
         .merge(admin)

@@ -18,7 +18,9 @@ pub mod do_api;
 pub mod faults;
 pub mod hub_loader;
 pub mod inventory;
+pub mod picker;
 pub mod routing;
+pub mod serving;
 pub mod sizes;
 pub mod world;
 
@@ -36,6 +38,7 @@ use tokio::sync::watch;
 pub use data_plane::ModelTiming;
 pub use faults::{Api, ApiFaults, ArmedFault, ArmedKind, Counting, FaultConfig, FiredFault};
 pub use inventory::Inventory;
+pub use serving::ServingConfig;
 pub use world::Delays;
 
 /// How to start a simulated region.

@@ -80,6 +80,11 @@ struct Args {
     /// Fake model: delay between tokens.
     #[arg(long, env = "REGION_SIM_PER_TOKEN_MS")]
     per_token_ms: Option<u64>,
+    /// Serving model (per-replica batching, prefix cache, endpoint picker): real seconds per
+    /// simulated second. 1 is real time; 0.1 ten times faster; 0 turns it off (every request
+    /// answered after `--ttft-ms`/`--per-token-ms`, round robin).
+    #[arg(long, env = "REGION_SIM_SERVING_TIME_SCALE", default_value_t = 1.0)]
+    serving_time_scale: f64,
 }
 
 fn parse_capacity(items: &[String]) -> anyhow::Result<BTreeMap<String, u32>> {
@@ -141,6 +146,10 @@ async fn main() -> anyhow::Result<()> {
     cfg.model = ModelTiming {
         ttft_ms: a.ttft_ms.unwrap_or(m.ttft_ms),
         per_token_ms: a.per_token_ms.unwrap_or(m.per_token_ms),
+        serving: region_sim::ServingConfig {
+            time_scale: a.serving_time_scale.max(0.0),
+            ..Default::default()
+        },
     };
     let sim = RegionSim::start(cfg).await?;
     // The one line on stdout: scripts read the base URL from it.

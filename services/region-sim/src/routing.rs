@@ -30,11 +30,11 @@ pub struct Wiring {
     pub problems: Vec<String>,
 }
 
-fn s<'a>(v: &'a Value, ptr: &str) -> Option<&'a str> {
+pub(crate) fn s<'a>(v: &'a Value, ptr: &str) -> Option<&'a str> {
     v.pointer(ptr).and_then(Value::as_str)
 }
 
-fn ns_of(v: &Value) -> &str {
+pub(crate) fn ns_of(v: &Value) -> &str {
     s(v, "/metadata/namespace").unwrap_or("default")
 }
 
@@ -48,12 +48,12 @@ fn group_of(v: &Value) -> &str {
         .unwrap_or("")
 }
 
-fn deleting(v: &Value) -> bool {
+pub(crate) fn deleting(v: &Value) -> bool {
     v.pointer("/metadata/deletionTimestamp")
         .is_some_and(|t| !t.is_null())
 }
 
-fn find<'a>(
+pub(crate) fn find<'a>(
     objs: &'a [Arc<Value>],
     kind: &str,
     group: &str,
@@ -98,7 +98,7 @@ fn secret_keys(secret: &Value) -> Vec<String> {
     keys.into_iter().collect()
 }
 
-fn labels_match(selector: &Map<String, Value>, labels: Option<&Value>) -> bool {
+pub(crate) fn labels_match(selector: &Map<String, Value>, labels: Option<&Value>) -> bool {
     !selector.is_empty()
         && selector
             .iter()
@@ -129,21 +129,24 @@ pub fn token_hashes(objs: &[Arc<Value>], ns: &str) -> Option<BTreeSet<String>> {
     )
 }
 
+/// The value of flag `name` on a command line: `name value` or `name=value`.
+pub(crate) fn flag_value(args: &[String], name: &str) -> Option<String> {
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == name {
+            return it.next().cloned();
+        }
+        if let Some(v) = a.strip_prefix(&format!("{name}=")) {
+            return Some(v.to_string());
+        }
+    }
+    None
+}
+
 /// The model name a vLLM command line serves: `--served-model-name`, else `--model`, else the
 /// positional argument of `vllm serve`.
 pub fn served_model_name(args: &[String]) -> Option<String> {
-    let flag = |name: &str| -> Option<String> {
-        let mut it = args.iter();
-        while let Some(a) = it.next() {
-            if a == name {
-                return it.next().cloned();
-            }
-            if let Some(v) = a.strip_prefix(&format!("{name}=")) {
-                return Some(v.to_string());
-            }
-        }
-        None
-    };
+    let flag = |name: &str| flag_value(args, name);
     flag("--served-model-name")
         .map(|v| v.split_whitespace().next().unwrap_or("").to_string())
         .filter(|v| !v.is_empty())
@@ -157,23 +160,22 @@ pub fn served_model_name(args: &[String]) -> Option<String> {
         })
 }
 
+/// A container's command line: its `command`, then its `args`.
+pub(crate) fn command_line(container: &Value) -> Vec<String> {
+    let mut all = Vec::new();
+    for field in ["command", "args"] {
+        if let Some(a) = container.get(field).and_then(Value::as_array) {
+            all.extend(a.iter().filter_map(Value::as_str).map(str::to_string));
+        }
+    }
+    all
+}
+
 fn container_args(pod_spec: &Value) -> Vec<Vec<String>> {
     pod_spec
         .get("containers")
         .and_then(Value::as_array)
-        .map(|cs| {
-            cs.iter()
-                .map(|c| {
-                    let mut all = Vec::new();
-                    for field in ["command", "args"] {
-                        if let Some(a) = c.get(field).and_then(Value::as_array) {
-                            all.extend(a.iter().filter_map(Value::as_str).map(str::to_string));
-                        }
-                    }
-                    all
-                })
-                .collect()
-        })
+        .map(|cs| cs.iter().map(command_line).collect())
         .unwrap_or_default()
 }
 
@@ -185,7 +187,7 @@ fn owner<'a>(objs: &'a [Arc<Value>], obj: &Value, kind: &str, group: &str) -> Op
 
 /// The served model of a pod: its own containers' (a pod keeps the model it was started with,
 /// whatever its Deployment says now), else its owning Deployment's (through its ReplicaSet).
-fn pod_model(objs: &[Arc<Value>], pod: &Value) -> Option<String> {
+pub(crate) fn pod_model(objs: &[Arc<Value>], pod: &Value) -> Option<String> {
     let from = |spec: Option<&Value>| {
         spec.map(container_args)
             .unwrap_or_default()
@@ -545,9 +547,20 @@ fn pool_endpoints(
             denied.len()
         ));
     }
+    // What the serving model needs: the pool's endpoint picker and each pod's GPUs and flags.
+    let pool_spec = Arc::new(crate::picker::pool_spec(
+        objs, ns, pool, pool_name, problems,
+    ));
     let endpoints: Vec<Backend> = reachable
         .iter()
-        .map(|p| Backend::new(name_of(p), pod_model(objs, p).as_deref()))
+        .map(|p| {
+            let mut b = Backend::new(name_of(p), pod_model(objs, p).as_deref());
+            b.serving = crate::serving::BackendServing::new(
+                crate::serving::ReplicaSpec::of_pod(objs, p),
+                Some(pool_spec.clone()),
+            );
+            b
+        })
         .collect();
     if endpoints.is_empty() {
         problems.push(format!(
@@ -603,6 +616,17 @@ mod tests {
                "spec": {"type": "LoadBalancer", "selector": {GATEWAY_NAME_LABEL: "gw"}, "ports": [{"port": 443}]}})
     }
 
+    /// The route with the serving facts left out (tested on their own below).
+    fn without_serving(route: &Route) -> Route {
+        let mut r = route.clone();
+        if let Route::Pool { endpoints, .. } = &mut r {
+            for b in endpoints {
+                b.serving = Default::default();
+            }
+        }
+        r
+    }
+
     #[test]
     fn full_chain() {
         let w = wire(&svc(), &objects());
@@ -615,7 +639,7 @@ mod tests {
             .unwrap()
             .contains(&crate::data_plane::token_hash("secret-token")));
         assert_eq!(
-            w.config.route,
+            without_serving(&w.config.route),
             Route::Pool {
                 paths: vec!["/".into()],
                 endpoints: vec![Backend::new("vllm-1-a", Some("big"))]
@@ -640,7 +664,7 @@ mod tests {
         objs.push(pod("vllm-new", "big"));
         let w = wire(&svc(), &objs);
         assert_eq!(
-            w.config.route,
+            without_serving(&w.config.route),
             Route::Pool {
                 paths: vec!["/".into()],
                 endpoints: vec![
@@ -674,7 +698,7 @@ mod tests {
         let w = wire(&svc(), &objs);
         assert!(w.problems.is_empty(), "{:?}", w.problems);
         assert_eq!(
-            w.config.route,
+            without_serving(&w.config.route),
             Route::Pool {
                 paths: vec!["/".into()],
                 endpoints: vec![
@@ -683,6 +707,106 @@ mod tests {
                 ]
             }
         );
+    }
+
+    /// The pool's endpoint picker configuration, found as the EPP finds it (pool → Service →
+    /// Deployment → `--config-file` → mounted ConfigMap), and each pod's GPUs from its node.
+    #[test]
+    fn pools_carry_their_picker_config_and_pods_their_gpus() {
+        use crate::picker::Scorer;
+        let mut objs = objects();
+        for o in objs.iter_mut() {
+            if o["kind"] == "InferencePool" {
+                let mut p = (**o).clone();
+                p["metadata"]["uid"] = json!("pool-uid");
+                p["spec"]["endpointPickerRef"] =
+                    json!({"kind": "Service", "name": "pool-epp", "port": {"number": 9002}});
+                *o = Arc::new(p);
+            }
+            if o["kind"] == "Pod" && o["metadata"]["name"] == "vllm-1-a" {
+                let mut p = (**o).clone();
+                p["metadata"]["uid"] = json!("pod-uid");
+                p["spec"] = json!({"nodeName": "gpu-abcde", "containers": [{"name": "vllm",
+                    "args": ["--model", "org/Llama-3.1-8B", "--max-num-seqs", "8", "--gpu-memory-utilization=0.85"],
+                    "resources": {"limits": {"nvidia.com/gpu": "2"}}}]});
+                *o = Arc::new(p);
+            }
+        }
+        let config = "kind: EndpointPickerConfig\nplugins: [{type: queue-scorer}]\n\
+                      schedulingProfiles: [{name: default, plugins: [{pluginRef: queue-scorer, weight: 4}]}]\n";
+        objs.extend(
+            [
+                json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-abcde", "labels": {
+                    "doks.digitalocean.com/gpu-model": "h200", "node.kubernetes.io/instance-type": "gpu-h200x8-1128gb"}}}),
+                json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "pool-epp", "namespace": "di-1"},
+                       "spec": {"selector": {"epp": "pool"}}}),
+                json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "pool-epp", "namespace": "di-1"},
+                       "spec": {"template": {"metadata": {"labels": {"epp": "pool"}}, "spec": {
+                           "containers": [{"name": "epp", "args": ["--config-file", "/config/config.yaml"],
+                                           "volumeMounts": [{"name": "config", "mountPath": "/config"}]}],
+                           "volumes": [{"name": "config", "configMap": {"name": "pool-epp"}}]}}}}),
+                json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "pool-epp", "namespace": "di-1"},
+                       "data": {"config.yaml": config}}),
+            ]
+            .into_iter()
+            .map(Arc::new),
+        );
+        let backend = |w: &Wiring| match &w.config.route {
+            Route::Pool { endpoints, .. } => endpoints[0].serving.clone(),
+            _ => panic!("no pool"),
+        };
+        let w = wire(&svc(), &objs);
+        assert!(w.problems.is_empty(), "{:?}", w.problems);
+        let b = backend(&w);
+        let pool = b.pool.as_ref().unwrap();
+        assert_eq!(pool.key, "pool-uid");
+        assert_eq!(
+            pool.picker.as_ref().unwrap().scorers,
+            vec![(Scorer::Queue, 4.0)]
+        );
+        assert_eq!(
+            b.replica,
+            crate::serving::ReplicaSpec {
+                uid: Some("pod-uid".into()),
+                gpu_model: Some("h200".into()),
+                gpus: 2,
+                model_repo: Some("org/Llama-3.1-8B".into()),
+                max_num_seqs: Some(8),
+                gpu_memory_utilization_pct: Some(85),
+                ..Default::default()
+            }
+        );
+        // A configuration that does not parse: reported, and the pool routes round robin.
+        let broken: Vec<Arc<Value>> = objs
+            .iter()
+            .map(|o| {
+                if o["kind"] == "ConfigMap" {
+                    let mut c = (**o).clone();
+                    c["data"]["config.yaml"] = json!("kind: Nope");
+                    Arc::new(c)
+                } else {
+                    o.clone()
+                }
+            })
+            .collect();
+        let w = wire(&svc(), &broken);
+        assert!(backend(&w).pool.unwrap().picker.is_none());
+        assert!(
+            w.problems.iter().any(|p| p.contains("endpoint picker")),
+            "{:?}",
+            w.problems
+        );
+        // No picker at all (its Service gone): round robin, and nothing to report.
+        let w = wire(
+            &svc(),
+            &objs
+                .iter()
+                .filter(|o| o["kind"] != "Service")
+                .cloned()
+                .collect::<Vec<_>>(),
+        );
+        assert!(w.problems.is_empty(), "{:?}", w.problems);
+        assert!(backend(&w).pool.unwrap().picker.is_none());
     }
 
     #[test]

@@ -15,7 +15,7 @@ const TOKEN: &str = "di_0123456789abcdefghijklmnopqrstuvwxyzABCD";
 const MODEL: &str = "tiny-llm";
 
 /// A CA and a server certificate for 127.0.0.1, as PEM: (ca, cert, key).
-fn pki(cn: &str) -> (String, String, String) {
+pub(crate) fn pki(cn: &str) -> (String, String, String) {
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.distinguished_name.push(DnType::CommonName, cn);
@@ -46,11 +46,12 @@ async fn endpoint(faults: Arc<Faults>) -> Endpoint {
     let timing = Arc::new(RwLock::new(ModelTiming {
         ttft_ms: 5,
         per_token_ms: 1,
+        ..Default::default()
     }));
     Endpoint::start(timing, faults).await.unwrap()
 }
 
-fn client(ca: &str) -> reqwest::Client {
+pub(crate) fn client(ca: &str) -> reqwest::Client {
     reqwest::Client::builder()
         .tls_built_in_root_certs(false)
         .add_root_certificate(reqwest::Certificate::from_pem(ca.as_bytes()).unwrap())

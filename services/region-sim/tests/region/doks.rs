@@ -72,7 +72,7 @@ pub(crate) struct Kube {
 }
 
 impl Kube {
-    async fn for_cluster(sim: &RegionSim, id: &str) -> Kube {
+    pub(crate) async fn for_cluster(sim: &RegionSim, id: &str) -> Kube {
         let r = Client::new()
             .get(format!(
                 "{}/v2/kubernetes/clusters/{id}/kubeconfig",
@@ -143,7 +143,7 @@ pub(crate) async fn eventually<T>(what: &str, mut f: impl AsyncFnMut() -> Option
     panic!("timed out waiting for {what}");
 }
 
-async fn running_cluster(sim: &RegionSim, pools: Value) -> String {
+pub(crate) async fn running_cluster(sim: &RegionSim, pools: Value) -> String {
     let (s, v) = do_call(
         sim,
         Method::POST,
@@ -553,7 +553,7 @@ async fn node_pools_become_labelled_tainted_nodes() {
     sim.shutdown().await;
 }
 
-fn pki() -> (String, String, String) {
+pub(crate) fn pki() -> (String, String, String) {
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.distinguished_name.push(DnType::CommonName, "di-ca");
@@ -565,7 +565,7 @@ fn pki() -> (String, String, String) {
     (ca_cert.pem(), cert.pem(), key.serialize_pem())
 }
 
-fn b64(s: &str) -> String {
+pub(crate) fn b64(s: &str) -> String {
     base64::engine::general_purpose::STANDARD.encode(s)
 }
 

@@ -6,3 +6,4 @@ mod data_plane;
 mod do_api;
 mod doks;
 mod hub;
+mod serving;

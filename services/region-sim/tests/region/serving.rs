@@ -1,0 +1,634 @@
+//! The serving model behind the data plane: replicas with a batch, a queue and a prefix cache,
+//! routed by the endpoint picker's configuration; over real HTTPS, first on a data-plane
+//! endpoint alone, then in a simulated cluster whose ConfigMap holds the picker's configuration.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
+use region_sim::faults::Faults;
+use region_sim::picker::{PickerConfig, PoolSpec, LLM_D_DEFAULT_CONFIG};
+use region_sim::serving::{BackendServing, Counters, Replica, ReplicaSpec, ServingConfig};
+use reqwest::Method;
+use serde_json::{json, Value};
+
+use crate::data_plane::{client, pki};
+use crate::doks::{b64, eventually, running_cluster, Kube};
+
+const TOKEN: &str = "di_0123456789abcdefghijklmnopqrstuvwxyzABCD";
+const MODEL: &str = "llama-3.1-8b";
+
+/// Prefix-cache scoring alone.
+const PREFIX_ONLY: &str = "kind: EndpointPickerConfig
+plugins: [{type: prefix-cache-scorer}]
+schedulingProfiles: [{name: default, plugins: [{pluginRef: prefix-cache-scorer, weight: 1}]}]
+";
+
+/// No scorer at all: round robin.
+const ROUND_ROBIN: &str = "kind: EndpointPickerConfig
+plugins: [{type: random-picker}]
+schedulingProfiles: [{name: default, plugins: [{pluginRef: random-picker}]}]
+";
+
+fn serving(time_scale: f64) -> ServingConfig {
+    ServingConfig {
+        time_scale,
+        ..Default::default()
+    }
+}
+
+/// A data-plane endpoint in front of H100 pods `pods` of one pool whose picker runs `picker`.
+struct Plane {
+    ep: Endpoint,
+    http: reqwest::Client,
+    pods: Vec<String>,
+}
+
+impl Plane {
+    async fn start(cfg: ServingConfig, picker: Option<&str>, pods: &[&str]) -> Plane {
+        let (ca, cert, key) = pki("serving-ca");
+        let timing = Arc::new(RwLock::new(ModelTiming {
+            ttft_ms: 5,
+            per_token_ms: 1,
+            serving: cfg,
+        }));
+        let ep = Endpoint::start(timing, Arc::new(Faults::default()))
+            .await
+            .unwrap();
+        let plane = Plane {
+            ep,
+            http: client(&ca),
+            pods: pods.iter().map(|p| p.to_string()).collect(),
+        };
+        plane.ep.update(plane.config(&cert, &key, picker)).unwrap();
+        plane
+    }
+
+    fn config(&self, cert: &str, key: &str, picker: Option<&str>) -> EndpointConfig {
+        let pool = Arc::new(PoolSpec {
+            key: String::new(),
+            picker: picker.map(|t| PickerConfig::parse(t).unwrap()),
+        });
+        let spec = ReplicaSpec {
+            gpu_model: Some("h100".into()),
+            gpus: 1,
+            ..Default::default()
+        };
+        EndpointConfig {
+            tls: Some((cert.into(), key.into())),
+            token_hashes: Some(BTreeSet::from([token_hash(TOKEN)])),
+            route: Route::Pool {
+                paths: vec!["/".into()],
+                endpoints: self
+                    .pods
+                    .iter()
+                    .map(|p| {
+                        let mut b = Backend::new(p.as_str(), Some(MODEL));
+                        b.serving = BackendServing::new(spec.clone(), Some(pool.clone()));
+                        b
+                    })
+                    .collect(),
+            },
+        }
+    }
+
+    /// Another picker configuration, as a changed ConfigMap brings it.
+    fn repick(&self, picker: Option<&str>) {
+        let mut cfg = self.ep.config();
+        if let Route::Pool { endpoints, .. } = &mut cfg.route {
+            let pool = Arc::new(PoolSpec {
+                key: String::new(),
+                picker: picker.map(|t| PickerConfig::parse(t).unwrap()),
+            });
+            for b in endpoints {
+                b.serving.pool = Some(pool.clone());
+            }
+        }
+        self.ep.update(cfg).unwrap();
+    }
+
+    fn replica(&self, pod: &str) -> Arc<Replica> {
+        match self.ep.config().route {
+            Route::Pool { endpoints, .. } => endpoints
+                .iter()
+                .find(|b| b.pod == pod)
+                .and_then(|b| b.serving.replica().cloned())
+                .expect("the pod has a replica"),
+            Route::None => panic!("no route"),
+        }
+    }
+
+    fn counters(&self) -> Counters {
+        let mut sum = Counters::default();
+        for p in &self.pods {
+            let c = self.replica(p).counters();
+            sum.prefix_queries += c.prefix_queries;
+            sum.prefix_hits += c.prefix_hits;
+            sum.generation_tokens += c.generation_tokens;
+            sum.finished += c.finished;
+            sum.evicted_blocks += c.evicted_blocks;
+            sum.ttft_count += c.ttft_count;
+            sum.ttft_sum += c.ttft_sum;
+        }
+        sum
+    }
+
+    fn hit_rate(&self) -> f64 {
+        let c = self.counters();
+        c.prefix_hits as f64 / c.prefix_queries.max(1) as f64
+    }
+
+    /// A chat completion of exactly `tokens` tokens: (pod, answer).
+    async fn chat(&self, messages: &[Value], tokens: u32) -> (String, String) {
+        let r = self
+            .http
+            .post(format!("{}/v1/chat/completions", self.ep.url()))
+            .bearer_auth(TOKEN)
+            .json(&json!({"model": MODEL, "messages": messages, "max_tokens": tokens, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let pod = r.headers()["x-sim-backend"].to_str().unwrap().to_string();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], tokens);
+        (
+            pod,
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        )
+    }
+}
+
+/// `n` distinct words: a document of `n` tokens.
+fn words(tag: &str, n: usize) -> String {
+    (0..n)
+        .map(|i| format!("{tag}{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Multi-turn conversations, `parallel` at a time: a system prompt every conversation shares,
+/// a document of its own, then `turns` questions, each with the history so far.
+async fn workload(
+    p: &Plane,
+    conversations: usize,
+    parallel: usize,
+    turns: usize,
+) -> BTreeMap<String, usize> {
+    let system = words("sys", 200);
+    let mut per_pod = BTreeMap::new();
+    for batch in (0..conversations).collect::<Vec<_>>().chunks(parallel) {
+        let runs = batch.iter().map(|c| {
+            let system = system.clone();
+            async move {
+                let mut pods = Vec::new();
+                let mut messages = vec![
+                    json!({"role": "system", "content": system}),
+                    json!({"role": "user", "content": format!("{} {}", words(&format!("doc{c}w"), 300), words(&format!("q{c}t0w"), 20))}),
+                ];
+                for t in 0..turns {
+                    let (pod, answer) = p.chat(&messages, 40).await;
+                    pods.push(pod);
+                    messages.push(json!({"role": "assistant", "content": answer}));
+                    messages.push(json!({"role": "user", "content": words(&format!("q{c}t{}w", t + 1), 20)}));
+                }
+                pods
+            }
+        });
+        for pods in futures::future::join_all(runs).await {
+            for pod in pods {
+                *per_pod.entry(pod).or_insert(0) += 1;
+            }
+        }
+    }
+    per_pod
+}
+
+/// Two replicas, the same conversations: routed by the prefix-cache scorer, a conversation's
+/// turns find its history cached; round robin, they often land where it is not.
+#[tokio::test]
+async fn prefix_aware_routing_hits_the_cache_more_than_round_robin() {
+    let pods = ["vllm-a", "vllm-b"];
+    let aware = Plane::start(serving(0.02), Some(LLM_D_DEFAULT_CONFIG), &pods).await;
+    let spread = workload(&aware, 9, 3, 4).await;
+    let rr = Plane::start(serving(0.02), Some(ROUND_ROBIN), &pods).await;
+    let rr_spread = workload(&rr, 9, 3, 4).await;
+    let (a, r) = (aware.hit_rate(), rr.hit_rate());
+    eprintln!(
+        "prefix-cache hit rate: picker {a:.3} ({spread:?}), round robin {r:.3} ({rr_spread:?})"
+    );
+    assert!(a > 0.6, "{a}");
+    assert!(a > r + 0.1, "picker {a} vs round robin {r}");
+    // Both replicas served: the picker does not pile everything on one.
+    assert_eq!(spread.len(), 2, "{spread:?}");
+    assert_eq!(
+        rr_spread.values().copied().collect::<Vec<_>>(),
+        vec![18, 18]
+    );
+    assert_eq!(aware.counters().finished, 36);
+}
+
+/// `messages` six times, 20 ms apart (longer than the picker's metrics refresh interval at
+/// this time scale) without waiting for the answers: how many requests each replica got.
+async fn burst(p: &Plane, messages: &[Value]) -> BTreeMap<String, usize> {
+    let runs = (0..6).map(|i| async move {
+        tokio::time::sleep(Duration::from_millis(20 * i)).await;
+        p.chat(messages, 30).await
+    });
+    let mut used = BTreeMap::new();
+    for (pod, _) in futures::future::join_all(runs).await {
+        *used.entry(pod).or_insert(0) += 1;
+    }
+    used
+}
+
+/// The same prompt again and again: the prefix-cache scorer alone sends it where it went; with
+/// the queue scorer (weighted higher), a replica whose queue grows stops being chosen; with the
+/// KV-utilisation scorer, a request goes to the replica whose cache is less used.
+#[tokio::test]
+async fn queue_and_kv_scorers_spread_the_load() {
+    let cfg = ServingConfig {
+        max_num_seqs: Some(1),
+        ..serving(0.2)
+    };
+    let pods = ["vllm-a", "vllm-b"];
+    let p = Plane::start(cfg, Some(PREFIX_ONLY), &pods).await;
+    let messages = [json!({"role": "user", "content": words("same", 100)})];
+    let used = burst(&p, &messages).await;
+    assert_eq!(used.len(), 1, "prefix only: one replica, {used:?}");
+
+    p.repick(Some(
+        "kind: EndpointPickerConfig
+plugins: [{type: prefix-cache-scorer}, {type: queue-scorer}]
+schedulingProfiles: [{name: default, plugins: [{pluginRef: prefix-cache-scorer, weight: 1}, {pluginRef: queue-scorer, weight: 2}]}]
+",
+    ));
+    let used = burst(&p, &messages).await;
+    assert_eq!(used.len(), 2, "prefix and queue: both replicas, {used:?}");
+
+    p.repick(Some(
+        "kind: EndpointPickerConfig
+schedulingProfiles: [{name: default, plugins: [{pluginRef: kv-cache-utilization-scorer}]}]
+",
+    ));
+    let long = p.chat(&messages, 200);
+    let second = async {
+        // Once the first request holds KV blocks on its replica, the next goes to the other.
+        let first = eventually("a replica runs the first request", async || {
+            pods.iter()
+                .find(|pod| p.replica(pod).load().running == 1)
+                .map(|pod| pod.to_string())
+        })
+        .await;
+        let (pod, _) = p.chat(&messages, 5).await;
+        (first, pod)
+    };
+    let ((long_pod, _), (first, second)) = futures::join!(long, second);
+    assert_eq!(long_pod, first);
+    assert_ne!(first, second, "the less used cache wins");
+}
+
+/// One replica with one batch slot: requests queue, and the time to their first token grows
+/// with the queue; `vllm:num_requests_waiting` shows it meanwhile.
+#[tokio::test]
+async fn time_to_first_token_grows_with_the_queue() {
+    let cfg = ServingConfig {
+        max_num_seqs: Some(1),
+        ..serving(0.05)
+    };
+    let p = Plane::start(cfg, Some(LLM_D_DEFAULT_CONFIG), &["vllm-a"]).await;
+    let r = p.replica("vllm-a");
+    let plane = &p;
+    let ask = |i: usize| {
+        let m = [json!({"role": "user", "content": words(&format!("r{i}w"), 200)})];
+        async move { plane.chat(&m, 20).await }
+    };
+    ask(0).await;
+    let solo = r.counters();
+    let solo_ttft = solo.ttft_sum / solo.ttft_count as f64;
+    let mut waiting = 0;
+    let burst = futures::future::join_all((1..=8).map(ask));
+    let watch = async {
+        for _ in 0..200 {
+            waiting = waiting.max(r.load().waiting);
+            if waiting >= 3 {
+                let text = r.metrics_text();
+                let line = text
+                    .lines()
+                    .find(|l| l.starts_with("vllm:num_requests_waiting{"))
+                    .unwrap();
+                let shown: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+                assert!(shown >= 1.0, "{line}");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    futures::join!(burst, watch);
+    let all = r.counters();
+    let burst_ttft = (all.ttft_sum - solo.ttft_sum) / (all.ttft_count - solo.ttft_count) as f64;
+    eprintln!("TTFT alone {solo_ttft:.3} s, in a queue of 8: {burst_ttft:.3} s (simulated); waiting up to {waiting}");
+    assert!(waiting >= 3, "{waiting}");
+    assert!(burst_ttft > 3.0 * solo_ttft, "{solo_ttft} {burst_ttft}");
+}
+
+/// A cache of 48 blocks (768 tokens): three different 300-token prompts later, the first one's
+/// blocks are gone; in a cache with room they would still be there.
+#[tokio::test]
+async fn a_full_cache_evicts_the_least_recently_used_blocks() {
+    for (blocks, evicts) in [(48, true), (10_000, false)] {
+        let cfg = ServingConfig {
+            kv_cache_blocks: Some(blocks),
+            ..serving(0.01)
+        };
+        let p = Plane::start(cfg, None, &["vllm-a"]).await;
+        let prompt = |i: usize| [json!({"role": "user", "content": words(&format!("p{i}w"), 300)})];
+        for i in [0, 1, 2, 3] {
+            p.chat(&prompt(i), 10).await;
+        }
+        let before = p.counters();
+        p.chat(&prompt(0), 10).await;
+        let after = p.counters();
+        let hit = after.prefix_hits - before.prefix_hits;
+        assert_eq!(
+            after.evicted_blocks > 0,
+            evicts,
+            "{blocks} blocks: {after:?}"
+        );
+        if evicts {
+            assert_eq!(hit, 0, "evicted");
+        } else {
+            assert!(hit >= 288, "{hit}");
+        }
+    }
+}
+
+/// Streaming sends each token when the engine makes it; a non-streaming answer comes after the
+/// whole generation. `vllm:time_per_output_token_seconds` counts every gap.
+#[tokio::test]
+async fn streams_at_the_decode_pace() {
+    let p = Plane::start(serving(0.5), None, &["vllm-a"]).await;
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
+                      "max_tokens": 40, "ignore_eos": true, "stream": true});
+    let started = Instant::now();
+    let mut r = p
+        .http
+        .post(format!("{}/v1/chat/completions", p.ep.url()))
+        .bearer_auth(TOKEN)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut arrivals = Vec::new();
+    let mut text = String::new();
+    while let Some(chunk) = r.chunk().await.unwrap() {
+        let s = String::from_utf8_lossy(&chunk).to_string();
+        for _ in s.matches("\"content\":\"").filter(|_| true) {
+            arrivals.push(started.elapsed());
+        }
+        text.push_str(&s);
+    }
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(text.contains("\"finish_reason\":\"length\""));
+    // The role announcement (empty content) and 40 tokens.
+    assert_eq!(arrivals.len(), 41, "{text}");
+    let r = p.replica("vllm-a");
+    let tpot = r.shape().step_seconds(1, 50, &[]);
+    let spread = arrivals[40] - arrivals[1];
+    let expected = Duration::from_secs_f64(39.0 * tpot * 0.5);
+    assert!(
+        spread >= expected.mul_f64(0.8),
+        "{spread:?} < {expected:?}: {arrivals:?}"
+    );
+    let metrics = r.metrics_text();
+    assert!(
+        metrics.contains(
+            "vllm:time_per_output_token_seconds_count{engine=\"0\",model_name=\"llama-3.1-8b\"} 39"
+        ),
+        "{metrics}"
+    );
+
+    let started = Instant::now();
+    p.chat(&[json!({"role": "user", "content": "hello again"})], 40)
+        .await;
+    assert!(
+        started.elapsed() >= expected.mul_f64(0.8),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// Time scale 0 (the default): answers as before the serving model, round robin whatever the
+/// picker's configuration, and the replicas see nothing.
+#[tokio::test]
+async fn time_scale_zero_keeps_instant_round_robin_answers() {
+    assert_eq!(ModelTiming::default().serving.time_scale, 0.0);
+    let p = Plane::start(serving(0.0), Some(PREFIX_ONLY), &["vllm-a", "vllm-b"]).await;
+    let messages = [json!({"role": "user", "content": words("same", 500)})];
+    let started = Instant::now();
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        seen.push(p.chat(&messages, 3).await.0);
+    }
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(seen, ["vllm-a", "vllm-b", "vllm-a", "vllm-b"]);
+    assert_eq!(p.counters(), Counters::default());
+}
+
+/// The whole chain in a simulated cluster: the picker's configuration comes from the ConfigMap
+/// its Deployment mounts; changing it changes the routing; each pod's metrics are at
+/// `/_sim/clusters/{id}/pods/{ns}/{name}/metrics`.
+#[tokio::test]
+async fn the_configmap_the_picker_mounts_decides_the_routing() {
+    let sim = crate::doks::start().await;
+    sim.set_model_timing(ModelTiming {
+        serving: serving(0.02),
+        ..Default::default()
+    });
+    let id = running_cluster(
+        &sim,
+        json!([
+            {"name": "cpu", "size": "s-2vcpu-4gb", "count": 1},
+            {"name": "gpu", "size": "gpu-h100x1-80gb", "count": 2}
+        ]),
+    )
+    .await;
+    let kube = Kube::for_cluster(&sim, &id).await;
+    let (ca, cert, key) = crate::doks::pki();
+    let ns = "di-1";
+    let core = format!("/api/v1/namespaces/{ns}");
+    let apps = format!("/apis/apps/v1/namespaces/{ns}");
+    kube.create(
+        "/api/v1/namespaces",
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+    )
+    .await;
+    kube.create(&format!("{core}/secrets"), json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "endpoint-tls"}, "type": "kubernetes.io/tls",
+        "data": {"tls.crt": b64(&cert), "tls.key": b64(&key)}})).await;
+    kube.create(
+        &format!("{core}/secrets"),
+        json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "inference-access-tokens"},
+        "data": {"tok-1": b64(&token_hash(TOKEN))}}),
+    )
+    .await;
+    kube.create(&format!("{apps}/deployments"), json!({
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "vllm"},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "vllm"}},
+          "template": {"metadata": {"labels": {"app": "vllm"}}, "spec": {
+            "nodeSelector": {"doks.digitalocean.com/node-pool": "gpu"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [{"name": "vllm", "image": "vllm/vllm-openai",
+              "args": ["--model", "meta-llama/Llama-3.1-8B-Instruct", "--served-model-name", MODEL],
+              "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}})).await;
+    kube.create(
+        &format!("{core}/configmaps"),
+        json!({
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "pool-epp"},
+        "data": {"config.yaml": PREFIX_ONLY}}),
+    )
+    .await;
+    kube.create(&format!("{apps}/deployments"), json!({
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "pool-epp"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"epp": "pool"}},
+          "template": {"metadata": {"labels": {"epp": "pool"}}, "spec": {
+            "containers": [{"name": "epp", "image": "ghcr.io/llm-d/llm-d-router-endpoint-picker:v0.10.0",
+              "args": ["--pool-name", "pool", "--config-file", "/config/config.yaml"],
+              "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": true}]}],
+            "volumes": [{"name": "config", "configMap": {"name": "pool-epp"}}]}}}})).await;
+    kube.create(
+        &format!("{core}/services"),
+        json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "pool-epp"},
+        "spec": {"selector": {"epp": "pool"}, "ports": [{"name": "grpc-ext-proc", "port": 9002}]}}),
+    )
+    .await;
+    kube.create(&format!("/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"), json!({
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "pool"},
+        "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [{"number": 8000}],
+                 "endpointPickerRef": {"kind": "Service", "name": "pool-epp", "port": {"number": 9002}}}})).await;
+    kube.create(&format!("/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/gateways"), json!({
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway", "metadata": {"name": "gw"},
+        "spec": {"gatewayClassName": "istio", "listeners": [{"name": "https", "port": 443, "protocol": "HTTPS",
+          "tls": {"mode": "Terminate", "certificateRefs": [{"kind": "Secret", "name": "endpoint-tls"}]}}]}})).await;
+    kube.create(&format!("/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes"), json!({
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "route"},
+        "spec": {"parentRefs": [{"name": "gw"}], "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+          "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "pool"}]}]}})).await;
+    kube.create(&format!("{core}/services"), json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "public"},
+        "spec": {"type": "LoadBalancer", "selector": {"gateway.networking.k8s.io/gateway-name": "gw"},
+                 "ports": [{"name": "https", "port": 443, "targetPort": 443, "protocol": "TCP"}]}})).await;
+
+    let url = eventually(
+        "two ready replicas behind an active load balancer",
+        async || {
+            let inv = sim.inventory();
+            let ep = inv.endpoints.first()?;
+            let (_, svc) = kube.get(&format!("{core}/services/public")).await;
+            svc.pointer("/status/loadBalancer/ingress/0/ports/0/port")?;
+            (ep.ready_endpoints.len() == 2 && ep.problems.is_empty()).then(|| ep.url.clone())
+        },
+    )
+    .await;
+    let https = client(&ca);
+    let messages = [json!({"role": "user", "content": words("shared", 300)})];
+    let send = async |n: usize| {
+        let mut pods = Vec::new();
+        for _ in 0..n {
+            let r = https
+                .post(format!("{url}/v1/chat/completions"))
+                .bearer_auth(TOKEN)
+                .json(&json!({"model": MODEL, "messages": messages, "max_tokens": 5}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            pods.push(r.headers()["x-sim-backend"].to_str().unwrap().to_string());
+        }
+        pods
+    };
+    // Prefix-cache scoring: the same prompt keeps going where its blocks are.
+    let pods = send(4).await;
+    assert!(pods.iter().all(|p| *p == pods[0]), "{pods:?}");
+    let hot = pods[0].clone();
+
+    // The pod's metrics show the requests, the queries and the hits.
+    let metrics = |pod: String| {
+        let base = sim.base_url().to_string();
+        let id = id.clone();
+        async move {
+            let r = reqwest::get(format!("{base}/_sim/clusters/{id}/pods/{ns}/{pod}/metrics"))
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert!(r.headers()["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with("text/plain"));
+            let text = r.text().await.unwrap();
+            let value = |name: &str| -> f64 {
+                text.lines()
+                    .find(|l| l.starts_with(&format!("{name}{{")))
+                    .and_then(|l| l.rsplit(' ').next())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("{name} in\n{text}"))
+            };
+            (
+                value("vllm:prefix_cache_queries_total"),
+                value("vllm:prefix_cache_hits_total"),
+                value("vllm:time_to_first_token_seconds_count"),
+                value("vllm:num_requests_running"),
+            )
+        }
+    };
+    let (queries, hits, ttfts, running) = metrics(hot.clone()).await;
+    assert_eq!(ttfts, 4.0);
+    assert_eq!(running, 0.0);
+    assert!(queries >= 4.0 * 300.0, "{queries}");
+    assert!(hits >= 3.0 * 288.0, "{hits}");
+    let (_, _, cold_ttfts, _) = metrics(
+        sim.inventory().endpoints[0]
+            .ready_endpoints
+            .iter()
+            .find(|p| **p != hot)
+            .unwrap()
+            .clone(),
+    )
+    .await;
+    assert_eq!(cold_ttfts, 0.0);
+    let r = reqwest::get(format!(
+        "{}/_sim/clusters/{id}/pods/{ns}/nope/metrics",
+        sim.base_url()
+    ))
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 404);
+
+    // A round-robin configuration in the ConfigMap: the same prompt now alternates.
+    let (s, v) = kube
+        .call(
+            Method::PUT,
+            &format!("{core}/configmaps/pool-epp"),
+            Some(
+                json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "pool-epp"},
+                        "data": {"config.yaml": ROUND_ROBIN}}),
+            ),
+        )
+        .await;
+    assert!(s.is_success(), "{s} {v}");
+    eventually("round robin", async || {
+        let pods = send(2).await;
+        (pods[0] != pods[1]).then_some(())
+    })
+    .await;
+    let pods = send(4).await;
+    assert_eq!(pods.iter().collect::<BTreeSet<_>>().len(), 2, "{pods:?}");
+    sim.shutdown().await;
+}
