@@ -81,9 +81,10 @@ struct Args {
     #[arg(long, env = "REGION_SIM_PER_TOKEN_MS")]
     per_token_ms: Option<u64>,
     /// Serving model (per-replica batching, prefix cache, endpoint picker): real seconds per
-    /// simulated second. 1 is real time; 0.1 ten times faster; 0 turns it off (every request
-    /// answered after `--ttft-ms`/`--per-token-ms`, round robin).
-    #[arg(long, env = "REGION_SIM_SERVING_TIME_SCALE", default_value_t = 1.0)]
+    /// simulated second. 1 is real time; 0.1 ten times faster; 0 (the default, until the
+    /// control plane scales on it) turns it off: every request is answered after
+    /// `--ttft-ms`/`--per-token-ms`, round robin.
+    #[arg(long, env = "REGION_SIM_SERVING_TIME_SCALE", default_value_t = 0.0)]
     serving_time_scale: f64,
 }
 
