@@ -11,9 +11,7 @@ use serde_json::{json, Value};
 use system_tests::{eventually, CloudOptions, System};
 use uuid::Uuid;
 
-use crate::lifecycle::{
-    assert_chat_ok, ca_client, di_path, fetch_ca, start, wait_active, Caller,
-};
+use crate::lifecycle::{assert_chat_ok, ca_client, di_path, fetch_ca, start, wait_active, Caller};
 
 const GPU: &str = "gpu-h100x1-80gb";
 /// The customer's own Hugging Face token: it owns the private fine-tunes below.
@@ -21,7 +19,16 @@ const OWNER: &str = "hf_owner_of_my_org_models";
 
 /// An 8B Llama fine-tune (the Hub's numbers for Llama 3.1 8B).
 fn llama_8b(id: &str) -> Repo {
-    Repo::model(id, "LlamaForCausalLM", 8_030_261_248, 32, 4096, 32, 8, 131_072)
+    Repo::model(
+        id,
+        "LlamaForCausalLM",
+        8_030_261_248,
+        32,
+        4096,
+        32,
+        8,
+        131_072,
+    )
 }
 
 fn deployment(repo: &str, name: Option<&str>, gpu: &str) -> Value {
@@ -70,7 +77,11 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
         .publish(llama_8b("my-org/support-llama").private().owned_by(OWNER))
         .unwrap();
     sys.hub
-        .publish(llama_8b("my-org/support-llama-v2").private().owned_by(OWNER))
+        .publish(
+            llama_8b("my-org/support-llama-v2")
+                .private()
+                .owned_by(OWNER),
+        )
         .unwrap();
 
     // godo's shape: model_slug (the name clients use), model_provider and provider_model_id
@@ -98,12 +109,29 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
     let inv = sys.cloud("atl1").sim.inventory();
     let vllm = crate::lifecycle::objects(&inv, "Deployment", &id)
         .into_iter()
-        .find(|d| d["metadata"]["name"].as_str().is_some_and(|n| n.starts_with("vllm-")))
+        .find(|d| {
+            d["metadata"]["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("vllm-"))
+        })
         .expect("a model server");
     let args = vllm["spec"]["template"]["spec"]["containers"][0]["args"].clone();
-    let args: Vec<&str> = args.as_array().unwrap().iter().filter_map(Value::as_str).collect();
-    assert!(args.windows(2).any(|w| w == ["--model", "my-org/support-llama"]), "{args:?}");
-    assert!(args.windows(2).any(|w| w == ["--served-model-name", "support-bot"]), "{args:?}");
+    let args: Vec<&str> = args
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        args.windows(2)
+            .any(|w| w == ["--model", "my-org/support-llama"]),
+        "{args:?}"
+    );
+    assert!(
+        args.windows(2)
+            .any(|w| w == ["--served-model-name", "support-bot"]),
+        "{args:?}"
+    );
 
     let endpoint = active["endpoints"]["public_endpoint_fqdn"]
         .as_str()
@@ -123,7 +151,12 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
     let mut spec = active["spec"].clone();
     spec["model_deployments"][0]["provider_model_id"] = json!("my-org/support-llama-v2");
     let patched = sys
-        .call(Method::PATCH, &di_path(&id, ""), &api, Some(json!({ "spec": spec })))
+        .call(
+            Method::PATCH,
+            &di_path(&id, ""),
+            &api,
+            Some(json!({ "spec": spec })),
+        )
         .await;
     assert_eq!(patched.status, 202, "{}", patched.body);
     let (switched, _) = wait_active(&sys, &api, "atl1", &id, 2).await;
@@ -136,7 +169,9 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
         "my-org/support-llama-v2"
     );
 
-    let deleted = sys.call(Method::DELETE, &di_path(&id, ""), &api, None).await;
+    let deleted = sys
+        .call(Method::DELETE, &di_path(&id, ""), &api, None)
+        .await;
     assert_eq!(deleted.status, 202, "{}", deleted.body);
 }
 
@@ -153,13 +188,29 @@ async fn what_cannot_be_served_is_refused_at_once_saying_what_to_change() {
     hub.publish(llama_8b("vendor/gated-tune").gated(Gated::Manual))
         .unwrap();
     hub.publish(
-        Repo::model("my-org/big-tune", "LlamaForCausalLM", 70_553_706_496, 80, 8192, 64, 8, 131_072)
-            .owned_by(OWNER),
+        Repo::model(
+            "my-org/big-tune",
+            "LlamaForCausalLM",
+            70_553_706_496,
+            80,
+            8192,
+            64,
+            8,
+            131_072,
+        )
+        .owned_by(OWNER),
     )
     .unwrap();
-    hub.publish(
-        Repo::model("my-org/encoder", "BertForMaskedLM", 110_000_000, 12, 768, 12, 12, 512),
-    )
+    hub.publish(Repo::model(
+        "my-org/encoder",
+        "BertForMaskedLM",
+        110_000_000,
+        12,
+        768,
+        12,
+        12,
+        512,
+    ))
     .unwrap();
     let refused = |repo: &'static str, gpu: &'static str, token: Option<&'static str>| {
         let body = create_body("refused", deployment(repo, None, gpu), token);
@@ -175,7 +226,16 @@ async fn what_cannot_be_served_is_refused_at_once_saying_what_to_change() {
     let r = refused("my-org/private-tune", GPU, Some("hf_someone_else")).await;
     assert_refused(&r, field, &["grant"]);
     let r = refused("vendor/gated-tune", GPU, None).await;
-    assert_refused(&r, field, &["gated", "hugging_face_token", "request access at http", "/vendor/gated-tune"]);
+    assert_refused(
+        &r,
+        field,
+        &[
+            "gated",
+            "hugging_face_token",
+            "request access at http",
+            "/vendor/gated-tune",
+        ],
+    );
     let r = refused("vendor/gated-tune", GPU, Some("hf_someone_else")).await;
     assert_refused(&r, field, &["gated", "no access", "request access"]);
     let r = refused("my-org/private-tune", GPU, Some("hf_revoked_or_made_up")).await;
@@ -188,7 +248,12 @@ async fn what_cannot_be_served_is_refused_at_once_saying_what_to_change() {
     assert_refused(
         &r,
         "spec.model_deployments[0].accelerators[0].accelerator_slug",
-        &["gpu-h100x1-80gb", "GiB", "131.4 GiB of weights", "gpu-mi300x1-192gb"],
+        &[
+            "gpu-h100x1-80gb",
+            "GiB",
+            "131.4 GiB of weights",
+            "gpu-mi300x1-192gb",
+        ],
     );
     // A context beyond the model's own.
     let mut d = deployment("my-org/private-tune", None, GPU);
@@ -204,14 +269,22 @@ async fn what_cannot_be_served_is_refused_at_once_saying_what_to_change() {
     let r = post(
         &sys,
         &api,
-        create_body("refused", catalog("qwen/qwen2.5-7b-instruct"), Some("hf_made_up")),
+        create_body(
+            "refused",
+            catalog("qwen/qwen2.5-7b-instruct"),
+            Some("hf_made_up"),
+        ),
     )
     .await;
     assert_refused(&r, "hugging_face_token", &["not accepted"]);
     let r = post(
         &sys,
         &api,
-        create_body("refused", catalog("meta-llama/llama-3.1-8b-instruct"), Some("hf_someone_else")),
+        create_body(
+            "refused",
+            catalog("meta-llama/llama-3.1-8b-instruct"),
+            Some("hf_someone_else"),
+        ),
     )
     .await;
     assert_refused(
@@ -242,7 +315,11 @@ async fn a_model_that_can_no_longer_be_loaded_is_an_error_with_the_reason() {
     let created = post(
         &sys,
         &api,
-        create_body("short-lived", deployment("my-org/short-lived", None, GPU), None),
+        create_body(
+            "short-lived",
+            deployment("my-org/short-lived", None, GPU),
+            None,
+        ),
     )
     .await;
     assert_eq!(created.status, 202, "{}", created.body);
@@ -262,7 +339,12 @@ async fn a_model_that_can_no_longer_be_loaded_is_an_error_with_the_reason() {
     let mut spec = active["spec"].clone();
     spec["model_deployments"][0]["accelerators"][0]["scale"] = json!(2);
     let patched = sys
-        .call(Method::PATCH, &di_path(&id, ""), &api, Some(json!({ "spec": spec })))
+        .call(
+            Method::PATCH,
+            &di_path(&id, ""),
+            &api,
+            Some(json!({ "spec": spec })),
+        )
         .await;
     // The deployment's repository did not change: the PATCH does not wait on the Hub.
     assert_eq!(patched.status, 202, "{}", patched.body);
@@ -296,11 +378,18 @@ async fn a_repeated_operation_is_answered_without_asking_the_hub_again() {
     let created = post(
         &sys,
         &api,
-        create_body("again", deployment("my-org/support-llama", None, GPU), Some(OWNER)),
+        create_body(
+            "again",
+            deployment("my-org/support-llama", None, GPU),
+            Some(OWNER),
+        ),
     )
     .await;
     assert_eq!(created.status, 202, "{}", created.body);
-    let id = created.body["dedicated_inference"]["id"].as_str().unwrap().to_string();
+    let id = created.body["dedicated_inference"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let mut spec = created.body["dedicated_inference"]["spec"].clone();
     spec["model_deployments"][0]["accelerators"][0]["scale"] = json!(2);
     let spec: api_types::spec::Spec = {
@@ -319,54 +408,44 @@ async fn a_repeated_operation_is_answered_without_asking_the_hub_again() {
         }))
         .unwrap()
     };
+    // Central's calls to the region, as central makes them.
     let region = &sys.regions[0];
-    let operation = Uuid::new_v4();
-    let patch = |token: &'static str| {
+    let patch = |operation: Uuid, spec: api_types::spec::Spec, token: Option<&str>| {
         let body = api_types::regional::PatchRequest {
             team_id: team,
             operation_id: Some(operation),
-            spec: Some(spec.clone()),
-            hugging_face_token: Some(token.to_string()),
+            spec: Some(spec),
+            hugging_face_token: token.map(str::to_string),
             requires_hugging_face_token: false,
         };
-        sys.http
+        let request = sys
+            .http
             .patch(format!(
                 "http://{}/internal/v1/dedicated-inferences/{id}",
                 region.proxy.addr
             ))
             .header(api_types::regional::SECRET_HEADER, &region.secret)
-            .json(&body)
-            .send()
+            .json(&body);
+        async move {
+            let reply = request.send().await.expect("the region answers");
+            let status = reply.status().as_u16();
+            (status, reply.json::<Value>().await.expect("a JSON body"))
+        }
     };
+    let first_operation = Uuid::new_v4();
     // A new token: every deployment is asked about, and the operation lands.
     sys.hub.add_token("hf_new_owner_token", "my-org").unwrap();
-    sys.hub.grant("my-org/support-llama", "hf_new_owner_token").unwrap();
-    let first = patch("hf_new_owner_token").await.unwrap();
-    assert_eq!(first.status(), 200, "{}", first.text().await.unwrap());
+    sys.hub
+        .grant("my-org/support-llama", "hf_new_owner_token")
+        .unwrap();
+    let (status, body) = patch(first_operation, spec.clone(), Some("hf_new_owner_token")).await;
+    assert_eq!(status, 200, "{body}");
     // Another change lands after it (another GPU size: a change the Hub is asked about).
-    let later = {
-        let mut spec = spec.clone();
-        spec.version = 2;
-        spec.model_deployments[0].accelerators[0].accelerator_slug = "gpu-h200x1-141gb".into();
-        let body = api_types::regional::PatchRequest {
-            team_id: team,
-            operation_id: Some(Uuid::new_v4()),
-            spec: Some(spec),
-            hugging_face_token: None,
-            requires_hugging_face_token: false,
-        };
-        sys.http
-            .patch(format!(
-                "http://{}/internal/v1/dedicated-inferences/{id}",
-                region.proxy.addr
-            ))
-            .header(api_types::regional::SECRET_HEADER, &region.secret)
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-    };
-    assert_eq!(later.status(), 200, "{}", later.text().await.unwrap());
+    let mut later = spec.clone();
+    later.version = 2;
+    later.model_deployments[0].accelerators[0].accelerator_slug = "gpu-h200x1-141gb".into();
+    let (status, body) = patch(Uuid::new_v4(), later, None).await;
+    assert_eq!(status, 200, "{body}");
     // Then the Hub fails, and the token is revoked: the first operation's repetition (its spec
     // now differs from the latest) still gets the DI as it is.
     sys.hub.revoke_token("hf_new_owner_token");
@@ -374,38 +453,22 @@ async fn a_repeated_operation_is_answered_without_asking_the_hub_again() {
         error_rate: 1.0,
         ..Default::default()
     });
-    let again = patch("hf_new_owner_token").await.unwrap();
-    let status = again.status();
-    let body: Value = again.json().await.unwrap();
+    let (status, body) = patch(first_operation, spec.clone(), Some("hf_new_owner_token")).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["record"]["pending_spec"]["version"], 3, "{body}");
     // A different operation is asked about: a token the Hub does not know is refused.
     sys.hub.set_faults(hub_sim::HubFaults::default());
-    let other = {
-        let mut spec = spec.clone();
-        spec.version = 3;
-        let body = api_types::regional::PatchRequest {
-            team_id: team,
-            operation_id: Some(Uuid::new_v4()),
-            spec: Some(spec),
-            hugging_face_token: Some("hf_never_issued".to_string()),
-            requires_hugging_face_token: false,
-        };
-        sys.http
-            .patch(format!(
-                "http://{}/internal/v1/dedicated-inferences/{id}",
-                region.proxy.addr
-            ))
-            .header(api_types::regional::SECRET_HEADER, &region.secret)
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-    };
-    let status = other.status();
-    let text = other.text().await.unwrap();
-    assert_eq!(status, 422, "{text}");
-    assert!(text.contains("hugging_face_token"), "{text}");
+    let mut other = spec.clone();
+    other.version = 3;
+    let (status, body) = patch(Uuid::new_v4(), other, Some("hf_never_issued")).await;
+    assert_eq!(status, 422, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("hugging_face_token"),
+        "{body}"
+    );
 }
 
 /// A revision that is a path (`refs/pr/1`, as the Hub names pull requests) is one revision, to
@@ -421,7 +484,11 @@ async fn a_revision_with_a_slash_is_served() {
     let created = post(
         &sys,
         &api,
-        create_body("reviewed", deployment("my-org/reviewed@refs/pr/1", Some("pr-1"), GPU), None),
+        create_body(
+            "reviewed",
+            deployment("my-org/reviewed@refs/pr/1", Some("pr-1"), GPU),
+            None,
+        ),
     )
     .await;
     assert_eq!(created.status, 202, "{}", created.body);
@@ -435,10 +502,18 @@ async fn a_revision_with_a_slash_is_served() {
     let r = post(
         &sys,
         &api,
-        create_body("unreviewed", deployment("my-org/reviewed@refs/pr/2", None, GPU), None),
+        create_body(
+            "unreviewed",
+            deployment("my-org/reviewed@refs/pr/2", None, GPU),
+            None,
+        ),
     )
     .await;
-    assert_refused(&r, "spec.model_deployments[0].provider_model_id", &["refs/pr/2"]);
+    assert_refused(
+        &r,
+        "spec.model_deployments[0].provider_model_id",
+        &["refs/pr/2"],
+    );
 }
 
 /// The Hub down while a create is checked: 503 with Retry-After and nothing stored — not a
@@ -456,7 +531,11 @@ async fn a_create_the_hub_could_not_check_is_not_created_later() {
         error_rate: 1.0,
         ..Default::default()
     });
-    let body = create_body("later", deployment("my-org/support-llama", None, GPU), Some(OWNER));
+    let body = create_body(
+        "later",
+        deployment("my-org/support-llama", None, GPU),
+        Some(OWNER),
+    );
     let r = post(&sys, &api, body).await;
     r.assert_error(503, "service_unavailable");
     sys.hub.set_faults(hub_sim::HubFaults::default());
@@ -490,7 +569,9 @@ async fn many_deployments_are_checked_inside_centrals_wait() {
     let deployments: Vec<Value> = (0..8)
         .map(|i| {
             let repo = format!("my-org/tune-{i}");
-            sys.hub.publish(llama_8b(&repo).private().owned_by(OWNER)).unwrap();
+            sys.hub
+                .publish(llama_8b(&repo).private().owned_by(OWNER))
+                .unwrap();
             deployment(&repo, None, GPU)
         })
         .collect();
