@@ -123,7 +123,10 @@ mod tests {
         assert!(catalog.models.iter().any(|m| m.is_gated_model));
         assert!(catalog.models.iter().any(|m| !m.is_gated_model));
         // Every catalog model is served from a repository of an architecture the server loads.
-        assert!(catalog.models.iter().all(|m| m.hugging_face_repo.contains('/')));
+        assert!(catalog
+            .models
+            .iter()
+            .all(|m| m.hugging_face_repo.contains('/')));
         assert!(catalog.serves_architecture("LlamaForCausalLM"));
     }
 

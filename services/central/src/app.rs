@@ -8,8 +8,8 @@ use std::time::Duration;
 use api_types::public::{
     AcceleratorInfo, AcceleratorList, AccessToken, CaResponse, CreateRequest, CreateResponse,
     DedicatedInference, DedicatedInferenceEnvelope, EventInfo, EventList, GpuModelConfig,
-    GpuModelConfigsResponse, Links, Meta, Size, SizeGpu, SizesResponse, TokenCreateRequest, TokenEnvelope,
-    TokenList, UpdateRequest,
+    GpuModelConfigsResponse, Links, Meta, Size, SizeGpu, SizesResponse, TokenCreateRequest,
+    TokenEnvelope, TokenList, UpdateRequest,
 };
 use api_types::regional::{
     self, Accelerator, CaCertificate, Event, NewToken, Page, Record, RecordEnvelope, Token,

@@ -25,9 +25,9 @@ use common::seal::Sealer;
 use sqlx::postgres::PgPoolOptions;
 
 use crate::auth::Authenticator;
-use api_types::catalog::{self, Catalog};
 use crate::error::ApiError;
 use crate::regions::Regions;
+use api_types::catalog::{self, Catalog};
 
 pub use handlers::ApiDoc;
 

@@ -20,7 +20,10 @@ pub enum RegionCallError {
     /// The region answered that it changed nothing because something it asks first (the cloud,
     /// the Hugging Face Hub) did not answer: a retry may work, and nothing is left to settle.
     NotApplied(String),
-    Rejected { status: u16, error: RegionError },
+    Rejected {
+        status: u16,
+        error: RegionError,
+    },
 }
 
 #[derive(Clone)]

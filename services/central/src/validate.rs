@@ -5,8 +5,8 @@ use api_types::public::{ModelDeploymentInput, SpecInput};
 use api_types::spec::{AcceleratorGroup, ModelDeployment, ModelSource, Spec};
 use uuid::Uuid;
 
-use api_types::catalog::{Catalog, Model as CatalogModel};
 use crate::error::ApiError;
+use api_types::catalog::{Catalog, Model as CatalogModel};
 
 pub const ROLES: &[&str] = &["prefill_decode", "prefill", "decode"];
 pub const MAX_SCALE: i64 = 64;
@@ -426,7 +426,11 @@ fn declared_workload(at: &str, config: &serde_json::Value) -> Result<(), ApiErro
         if let Some(v) = auto.get("scale_to_zero_after_seconds") {
             // Kept with min_replicas above 0 too (it applies once min_replicas is 0), so that
             // a configuration can move between the two by changing one number.
-            whole(v, "autoscaling.scale_to_zero_after_seconds", 60..=7 * 24 * 3600)?;
+            whole(
+                v,
+                "autoscaling.scale_to_zero_after_seconds",
+                60..=7 * 24 * 3600,
+            )?;
         }
     }
     Ok(())
@@ -527,10 +531,16 @@ mod tests {
         assert_eq!(d.provider_model_id, "my-org/my-finetune@v2");
         assert_eq!(
             d.source,
-            ModelSource { repository: "my-org/my-finetune".into(), revision: Some("v2".into()), custom: true }
+            ModelSource {
+                repository: "my-org/my-finetune".into(),
+                revision: Some("v2".into()),
+                custom: true
+            }
         );
-        let d = deployment(serde_json::json!({"model_provider": "hugging_face", "model_slug": "support-bot",
-            "provider_model_id": "my-org/my-finetune", "accelerators": acc}));
+        let d = deployment(
+            serde_json::json!({"model_provider": "hugging_face", "model_slug": "support-bot",
+            "provider_model_id": "my-org/my-finetune", "accelerators": acc}),
+        );
         assert_eq!(d.model_slug, "support-bot");
         assert_eq!(d.source.revision, None);
     }
@@ -543,21 +553,57 @@ mod tests {
             message(s)
         };
         let acc = serde_json::json!([{"scale": 1, "type": "prefill_decode", "accelerator_slug": "gpu-h100x1-80gb"}]);
-        let m = with(serde_json::json!({"model_provider": "openai", "model_slug": "x", "accelerators": acc}));
-        assert!(m.contains("model_provider") && m.contains("modelcatalog"), "{m}");
-        let m = with(serde_json::json!({"model_provider": "modelcatalog", "model_slug": "my-org/x", "accelerators": acc}));
-        assert!(m.contains("model_slug") && m.contains("provider_model_id"), "{m}");
-        let m = with(serde_json::json!({"model_provider": "modelcatalog", "model_slug": "qwen/qwen2.5-7b-instruct",
-            "provider_model_id": "other/repo", "accelerators": acc}));
-        assert!(m.contains("provider_model_id") && m.contains("Qwen/Qwen2.5-7B-Instruct"), "{m}");
-        let m = with(serde_json::json!({"model_provider": "hugging_face", "provider_model_id": "", "accelerators": acc}));
-        assert!(m.contains("provider_model_id") && m.contains("model_slug"), "{m}");
-        for bad in ["no-owner", "a/b/c", "-x/y", "x/y@", "x/y@../main", "x/ y", "x/y..z", "x/y@-main"] {
-            let m = with(serde_json::json!({"model_provider": "hugging_face", "provider_model_id": bad, "accelerators": acc}));
-            assert!(m.starts_with("spec.model_deployments[0].provider_model_id"), "{bad}: {m}");
+        let m = with(
+            serde_json::json!({"model_provider": "openai", "model_slug": "x", "accelerators": acc}),
+        );
+        assert!(
+            m.contains("model_provider") && m.contains("modelcatalog"),
+            "{m}"
+        );
+        let m = with(
+            serde_json::json!({"model_provider": "modelcatalog", "model_slug": "my-org/x", "accelerators": acc}),
+        );
+        assert!(
+            m.contains("model_slug") && m.contains("provider_model_id"),
+            "{m}"
+        );
+        let m = with(
+            serde_json::json!({"model_provider": "modelcatalog", "model_slug": "qwen/qwen2.5-7b-instruct",
+            "provider_model_id": "other/repo", "accelerators": acc}),
+        );
+        assert!(
+            m.contains("provider_model_id") && m.contains("Qwen/Qwen2.5-7B-Instruct"),
+            "{m}"
+        );
+        let m = with(
+            serde_json::json!({"model_provider": "hugging_face", "provider_model_id": "", "accelerators": acc}),
+        );
+        assert!(
+            m.contains("provider_model_id") && m.contains("model_slug"),
+            "{m}"
+        );
+        for bad in [
+            "no-owner",
+            "a/b/c",
+            "-x/y",
+            "x/y@",
+            "x/y@../main",
+            "x/ y",
+            "x/y..z",
+            "x/y@-main",
+        ] {
+            let m = with(
+                serde_json::json!({"model_provider": "hugging_face", "provider_model_id": bad, "accelerators": acc}),
+            );
+            assert!(
+                m.starts_with("spec.model_deployments[0].provider_model_id"),
+                "{bad}: {m}"
+            );
         }
-        let m = with(serde_json::json!({"model_provider": "hugging_face", "model_slug": "-bot",
-            "provider_model_id": "my-org/a", "accelerators": acc}));
+        let m = with(
+            serde_json::json!({"model_provider": "hugging_face", "model_slug": "-bot",
+            "provider_model_id": "my-org/a", "accelerators": acc}),
+        );
         assert!(m.starts_with("spec.model_deployments[0].model_slug"), "{m}");
         let mut s = base();
         let d = serde_json::json!({"model_provider": "hugging_face", "model_slug": "bot",
@@ -566,7 +612,10 @@ mod tests {
         other["provider_model_id"] = "my-org/b".into();
         s["model_deployments"] = serde_json::json!([d, other]);
         let m = message(s);
-        assert!(m.starts_with("spec.model_deployments[1] serves \"bot\""), "{m}");
+        assert!(
+            m.starts_with("spec.model_deployments[1] serves \"bot\""),
+            "{m}"
+        );
     }
 
     #[test]
@@ -635,17 +684,57 @@ mod tests {
         assert_eq!(w.slo.unwrap().ttft_ms, Some(600.0));
         assert_eq!(d.declared_context(), Some(3700));
         for (config, scale, says) in [
-            (serde_json::json!({"input_tokens": 0}), 1, "workload_config.input_tokens must be a whole number"),
-            (serde_json::json!({"output_tokens": "200"}), 1, "workload_config.output_tokens"),
-            (serde_json::json!({"slo": 600}), 1, "workload_config.slo must be an object"),
-            (serde_json::json!({"slo": {"ttft_ms": -1}}), 1, "workload_config.slo.ttft_ms"),
-            (serde_json::json!({"slo": {"percentile": 100}}), 1, "workload_config.slo.percentile"),
-            (serde_json::json!({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}), 2, "min_replicas (3) is above max_replicas (2)"),
-            (serde_json::json!({"autoscaling": {"max_replicas": 0}}), 1, "autoscaling.max_replicas must be"),
-            (serde_json::json!({"autoscaling": {"min_replicas": 0, "scale_to_zero_after_seconds": 5}}), 1, "scale_to_zero_after_seconds must be a whole number from 60"),
+            (
+                serde_json::json!({"input_tokens": 0}),
+                1,
+                "workload_config.input_tokens must be a whole number",
+            ),
+            (
+                serde_json::json!({"output_tokens": "200"}),
+                1,
+                "workload_config.output_tokens",
+            ),
+            (
+                serde_json::json!({"slo": 600}),
+                1,
+                "workload_config.slo must be an object",
+            ),
+            (
+                serde_json::json!({"slo": {"ttft_ms": -1}}),
+                1,
+                "workload_config.slo.ttft_ms",
+            ),
+            (
+                serde_json::json!({"slo": {"percentile": 100}}),
+                1,
+                "workload_config.slo.percentile",
+            ),
+            (
+                serde_json::json!({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}),
+                2,
+                "min_replicas (3) is above max_replicas (2)",
+            ),
+            (
+                serde_json::json!({"autoscaling": {"max_replicas": 0}}),
+                1,
+                "autoscaling.max_replicas must be",
+            ),
+            (
+                serde_json::json!({"autoscaling": {"min_replicas": 0, "scale_to_zero_after_seconds": 5}}),
+                1,
+                "scale_to_zero_after_seconds must be a whole number from 60",
+            ),
             // The starting scale lies within the bounds.
-            (serde_json::json!({"autoscaling": {"min_replicas": 2, "max_replicas": 4}}), 1, "accelerators[0].scale is the starting replica count"),
-            (serde_json::json!({"autoscaling": {"max_replicas": 2}}), 3, "(1..=2)"),
+            (
+                serde_json::json!({"autoscaling": {"min_replicas": 2, "max_replicas": 4}}),
+                1,
+                "accelerators[0].scale is the starting replica count",
+            ),
+            (
+                serde_json::json!({"autoscaling": {"max_replicas": 2}}),
+                3,
+                "(1..=2)",
+            ),
         ] {
             let m = message(with(config.clone(), scale));
             assert!(m.starts_with("spec.model_deployments[0]"), "{config}: {m}");

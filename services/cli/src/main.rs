@@ -518,7 +518,10 @@ fn spec_input(spec: &Value) -> Map<String, Value> {
                 }
                 // A customer's own repository is named by it: without it the deployment would
                 // read as a catalog model.
-                if d["provider_model_id"].as_str().is_some_and(|s| !s.is_empty()) {
+                if d["provider_model_id"]
+                    .as_str()
+                    .is_some_and(|s| !s.is_empty())
+                {
                     out["provider_model_id"] = d["provider_model_id"].clone();
                 }
                 out

@@ -86,7 +86,9 @@ impl Models {
             !token_changed
                 && previous.iter().any(|q| {
                     // The Hub's repository ids ignore case.
-                    q.source.repository.eq_ignore_ascii_case(&d.source.repository)
+                    q.source
+                        .repository
+                        .eq_ignore_ascii_case(&d.source.repository)
                         && q.source.revision == d.source.revision
                         && q.declared_context() == d.declared_context()
                         && slugs(q) == slugs(d)
@@ -138,11 +140,9 @@ impl Models {
         let at = format!("spec.model_deployments[{i}]");
         if d.source.custom {
             let field = format!("{at}.provider_model_id");
-            let (info, config) = futures::future::join(
-                self.info(&field, d, token),
-                self.config(&field, d, token),
-            )
-            .await;
+            let (info, config) =
+                futures::future::join(self.info(&field, d, token), self.config(&field, d, token))
+                    .await;
             let (info, config) = (info?, config?);
             self.fits(&at, d, &Described { info, config })
         } else {
@@ -222,7 +222,11 @@ impl Models {
         let architectures: Vec<String> = if m.info.architectures.is_empty() {
             m.config["architectures"]
                 .as_array()
-                .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect())
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_str().map(str::to_string))
+                        .collect()
+                })
                 .unwrap_or_default()
         } else {
             m.info.architectures.clone()
@@ -265,7 +269,10 @@ impl Models {
             }
             let smallest = self.smallest_fitting(&need);
             let advice = match smallest {
-                Some(s) => format!("the smallest size in {} that fits is {}", self.region, s.gpu_slug),
+                Some(s) => format!(
+                    "the smallest size in {} that fits is {}",
+                    self.region, s.gpu_slug
+                ),
                 None => format!("no size in {} fits it", self.region),
             };
             return Err(ApiError::Unprocessable(format!(
@@ -339,7 +346,10 @@ impl Need {
             .map(|(dtype, count)| count.saturating_mul(served_bytes(dtype)))
             .fold(0, u64::saturating_add);
         // Multimodal configs keep the language model's numbers under `text_config`.
-        let text = config.get("text_config").filter(|t| t.is_object()).unwrap_or(config);
+        let text = config
+            .get("text_config")
+            .filter(|t| t.is_object())
+            .unwrap_or(config);
         let number = |k: &str| text.get(k).and_then(serde_json::Value::as_u64);
         // Each must be a positive whole number: a zero would size the KV cache at nothing.
         let positive = |k: &str| match number(k) {
@@ -466,32 +476,44 @@ mod tests {
         let models = Models::new("atl1", "http://127.0.0.1:9", catalog.clone()).unwrap();
         let size = |s: &str| catalog.size(s).unwrap();
         // A 70B model in BF16 (~131 GiB): not on one H100 or H200, on eight H100s or an MI300X.
-        let params: BTreeMap<String, u64> = [("BF16".to_string(), 70_553_706_496)].into_iter().collect();
+        let params: BTreeMap<String, u64> =
+            [("BF16".to_string(), 70_553_706_496)].into_iter().collect();
         let config = json!({"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
                             "num_key_value_heads": 8, "max_position_embeddings": 131072});
         let need = Need::of(&params, &config).unwrap();
         assert!(!need.fits(size("gpu-h100x1-80gb")));
         assert!(!need.fits(size("gpu-h200x1-141gb")));
         assert!(need.fits(size("gpu-mi300x1-192gb")));
-        assert_eq!(models.smallest_fitting(&need).unwrap().gpu_slug, "gpu-mi300x1-192gb");
+        assert_eq!(
+            models.smallest_fitting(&need).unwrap().gpu_slug,
+            "gpu-mi300x1-192gb"
+        );
         // An 8B model fits an L40S, its full 128k context included: the smallest size.
         let (params, config) = llama_8b();
         let need = Need::of(&params, &config).unwrap();
         assert!(need.fits(size("gpu-l40sx1-48gb")));
-        assert_eq!(models.smallest_fitting(&need).unwrap().gpu_slug, "gpu-l40sx1-48gb");
+        assert_eq!(
+            models.smallest_fitting(&need).unwrap().gpu_slug,
+            "gpu-l40sx1-48gb"
+        );
         // A 14B model (Qwen2.5 14B's numbers): its 128k context's KV cache does not fit an L40S.
-        let params: BTreeMap<String, u64> = [("BF16".to_string(), 14_770_033_664)].into_iter().collect();
+        let params: BTreeMap<String, u64> =
+            [("BF16".to_string(), 14_770_033_664)].into_iter().collect();
         let config = json!({"hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
                             "num_key_value_heads": 8, "max_position_embeddings": 131072});
         let need = Need::of(&params, &config).unwrap();
         assert!(!need.fits(size("gpu-l40sx1-48gb")));
-        assert_eq!(models.smallest_fitting(&need).unwrap().gpu_slug, "gpu-h100x1-80gb");
+        assert_eq!(
+            models.smallest_fitting(&need).unwrap().gpu_slug,
+            "gpu-h100x1-80gb"
+        );
     }
 
     #[test]
     fn tensor_parallelism_must_split_the_heads() {
         // Qwen2.5 7B: 28 query heads, 4 key-value heads.
-        let params: BTreeMap<String, u64> = [("BF16".to_string(), 7_615_616_512)].into_iter().collect();
+        let params: BTreeMap<String, u64> =
+            [("BF16".to_string(), 7_615_616_512)].into_iter().collect();
         let config = json!({"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
                             "num_key_value_heads": 4, "max_position_embeddings": 32768});
         let need = Need::of(&params, &config).unwrap();
@@ -513,12 +535,18 @@ mod tests {
         // Zeros would size the KV cache at nothing.
         let zero = json!({"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                           "num_key_value_heads": 0});
-        assert!(Need::of(&params, &zero).unwrap_err().contains("num_key_value_heads"));
+        assert!(Need::of(&params, &zero)
+            .unwrap_err()
+            .contains("num_key_value_heads"));
         let why = Need::of(&BTreeMap::new(), &json!({})).unwrap_err();
         assert!(why.contains("safetensors"), "{why}");
         // Absurd numbers do not overflow: they do not fit.
-        let huge: BTreeMap<String, u64> =
-            [("F64".to_string(), u64::MAX), ("BF16".to_string(), u64::MAX)].into_iter().collect();
+        let huge: BTreeMap<String, u64> = [
+            ("F64".to_string(), u64::MAX),
+            ("BF16".to_string(), u64::MAX),
+        ]
+        .into_iter()
+        .collect();
         let config = json!({"num_hidden_layers": u64::MAX, "num_attention_heads": 1,
                             "head_dim": u64::MAX, "max_position_embeddings": u64::MAX});
         let need = Need::of(&huge, &config).unwrap();

@@ -931,7 +931,10 @@ mod tests {
                 "8"
             ]
         );
-        assert_eq!(c["env"], json!([{"name": "HF_ENDPOINT", "value": "http://hub.test"}]));
+        assert_eq!(
+            c["env"],
+            json!([{"name": "HF_ENDPOINT", "value": "http://hub.test"}])
+        );
     }
 
     #[test]
