@@ -54,7 +54,7 @@ async fn endpoint(faults: Arc<Faults>) -> Endpoint {
     Endpoint::start(&front, ip, timing, faults)
 }
 
-fn client(ca: &str) -> reqwest::Client {
+pub(crate) fn client(ca: &str) -> reqwest::Client {
     reqwest::Client::builder()
         .tls_built_in_root_certs(false)
         .add_root_certificate(reqwest::Certificate::from_pem(ca.as_bytes()).unwrap())

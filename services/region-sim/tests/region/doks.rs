@@ -563,7 +563,7 @@ async fn node_pools_become_labelled_tainted_nodes() {
 }
 
 /// A CA and a certificate for `host` it signed, as PEM: (ca, cert, key).
-fn pki(host: &str) -> (String, String, String) {
+pub(crate) fn pki(host: &str) -> (String, String, String) {
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.distinguished_name.push(DnType::CommonName, "di-ca");

@@ -8,36 +8,21 @@ use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
 use region_sim::faults::Faults;
-use region_sim::front::{Front, Site};
+use region_sim::front::{Front, Site, SiteId};
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
+use crate::data_plane::client;
+
 const TOKEN: &str = "di_front_test_token_0123456789";
 
-/// A CA and a certificate for `ip`, as PEM: (ca, cert, key).
-fn pki(cn: &str, ip: Ipv4Addr) -> (String, String, String) {
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(DnType::CommonName, cn);
-    let ca_key = KeyPair::generate().unwrap();
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let leaf = CertificateParams::new(vec![ip.to_string()]).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let cert = leaf.signed_by(&key, &ca_cert, &ca_key).unwrap();
-    (ca_cert.pem(), cert.pem(), key.serialize_pem())
-}
-
-fn trusting(ca: &str) -> reqwest::Client {
-    reqwest::Client::builder()
-        .tls_built_in_root_certs(false)
-        .add_root_certificate(reqwest::Certificate::from_pem(ca.as_bytes()).unwrap())
-        .build()
-        .unwrap()
+/// A CA and a certificate for `ip` it signed, as PEM: (ca, cert, key).
+fn pki(ip: Ipv4Addr) -> (String, String, String) {
+    crate::doks::pki(&ip.to_string())
 }
 
 fn serving(cert: &str, key: &str, pod: &str, model: &str) -> EndpointConfig {
@@ -80,27 +65,27 @@ async fn two_load_balancers_on_one_listener_serve_their_own_endpoints() {
     assert_eq!(a.port(), front.port());
     assert_eq!(b.port(), front.port(), "one port for both");
     assert_eq!(a.url(), format!("https://{ip_a}:{}", front.port()));
-    let (ca_a, cert_a, key_a) = pki("ca-a", ip_a);
-    let (ca_b, cert_b, key_b) = pki("ca-b", ip_b);
+    let (ca_a, cert_a, key_a) = pki(ip_a);
+    let (ca_b, cert_b, key_b) = pki(ip_b);
     a.update(serving(&cert_a, &key_a, "pod-a", "model-a"))
         .unwrap();
     b.update(serving(&cert_b, &key_b, "pod-b", "model-b"))
         .unwrap();
 
     // Each address presents its own certificate and serves its own model.
-    let (pod, ids) = models(&trusting(&ca_a), &a.url()).await.unwrap();
+    let (pod, ids) = models(&client(&ca_a), &a.url()).await.unwrap();
     assert_eq!((pod.as_str(), ids), ("pod-a", vec!["model-a".to_string()]));
-    let (pod, ids) = models(&trusting(&ca_b), &b.url()).await.unwrap();
+    let (pod, ids) = models(&client(&ca_b), &b.url()).await.unwrap();
     assert_eq!((pod.as_str(), ids), ("pod-b", vec!["model-b".to_string()]));
     assert!(
-        models(&trusting(&ca_a), &b.url()).await.is_err(),
+        models(&client(&ca_a), &b.url()).await.is_err(),
         "b does not present a's certificate"
     );
     assert_eq!((a.requests(), b.requests()), (1, 1));
 
     // Nothing at an address no load balancer holds: the connection is closed.
     let unused = front.addresses().allocate();
-    assert!(trusting(&ca_a)
+    assert!(client(&ca_a)
         .get(format!("https://{unused}:{}/v1/models", front.port()))
         .send()
         .await
@@ -108,8 +93,8 @@ async fn two_load_balancers_on_one_listener_serve_their_own_endpoints() {
 
     // A load balancer that goes away stops answering; the other one keeps serving.
     a.shutdown();
-    assert!(models(&trusting(&ca_a), &a.url()).await.is_err());
-    let (pod, _) = models(&trusting(&ca_b), &b.url()).await.unwrap();
+    assert!(models(&client(&ca_a), &a.url()).await.is_err());
+    let (pod, _) = models(&client(&ca_b), &b.url()).await.unwrap();
     assert_eq!(pod, "pod-b");
     assert_eq!(front.sites(), 1);
 }
@@ -136,9 +121,15 @@ async fn tls_connect(
         .await
 }
 
-/// A plain site answering `GET /` with "hello", at `ip`, closing idle connections after `idle`.
-fn hello_site(cert: &str, key: &str, idle: Duration) -> (Site, watch::Sender<bool>) {
-    let tls = region_sim::data_plane::tls_config(cert, key).unwrap();
+/// Serves a plain site answering `GET /` with "hello" at `ip`, with a certificate for `ip`,
+/// closing idle connections after `idle`: (the CA's PEM, the registration, the site's stop).
+fn serve_hello(
+    front: &Front,
+    ip: Ipv4Addr,
+    idle: Duration,
+) -> (String, SiteId, watch::Sender<bool>) {
+    let (ca, cert, key) = pki(ip);
+    let tls = region_sim::data_plane::tls_config(&cert, &key).unwrap();
     let (stop, stop_rx) = watch::channel(false);
     let site = Site {
         tls: Arc::new(move || Some(tls.clone())),
@@ -146,7 +137,7 @@ fn hello_site(cert: &str, key: &str, idle: Duration) -> (Site, watch::Sender<boo
         stop: stop_rx,
         idle_timeout: idle,
     };
-    (site, stop)
+    (ca, front.register(ip, site), stop)
 }
 
 async fn get_hello(
@@ -163,9 +154,7 @@ async fn get_hello(
 async fn idle_connections_are_closed_and_a_stopped_site_closes_its_own() {
     let front = Front::start(0).await.unwrap();
     let ip = front.addresses().allocate();
-    let (ca, cert, key) = pki("ca", ip);
-    let (site, _stop) = hello_site(&cert, &key, Duration::from_millis(300));
-    front.register(ip, site);
+    let (ca, _, _stop) = serve_hello(&front, ip, Duration::from_millis(300));
 
     let mut conn = tls_connect(&ca, ip, front.port()).await.unwrap();
     assert!(get_hello(&mut conn).await.unwrap().ends_with("hello"));
@@ -182,9 +171,7 @@ async fn idle_connections_are_closed_and_a_stopped_site_closes_its_own() {
 
     // A site that stops closes its open connections, idle or not.
     let ip2 = front.addresses().allocate();
-    let (ca2, cert2, key2) = pki("ca2", ip2);
-    let (site2, stop2) = hello_site(&cert2, &key2, Duration::from_secs(60));
-    let id2 = front.register(ip2, site2);
+    let (ca2, id2, stop2) = serve_hello(&front, ip2, Duration::from_secs(60));
     let mut conn2 = tls_connect(&ca2, ip2, front.port()).await.unwrap();
     assert!(get_hello(&mut conn2).await.unwrap().ends_with("hello"));
     front.unregister(id2);
@@ -216,17 +203,15 @@ async fn connections_from_beyond_loopback_are_refused() {
     let front = Front::start(0).await.unwrap();
     // The same site at a loopback address and at the machine's own address: only the
     // loopback one answers (a connection to the machine's address comes from that address).
-    let (ca, cert, key) = pki("ca", lan);
-    let (site, _stop) = hello_site(&cert, &key, Duration::from_secs(60));
-    front.register(lan, site);
+    // Either guard refuses it alone: the listener's binding to `lo` (the kernel never hands it
+    // the connection) and the check of the peer's address.
+    let (ca, _, _stop) = serve_hello(&front, lan, Duration::from_secs(60));
     assert!(
         tls_connect(&ca, lan, front.port()).await.is_err(),
         "a peer at {lan} is not on loopback"
     );
     let ip = front.addresses().allocate();
-    let (ca, cert, key) = pki("ca", ip);
-    let (site, _stop2) = hello_site(&cert, &key, Duration::from_secs(60));
-    front.register(ip, site);
+    let (ca, _, _stop2) = serve_hello(&front, ip, Duration::from_secs(60));
     let mut conn = tls_connect(&ca, ip, front.port()).await.unwrap();
     assert!(get_hello(&mut conn).await.unwrap().ends_with("hello"));
 }
