@@ -101,6 +101,8 @@ pub(crate) struct Shared {
     store: Arc<Store>,
     config: Mutex<ClusterConfig>,
     shutdown: tokio::sync::watch::Sender<bool>,
+    /// Passes the controllers have made (see [`Cluster::controller_passes`]).
+    passes: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -215,6 +217,7 @@ impl Cluster {
             store: Arc::new(Store::new()),
             config: Mutex::new(config),
             shutdown,
+            passes: std::sync::atomic::AtomicU64::new(0),
         });
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
             ops::create(
@@ -435,6 +438,16 @@ impl Cluster {
     /// controllers and by [`Cluster`] methods are not counted.
     pub fn write_count(&self) -> u64 {
         self.store().write_count()
+    }
+
+    /// Passes the built-in controllers have made over the objects: one after every burst of
+    /// changes and whenever a timer of theirs is due (a pod's model load, a back-off, an
+    /// address delay); none for a cluster where nothing changes, however long it runs.
+    pub fn controller_passes(&self) -> u64 {
+        self.inner
+            .shared
+            .passes
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The current (highest) resourceVersion.

@@ -99,3 +99,54 @@ async fn an_in_process_cluster_has_no_url() {
     let cluster = Cluster::start_in_process("inproc", ClusterConfig::default()).unwrap();
     let _ = cluster.url();
 }
+
+/// The controllers run after changes and when one of their timers is due, not on a clock: a
+/// cluster where nothing happens costs no pass (the region simulator runs thousands), while
+/// timed work (a pod's model load) still completes on its own.
+#[tokio::test]
+async fn a_settled_cluster_makes_no_controller_passes() {
+    let config = ClusterConfig {
+        model_load_delay: Duration::from_millis(300),
+        ..ClusterConfig::default()
+    };
+    let cluster = Cluster::start_in_process("quiet", config).unwrap();
+    let client = in_process_client(&cluster);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let idle = cluster.controller_passes();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(cluster.controller_passes(), idle, "no change, no pass");
+
+    // A Deployment on a node: scheduled on the change, Ready when the load timer fires.
+    cluster.upsert_node(crate::common::cpu_node("n1", "cpu"));
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(client.clone(), "default");
+    deployments
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "web"},
+                "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "web"}},
+                  "template": {"metadata": {"labels": {"app": "web"}},
+                    "spec": {"containers": [{"name": "web", "image": "nginx"}]}}}}))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    crate::common::eventually(
+        Duration::from_secs(5),
+        "the deployment available",
+        || async {
+            let d = deployments.get("web").await.ok()?;
+            (d.status?.available_replicas? == 1).then_some(())
+        },
+    )
+    .await;
+    assert!(cluster.controller_passes() > idle);
+
+    // Settled again: passes stop.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let settled = cluster.controller_passes();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(cluster.controller_passes(), settled, "settled, no pass");
+    cluster.shutdown().await;
+}
