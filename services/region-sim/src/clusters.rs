@@ -90,6 +90,9 @@ mod kube {
         pub fn subscribe(&self) -> broadcast::Receiver<u64> {
             self.cluster.subscribe()
         }
+        pub fn resource_version(&self) -> u64 {
+            self.cluster.resource_version()
+        }
         pub fn set_delays(&self, d: &Delays) {
             let mut c = config(d, &self.loader);
             c.bearer_token = self.cluster.config().bearer_token;
@@ -693,8 +696,11 @@ impl Credentials {
 }
 
 /// Re-derives the cloud controller's view whenever the cluster's objects change, and every 100 ms
-/// while a load balancer is not active yet (a timed transition the objects do not show); a
-/// settled cluster only every `Clusters::idle`.
+/// while a load balancer is not active yet (a timed transition the objects do not show). A
+/// settled cluster is looked at every `Clusters::idle`, and only re-derived if its objects
+/// changed since it settled (a change is normally seen at once; this is the safety net): what
+/// the cloud controller derives is a function of the objects once every load balancer is
+/// active, so thousands of settled clusters cost nothing.
 async fn watch_cluster(
     shared: std::sync::Weak<Shared>,
     id: String,
@@ -702,20 +708,35 @@ async fn watch_cluster(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut changes = side.kube.subscribe();
+    // The resourceVersion at which the cluster was last found settled, and whether this
+    // wake-up is the idle one rather than a change.
+    let mut settled_at: Option<u64> = None;
+    let mut idle_wake = false;
     loop {
         let Some(s) = shared.upgrade() else { return };
         if *stop.borrow() {
             return;
         }
-        let pause = match reconcile(&s, &id, &side).await {
-            Ok(true) => s.clusters.idle,
-            Ok(false) => Duration::from_millis(100),
-            Err(e) => {
-                tracing::warn!(error = %e, cluster_id = %id, "cloud controller pass failed");
-                Duration::from_millis(100)
+        let rv = side.kube.resource_version();
+        let pause = if idle_wake && settled_at == Some(rv) {
+            s.clusters.idle
+        } else {
+            settled_at = None;
+            match reconcile(&s, &id, &side).await {
+                Ok(true) => {
+                    // Settled: nothing was written, so `rv` is still what it derived from.
+                    settled_at = Some(rv);
+                    s.clusters.idle
+                }
+                Ok(false) => Duration::from_millis(100),
+                Err(e) => {
+                    tracing::warn!(error = %e, cluster_id = %id, "cloud controller pass failed");
+                    Duration::from_millis(100)
+                }
             }
         };
         drop(s);
+        idle_wake = false;
         tokio::select! {
             _ = stop.changed() => return,
             r = changes.recv() => {
@@ -731,7 +752,7 @@ async fn watch_cluster(
                     Err(TryRecvError::Empty | TryRecvError::Closed)
                 ) {}
             }
-            _ = tokio::time::sleep(pause) => {}
+            _ = tokio::time::sleep(pause) => idle_wake = true,
         }
     }
 }

@@ -59,10 +59,10 @@ pub struct SimConfig {
     pub gpu_capacity: BTreeMap<String, u32>,
     pub faults: FaultConfig,
     pub model: ModelTiming,
-    /// How often the simulated cloud controller re-derives a cluster whose objects did not
-    /// change and whose load balancers are all active (while one is not, it looks every 100 ms).
-    /// Defaults to 100 ms; benchmarks with many clusters raise it, as each look costs in
-    /// proportion to the cluster's objects.
+    /// How often the simulated cloud controller checks a settled cluster (every load balancer
+    /// active; while one is not, it looks every 100 ms) for changes it missed: it re-derives the
+    /// cluster only if its resourceVersion moved since (changes are normally seen at once).
+    /// Defaults to 100 ms.
     pub cloud_controller_idle_ms: u64,
     /// How long the cluster credentials the kubeconfig and credentials endpoints issue stay
     /// valid when the request does not ask (`expiry_seconds` absent or 0): 7 days, as on DOKS.

@@ -60,9 +60,8 @@ struct Args {
     data_plane_429_rate: f64,
     #[arg(long, env = "REGION_SIM_DATA_PLANE_LATENCY_MS", default_value_t = 0)]
     data_plane_latency_ms: u64,
-    /// How often a cluster whose objects did not change and whose load balancers are all active
-    /// is re-checked by the simulated cloud controller (each look costs in proportion to the
-    /// cluster's objects; raise it for thousands of objects).
+    /// How often the simulated cloud controller checks a settled cluster (every load balancer
+    /// active) for changes it missed; it re-derives it only if its objects changed since.
     #[arg(
         long,
         env = "REGION_SIM_CLOUD_CONTROLLER_IDLE_MS",
