@@ -86,6 +86,7 @@ pub(crate) async fn run(shared: Arc<Shared>) {
         // change since the last one and no timer due, it would decide exactly what the last
         // one did and write nothing. Skipping it keeps thousands of settled clusters (the
         // region simulator's) from costing a pass over every object each second.
+        shared.store.prune_history();
         let rv = shared.store.lock().rv;
         let timer_due = timers.next_wake.is_some_and(|w| w <= Instant::now());
         if !(idle_wake && settled_at == Some(rv) && !timer_due) {
