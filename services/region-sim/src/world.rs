@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -344,6 +345,13 @@ pub struct World {
     addresses: Arc<Addresses>,
 }
 
+/// `render` of the items of `all` at positions `range` (clamped to it), and `all`'s length.
+fn page<T>(all: &[T], range: Range<usize>, render: impl Fn(&T) -> Value) -> (Vec<Value>, usize) {
+    let end = range.end.min(all.len());
+    let start = range.start.min(end);
+    (all[start..end].iter().map(render).collect(), all.len())
+}
+
 fn now_str() -> String {
     Utc::now().to_rfc3339_opts(SecondsFormat::Secs, true)
 }
@@ -481,15 +489,21 @@ impl World {
     /// The VPCs `acting` sees: an account its own (its default VPC made on first use, as
     /// DigitalOcean does), the platform every account's.
     pub fn vpc_list(&self, acting: Option<Uuid>) -> Vec<Value> {
+        self.vpc_page(acting, 0..usize::MAX).0
+    }
+
+    /// The VPCs the caller sees at positions `range` (fewer past the end), and how many it sees.
+    pub fn vpc_page(&self, acting: Option<Uuid>, range: Range<usize>) -> (Vec<Value>, usize) {
         let mut st = self.lock();
         if acting.is_some() {
             self.ensure_default_vpc(&mut st, acting);
         }
-        st.vpcs
+        let seen: Vec<&Vpc> = st
+            .vpcs
             .iter()
             .filter(|v| acting.is_none() || v.account == acting)
-            .map(Self::vpc_json)
-            .collect()
+            .collect();
+        page(&seen, range, |v| Self::vpc_json(v))
     }
 
     fn ensure_default_vpc(&self, st: &mut State, account: Option<Uuid>) {
@@ -950,11 +964,12 @@ impl World {
     }
 
     pub fn cluster_list(&self) -> Vec<Value> {
-        self.lock()
-            .clusters
-            .iter()
-            .map(Self::cluster_json)
-            .collect()
+        self.cluster_page(0..usize::MAX).0
+    }
+
+    /// The clusters at positions `range` (fewer past the end), and how many there are.
+    pub fn cluster_page(&self, range: Range<usize>) -> (Vec<Value>, usize) {
+        page(&self.lock().clusters, range, Self::cluster_json)
     }
 
     pub fn cluster_get(&self, id: &str) -> Result<Value, WorldError> {
@@ -1338,8 +1353,12 @@ impl World {
     }
 
     pub fn lb_list(&self) -> Vec<Value> {
-        let st = self.lock();
-        st.lbs.iter().map(|l| self.lb_json(l)).collect()
+        self.lb_page(0..usize::MAX).0
+    }
+
+    /// The load balancers at positions `range` (fewer past the end), and how many there are.
+    pub fn lb_page(&self, range: Range<usize>) -> (Vec<Value>, usize) {
+        page(&self.lock().lbs, range, |l| self.lb_json(l))
     }
 
     pub fn lb_get(&self, id: &str) -> Result<Value, WorldError> {
