@@ -27,10 +27,18 @@
 //! at once (the client sees a failed handshake). Connections idle between requests for longer
 //! than the site's idle timeout are closed, as DigitalOcean's load balancers
 //! (`http_idle_timeout_seconds`, 60 s) and the Kubernetes API server (90 s) close theirs.
+//!
+//! One process stands in for thousands of servers, each of which would have a file table of its
+//! own, so the front watches its share: once its open connections reach half of the process's
+//! file limit, connections it accepts close after [`PRESSURED_IDLE_TIMEOUT`] idle instead (as
+//! proxies under load shorten their idle timeouts, e.g. Envoy's overload manager). A client
+//! that pools a connection per concurrent request for every cluster it talks to (the workers'
+//! Kubernetes clients keep about 14 per cluster) then holds what it used in the last seconds,
+//! not what it used in the last minute and a half.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -44,6 +52,9 @@ use tokio_rustls::TlsAcceptor;
 
 /// How long a client may take for its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The idle timeout of connections accepted while the front is short of file descriptors.
+pub const PRESSURED_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The first and last addresses handed out (`127.1.0.1` .. `127.254.255.254`).
 const FIRST: u32 = u32::from_be_bytes([127, 1, 0, 1]);
@@ -134,6 +145,34 @@ struct Inner {
     sites: RwLock<HashMap<Ipv4Addr, Registered>>,
     next_id: AtomicU64,
     addresses: Arc<Addresses>,
+    /// Connections being served now.
+    open: Arc<AtomicUsize>,
+    /// From this many open connections on, new ones get the pressured idle timeout; and that
+    /// timeout.
+    pressure: RwLock<(usize, Duration)>,
+}
+
+/// Half the process's limit on open files (`RLIMIT_NOFILE`, from `/proc/self/limits`), or
+/// 10,000 where it cannot be read.
+fn pressure_threshold() -> usize {
+    std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|l| {
+            l.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| l.split_whitespace().nth(3))
+                .and_then(|soft| soft.parse::<usize>().ok())
+        })
+        .map_or(10_000, |limit| limit / 2)
+}
+
+/// Counts a connection as open until it is dropped.
+struct OpenGuard(Arc<AtomicUsize>);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The shared listener and its sites. Dropping it (every clone) stops accepting; open
@@ -177,6 +216,8 @@ impl Front {
             sites: RwLock::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             addresses,
+            open: Arc::new(AtomicUsize::new(0)),
+            pressure: RwLock::new((pressure_threshold(), PRESSURED_IDLE_TIMEOUT)),
         });
         let (stop, stop_rx) = watch::channel(false);
         tokio::spawn(accept_loop(listener, Arc::downgrade(&inner), stop_rx));
@@ -220,6 +261,18 @@ impl Front {
     /// How many addresses serve a site now.
     pub fn sites(&self) -> usize {
         self.inner.sites.read().expect("sites lock").len()
+    }
+
+    /// Connections being served now (TLS handshakes included).
+    pub fn open_connections(&self) -> usize {
+        self.inner.open.load(Ordering::Relaxed)
+    }
+
+    /// From `threshold` open connections on, connections accepted close after `idle` idle
+    /// (instead of their site's timeout, if that is longer). Defaults: half the process's file
+    /// limit, [`PRESSURED_IDLE_TIMEOUT`].
+    pub fn set_pressure(&self, threshold: usize, idle: Duration) {
+        *self.inner.pressure.write().expect("pressure lock") = (threshold, idle);
     }
 
     /// Stops accepting connections (sites close their open ones when they stop).
@@ -271,10 +324,19 @@ async fn accept_loop(
             .get(&local)
             .map(|r| r.site.clone());
         // Nothing at that address, or no usable certificate: the client's handshake fails.
-        let Some(site) = site else { continue };
+        let Some(mut site) = site else { continue };
         let Some(cfg) = (site.tls)() else { continue };
         let _ = stream.set_nodelay(true);
-        tokio::spawn(serve_connection(stream, cfg, site));
+        let open = inner.open.fetch_add(1, Ordering::Relaxed) + 1;
+        let guard = OpenGuard(inner.open.clone());
+        let (threshold, pressured) = *inner.pressure.read().expect("pressure lock");
+        if open >= threshold {
+            site.idle_timeout = site.idle_timeout.min(pressured);
+        }
+        tokio::spawn(async move {
+            serve_connection(stream, cfg, site).await;
+            drop(guard);
+        });
     }
 }
 

@@ -215,3 +215,34 @@ async fn connections_from_beyond_loopback_are_refused() {
     let mut conn = tls_connect(&ca, ip, front.port()).await.unwrap();
     assert!(get_hello(&mut conn).await.unwrap().ends_with("hello"));
 }
+
+#[tokio::test]
+async fn connections_accepted_under_pressure_close_sooner() {
+    let front = Front::start(0).await.unwrap();
+    // From two open connections on, new ones close after 300 ms idle (the default: from half
+    // the process's file limit on, after 5 s).
+    front.set_pressure(2, Duration::from_millis(300));
+    let ip = front.addresses().allocate();
+    let (ca, _, _stop) = serve_hello(&front, ip, Duration::from_secs(60));
+    let mut first = tls_connect(&ca, ip, front.port()).await.unwrap();
+    assert!(get_hello(&mut first).await.unwrap().ends_with("hello"));
+    let mut second = tls_connect(&ca, ip, front.port()).await.unwrap();
+    assert!(get_hello(&mut second).await.unwrap().ends_with("hello"));
+    assert_eq!(front.open_connections(), 2);
+
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(2), second.read(&mut buf))
+        .await
+        .expect("the second connection, accepted under pressure, was closed idle");
+    assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    // The first keeps its site's timeout.
+    assert!(get_hello(&mut first).await.unwrap().ends_with("hello"));
+    for _ in 0..100 {
+        if front.open_connections() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(front.open_connections(), 1);
+}
