@@ -150,6 +150,18 @@ async fn get_hello(
     Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
+/// Waits (up to 2 s) for the server to close `conn`: the read ends or fails.
+async fn closed_by_server(
+    conn: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    what: &str,
+) {
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(2), conn.read(&mut buf))
+        .await
+        .unwrap_or_else(|_| panic!("{what}: still open after 2 s"));
+    assert!(matches!(n, Ok(0) | Err(_)), "{what}: {n:?}");
+}
+
 #[tokio::test]
 async fn idle_connections_are_closed_and_a_stopped_site_closes_its_own() {
     let front = Front::start(0).await.unwrap();
@@ -163,11 +175,7 @@ async fn idle_connections_are_closed_and_a_stopped_site_closes_its_own() {
     assert!(get_hello(&mut conn).await.unwrap().ends_with("hello"));
     // ... but not past the idle timeout: the server closes it, and its socket with it.
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let mut buf = [0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(2), conn.read(&mut buf))
-        .await
-        .expect("the server closed the idle connection");
-    assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    closed_by_server(&mut conn, "the idle connection").await;
 
     // A site that stops closes its open connections, idle or not.
     let ip2 = front.addresses().allocate();
@@ -176,10 +184,7 @@ async fn idle_connections_are_closed_and_a_stopped_site_closes_its_own() {
     assert!(get_hello(&mut conn2).await.unwrap().ends_with("hello"));
     front.unregister(id2);
     stop2.send(true).unwrap();
-    let n = tokio::time::timeout(Duration::from_secs(2), conn2.read(&mut buf))
-        .await
-        .expect("closed when the site stopped");
-    assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    closed_by_server(&mut conn2, "a connection of the stopped site").await;
     assert!(tls_connect(&ca2, ip2, front.port()).await.is_err());
 }
 
@@ -231,11 +236,11 @@ async fn connections_accepted_under_pressure_close_sooner() {
     assert_eq!(front.open_connections(), 2);
 
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let mut buf = [0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(2), second.read(&mut buf))
-        .await
-        .expect("the second connection, accepted under pressure, was closed idle");
-    assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    closed_by_server(
+        &mut second,
+        "the second connection, accepted under pressure and idle",
+    )
+    .await;
     // The first keeps its site's timeout.
     assert!(get_hello(&mut first).await.unwrap().ends_with("hello"));
     for _ in 0..100 {
