@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
 use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
 use region_sim::faults::Faults;
+use region_sim::front::Front;
 use region_sim::picker::{PickerConfig, PoolSpec, LLM_D_DEFAULT_CONFIG};
 use region_sim::serving::{BackendServing, Counters, ReplicaSpec, ServingConfig};
 use serde_json::{json, Value};
@@ -128,11 +129,6 @@ impl Plane {
         ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         let ca_key = KeyPair::generate().unwrap();
         let ca_cert = ca.self_signed(&ca_key).unwrap();
-        let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(vec!["127.0.0.1".to_string()])
-            .unwrap()
-            .signed_by(&key, &ca_cert, &ca_key)
-            .unwrap();
         let timing = Arc::new(RwLock::new(ModelTiming {
             serving: ServingConfig {
                 time_scale: a.time_scale,
@@ -140,8 +136,17 @@ impl Plane {
             },
             ..Default::default()
         }));
-        let ep = Endpoint::start(timing, Arc::new(Faults::default()))
-            .await
+        let front = Front::start(0).await.unwrap();
+        let ep = Endpoint::start(
+            &front,
+            front.addresses().allocate(),
+            timing,
+            Arc::new(Faults::default()),
+        );
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec![ep.ip().to_string()])
+            .unwrap()
+            .signed_by(&key, &ca_cert, &ca_key)
             .unwrap();
         let pool = Arc::new(PoolSpec {
             key: String::new(),

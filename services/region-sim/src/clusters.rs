@@ -1,8 +1,14 @@
 //! The cloud's part inside each simulated Kubernetes cluster: one API server per DOKS cluster,
 //! Nodes for running droplets, and the cloud controller's work for LoadBalancer Services (a DO
 //! load balancer, an address on the Service, and a data-plane endpoint behind that address).
+//!
+//! Every cluster's API and every load balancer is a site of the region's [`Front`] at a loopback
+//! address of its own. The API servers run in process (`sim-kube` without a listener): the
+//! front's HTTPS handler calls them directly, and so does the cloud controller, so the region
+//! opens no connection to itself.
 
 use std::collections::{BTreeMap, HashMap};
+use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -11,6 +17,7 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 
 use crate::data_plane::{Endpoint, Route};
+use crate::front::{Front, SiteId};
 use crate::inventory::EndpointInfo;
 use crate::routing;
 use crate::world::{Delays, Effect, ServiceLb};
@@ -46,24 +53,27 @@ mod kube {
     #[derive(Clone)]
     pub struct Handle {
         cluster: sim_kube::Cluster,
-        http: reqwest::Client,
         loader: Arc<dyn sim_kube::ModelLoader>,
     }
 
     impl Handle {
-        pub async fn start(
+        /// An API server in this process, without a listener of its own (the front serves it).
+        pub fn start(
             name: &str,
             d: &Delays,
             loader: Arc<dyn sim_kube::ModelLoader>,
         ) -> anyhow::Result<Handle> {
             Ok(Handle {
-                cluster: sim_kube::Cluster::start(name, config(d, &loader)).await?,
-                http: reqwest::Client::new(),
+                cluster: sim_kube::Cluster::start_in_process(name, config(d, &loader))?,
                 loader,
             })
         }
-        pub fn url(&self) -> String {
-            self.cluster.url()
+        /// One API request, served in process.
+        pub async fn call(
+            &self,
+            req: http::Request<axum::body::Body>,
+        ) -> http::Response<axum::body::Body> {
+            self.cluster.call(req).await
         }
         pub fn upsert_node(&self, node: Value) {
             self.cluster.upsert_node(node);
@@ -80,36 +90,36 @@ mod kube {
         pub fn subscribe(&self) -> broadcast::Receiver<u64> {
             self.cluster.subscribe()
         }
+        pub fn resource_version(&self) -> u64 {
+            self.cluster.resource_version()
+        }
         pub fn set_delays(&self, d: &Delays) {
             let mut c = config(d, &self.loader);
             c.bearer_token = self.cluster.config().bearer_token;
             self.cluster.set_config(c);
         }
         /// Writes the Service's load balancer ingress through the `/status` subresource, as the
-        /// DigitalOcean cloud controller does.
+        /// DigitalOcean cloud controller does: the same request it would send, served in process.
         pub async fn set_service_ingress(
             &self,
             ns: &str,
             name: &str,
             ingress: Value,
         ) -> anyhow::Result<()> {
-            let url = format!(
-                "{}/api/v1/namespaces/{ns}/services/{name}/status?fieldManager={CCM_MANAGER}",
-                self.cluster.url()
-            );
-            let resp = self
-                .http
-                .patch(url)
-                .header("content-type", "application/merge-patch+json")
-                .json(&json!({"status": {"loadBalancer": {"ingress": ingress}}}))
-                .send()
-                .await?;
+            let body = json!({"status": {"loadBalancer": {"ingress": ingress}}});
+            let req = http::Request::patch(format!(
+                "/api/v1/namespaces/{ns}/services/{name}/status?fieldManager={CCM_MANAGER}"
+            ))
+            .header("content-type", "application/merge-patch+json")
+            .body(axum::body::Body::from(serde_json::to_vec(&body)?))?;
+            let resp = self.cluster.call(req).await;
             if !resp.status().is_success() {
-                anyhow::bail!(
-                    "patching {ns}/{name} status: {} {}",
-                    resp.status(),
-                    resp.text().await.unwrap_or_default()
-                );
+                let status = resp.status();
+                let text = axum::body::to_bytes(resp.into_body(), 64 * 1024)
+                    .await
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default();
+                anyhow::bail!("patching {ns}/{name} status: {status} {text}");
             }
             Ok(())
         }
@@ -135,12 +145,13 @@ mod pki {
     pub struct ClusterPki {
         /// The CA certificate, PEM.
         pub ca_pem: String,
-        /// The API server's TLS configuration: a certificate for `127.0.0.1` and `localhost`
-        /// signed by the CA.
+        /// The API server's TLS configuration: a certificate for its own address, `127.0.0.1`
+        /// and `localhost`, signed by the CA.
         pub server: Arc<ServerConfig>,
     }
 
-    pub fn generate(cluster_name: &str) -> anyhow::Result<ClusterPki> {
+    /// The cluster's CA and a server certificate for `ip` (the API server's address).
+    pub fn generate(cluster_name: &str, ip: Ipv4Addr) -> anyhow::Result<ClusterPki> {
         let mut ca = CertificateParams::new(Vec::<String>::new())?;
         ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
         ca.distinguished_name.push(
@@ -155,9 +166,11 @@ mod pki {
         let ca_key = KeyPair::generate()?;
         let ca_cert = ca.self_signed(&ca_key)?;
         let mut server = CertificateParams::new(vec!["localhost".to_string()])?;
-        server
-            .subject_alt_names
-            .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+        for addr in [ip, Ipv4Addr::LOCALHOST] {
+            server
+                .subject_alt_names
+                .push(SanType::IpAddress(IpAddr::V4(addr)));
+        }
         server
             .distinguished_name
             .push(DnType::CommonName, "kube-apiserver");
@@ -177,14 +190,14 @@ mod pki {
 }
 
 mod proxy {
-    //! The address the kubeconfig points at: a thin reverse proxy in front of the cluster's
-    //! simulated API server that serves HTTPS with a certificate from the cluster's CA, checks
-    //! the bearer token against the cluster's live credentials (see [`super::Tokens`]) and
-    //! injects the `kube` faults.
+    //! The address the kubeconfig points at: the cluster's site on the region's front, serving
+    //! HTTPS with a certificate from the cluster's CA. It checks the bearer token against the
+    //! cluster's live credentials (see [`super::Tokens`]), counts the call, injects the `kube`
+    //! faults and hands the request to the cluster's simulated API server in process.
 
     use std::sync::Arc;
+    use std::time::Duration;
 
-    use axum::body::Body;
     use axum::extract::{Request, State};
     use axum::http::{header, HeaderValue, StatusCode};
     use axum::response::{IntoResponse, Response};
@@ -192,16 +205,20 @@ mod proxy {
     use serde_json::json;
     use tokio::sync::watch;
 
-    use super::Tokens;
+    use super::{kube, Tokens};
     use crate::faults::{Api, CallVerdict, Faults, Verdict};
+    use crate::front::Site;
     use crate::Stats;
 
+    /// How long a connection may stay idle between requests: the Kubernetes API server's
+    /// `IdleTimeout`.
+    pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
     struct Proxy {
-        upstream: String,
+        kube: kube::Handle,
         tokens: Arc<Tokens>,
         faults: Arc<Faults>,
         stats: Arc<Stats>,
-        http: reqwest::Client,
     }
 
     /// A Kubernetes `Status` error, which is what clients parse on failures.
@@ -216,7 +233,7 @@ mod proxy {
             .into_response()
     }
 
-    async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
+    async fn forward(State(p): State<Arc<Proxy>>, mut req: Request) -> Response {
         let authorized = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -259,38 +276,9 @@ mod proxy {
                 return r;
             }
         };
-        let (parts, body) = req.into_parts();
-        let Ok(body) = axum::body::to_bytes(body, 64 * 1024 * 1024).await else {
-            return status(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "RequestEntityTooLarge",
-                "request body too large",
-            );
-        };
-        let path = parts
-            .uri
-            .path_and_query()
-            .map(|p| p.as_str())
-            .unwrap_or("/");
-        let mut rb = p
-            .http
-            .request(parts.method.clone(), format!("{}{path}", p.upstream))
-            .body(body);
-        for (k, v) in &parts.headers {
-            if k != header::HOST && k != header::AUTHORIZATION && k != header::CONTENT_LENGTH {
-                rb = rb.header(k, v);
-            }
-        }
-        let resp = match rb.send().await {
-            Ok(r) => r,
-            Err(_) => {
-                return status(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "ServiceUnavailable",
-                    "the API server is unavailable",
-                )
-            }
-        };
+        // The API server behind the front authenticates nothing itself.
+        req.headers_mut().remove(header::AUTHORIZATION);
+        let resp = p.kube.call(req).await;
         if lose_response {
             // The API server has answered, so the call took effect; the client never learns
             // how. The body is not read: a watch's would never end.
@@ -300,46 +288,32 @@ mod proxy {
                 "Timeout: the server did not answer in time",
             );
         }
-        let mut out = Response::builder().status(resp.status().as_u16());
-        for (k, v) in resp.headers() {
-            if k != header::TRANSFER_ENCODING
-                && k != header::CONNECTION
-                && k != header::CONTENT_LENGTH
-            {
-                out = out.header(k, v);
-            }
-        }
-        // Streamed, so that watches flow through as they happen.
-        out.body(Body::from_stream(resp.bytes_stream()))
-            .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
+        // Streamed as the API server produces it, so that watches flow through as they happen.
+        resp
     }
 
-    /// Starts the proxy on a loopback port, serving HTTPS with `tls`; returns its URL.
-    pub async fn start(
-        upstream: String,
+    /// The cluster API's site: HTTPS with `tls`, closed (open watches too, as a deleted
+    /// cluster's would be) when `stop` changes.
+    pub fn site(
+        kube: kube::Handle,
         tls: Arc<rustls::ServerConfig>,
         tokens: Arc<Tokens>,
         faults: Arc<Faults>,
         stats: Arc<Stats>,
         stop: watch::Receiver<bool>,
-    ) -> anyhow::Result<String> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
+    ) -> Site {
         let app = Router::new().fallback(forward).with_state(Arc::new(Proxy {
-            upstream,
+            kube,
             tokens,
             faults,
             stats,
-            http: reqwest::Client::new(),
         }));
-        // Stopping closes open watches too, as a deleted cluster would.
-        tokio::spawn(crate::data_plane::serve_tls(
-            listener,
-            move || Some(tls.clone()),
+        Site {
+            tls: Arc::new(move || Some(tls.clone())),
             app,
             stop,
-        ));
-        Ok(format!("https://{addr}"))
+            idle_timeout: IDLE_TIMEOUT,
+        }
     }
 }
 
@@ -426,7 +400,11 @@ struct ClusterSide {
     kube: kube::Handle,
     /// `do-<region>-<name>`: the kubeconfig's cluster, context and user names.
     context: String,
+    /// `https://<ip>:<front port>`.
     server: String,
+    /// The API server's address, and its site there.
+    ip: Ipv4Addr,
+    site: SiteId,
     /// Base64 of the cluster CA's PEM certificate, as credentials carry it.
     ca_data: String,
     tokens: Arc<Tokens>,
@@ -447,6 +425,8 @@ pub(crate) struct Clusters {
     start_lock: tokio::sync::Mutex<()>,
     /// Decides every cluster's model loads (see [`crate::hub_loader`]).
     loader: Arc<dyn sim_kube::ModelLoader>,
+    /// Serves every cluster's API and every load balancer.
+    front: Front,
 }
 
 impl Clusters {
@@ -455,6 +435,7 @@ impl Clusters {
         idle: Duration,
         credential_ttl: Duration,
         loader: Arc<dyn sim_kube::ModelLoader>,
+        front: Front,
     ) -> Self {
         Self {
             map: Mutex::new(HashMap::new()),
@@ -463,7 +444,12 @@ impl Clusters {
             credential_ttl,
             start_lock: tokio::sync::Mutex::new(()),
             loader,
+            front,
         }
+    }
+
+    pub(crate) fn front(&self) -> &Front {
+        &self.front
     }
 
     fn get(&self, id: &str) -> Option<Arc<ClusterSide>> {
@@ -482,23 +468,40 @@ impl Clusters {
             return Ok(());
         }
         let delays = self.delays.read().expect("delays lock").clone();
-        let handle = kube::Handle::start(name, &delays, self.loader.clone()).await?;
+        let ip = self.front.addresses().allocate();
+        let started = pki::generate(name, ip).and_then(|pki| {
+            Ok((
+                pki,
+                kube::Handle::start(name, &delays, self.loader.clone())?,
+            ))
+        });
+        let (pki, handle) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                self.front.addresses().release(ip);
+                return Err(e);
+            }
+        };
         let (stop, stop_rx) = watch::channel(false);
         let tokens = Arc::new(Tokens::new());
-        let pki = pki::generate(name)?;
-        let url = proxy::start(
-            handle.url(),
-            pki.server,
-            tokens.clone(),
-            shared.faults.clone(),
-            shared.stats.clone(),
-            stop_rx.clone(),
-        )
-        .await?;
-        shared.world.set_cluster_endpoint(id, &url);
+        let site = self.front.register(
+            ip,
+            proxy::site(
+                handle.clone(),
+                pki.server,
+                tokens.clone(),
+                shared.faults.clone(),
+                shared.stats.clone(),
+                stop_rx.clone(),
+            ),
+        );
+        let url = format!("https://{ip}:{}", self.front.port());
+        shared.world.set_cluster_endpoint(id, &url, ip);
         let side = Arc::new(ClusterSide {
             context: format!("do-{}-{name}", shared.world.region()),
             server: url,
+            ip,
+            site,
             ca_data: base64::engine::general_purpose::STANDARD.encode(&pki.ca_pem),
             tokens,
             kube: handle,
@@ -575,7 +578,7 @@ impl Clusters {
                 Effect::ClusterGone { cluster_id } => {
                     let side = self.map.lock().expect("clusters lock").remove(&cluster_id);
                     if let Some(side) = side {
-                        stop_side(&side).await;
+                        self.stop_side(&side).await;
                     }
                 }
             }
@@ -591,8 +594,21 @@ impl Clusters {
             .map(|(_, s)| s)
             .collect();
         for s in sides {
-            stop_side(&s).await;
+            self.stop_side(&s).await;
         }
+    }
+
+    /// Stops a cluster's API (its site, open watches included), its endpoints and its
+    /// controllers, and gives its address back.
+    async fn stop_side(&self, side: &ClusterSide) {
+        let _ = side.stop.send(true);
+        self.front.unregister(side.site);
+        self.front.addresses().release(side.ip);
+        let slots = std::mem::take(&mut *side.endpoints.lock().expect("endpoints lock"));
+        for (_, slot) in slots {
+            slot.endpoint.shutdown();
+        }
+        side.kube.shutdown().await;
     }
 
     pub(crate) fn objects(&self) -> BTreeMap<String, Vec<Value>> {
@@ -679,18 +695,12 @@ impl Credentials {
     }
 }
 
-async fn stop_side(side: &ClusterSide) {
-    let _ = side.stop.send(true);
-    let slots = std::mem::take(&mut *side.endpoints.lock().expect("endpoints lock"));
-    for (_, slot) in slots {
-        slot.endpoint.shutdown();
-    }
-    side.kube.shutdown().await;
-}
-
 /// Re-derives the cloud controller's view whenever the cluster's objects change, and every 100 ms
-/// while a load balancer is not active yet (a timed transition the objects do not show); a
-/// settled cluster only every `Clusters::idle`.
+/// while a load balancer is not active yet (a timed transition the objects do not show). A
+/// settled cluster is looked at every `Clusters::idle`, and only re-derived if its objects
+/// changed since it settled (a change is normally seen at once; this is the safety net): what
+/// the cloud controller derives is a function of the objects once every load balancer is
+/// active, so thousands of settled clusters cost nothing.
 async fn watch_cluster(
     shared: std::sync::Weak<Shared>,
     id: String,
@@ -698,20 +708,35 @@ async fn watch_cluster(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut changes = side.kube.subscribe();
+    // The resourceVersion at which the cluster was last found settled, and whether this
+    // wake-up is the idle one rather than a change.
+    let mut settled_at: Option<u64> = None;
+    let mut idle_wake = false;
     loop {
         let Some(s) = shared.upgrade() else { return };
         if *stop.borrow() {
             return;
         }
-        let pause = match reconcile(&s, &id, &side).await {
-            Ok(true) => s.clusters.idle,
-            Ok(false) => Duration::from_millis(100),
-            Err(e) => {
-                tracing::warn!(error = %e, cluster_id = %id, "cloud controller pass failed");
-                Duration::from_millis(100)
+        let rv = side.kube.resource_version();
+        let pause = if idle_wake && settled_at == Some(rv) {
+            s.clusters.idle
+        } else {
+            settled_at = None;
+            match reconcile(&s, &id, &side).await {
+                Ok(true) => {
+                    // Settled: nothing was written, so `rv` is still what it derived from.
+                    settled_at = Some(rv);
+                    s.clusters.idle
+                }
+                Ok(false) => Duration::from_millis(100),
+                Err(e) => {
+                    tracing::warn!(error = %e, cluster_id = %id, "cloud controller pass failed");
+                    Duration::from_millis(100)
+                }
             }
         };
         drop(s);
+        idle_wake = false;
         tokio::select! {
             _ = stop.changed() => return,
             r = changes.recv() => {
@@ -727,7 +752,7 @@ async fn watch_cluster(
                     Err(TryRecvError::Empty | TryRecvError::Closed)
                 ) {}
             }
-            _ = tokio::time::sleep(pause) => {}
+            _ = tokio::time::sleep(pause) => idle_wake = true,
         }
     }
 }
@@ -800,39 +825,36 @@ async fn reconcile(shared: &Arc<Shared>, id: &str, side: &ClusterSide) -> anyhow
     let lbs: Vec<ServiceLb> = services.iter().map(|o| service_lb(o)).collect();
     let statuses = shared.world.lb_sync(id, &lbs);
 
-    // Endpoints for services that are gone go away with their load balancer.
-    let wanted: Vec<(String, String)> = lbs
+    // Each load balancer's endpoint serves at the load balancer's address; endpoints for
+    // services that are gone go away with their load balancer.
+    let wanted: HashMap<(String, String), Ipv4Addr> = statuses
         .iter()
-        .map(|s| (s.namespace.clone(), s.name.clone()))
+        .map(|st| ((st.namespace.clone(), st.name.clone()), st.ip))
         .collect();
-    let missing: Vec<(String, String)> = {
-        let eps = side.endpoints.lock().expect("endpoints lock");
-        wanted
-            .iter()
-            .filter(|k| !eps.contains_key(*k))
-            .cloned()
-            .collect()
-    };
-    for key in missing {
-        let ep = Endpoint::start(shared.model.clone(), shared.faults.clone()).await?;
-        side.endpoints.lock().expect("endpoints lock").insert(
-            key,
-            EndpointSlot {
-                endpoint: ep,
-                problems: Vec::new(),
-            },
-        );
-    }
+    let front = shared.clusters.front();
     let mut publish = Vec::new();
     {
         let mut eps = side.endpoints.lock().expect("endpoints lock");
         eps.retain(|k, slot| {
-            let keep = wanted.contains(k);
+            // A Service replaced under the same name has a new load balancer, at a new address.
+            let keep = wanted.get(k) == Some(&slot.endpoint.ip());
             if !keep {
                 slot.endpoint.shutdown();
             }
             keep
         });
+        for (key, ip) in &wanted {
+            if !eps.contains_key(key) {
+                let ep = Endpoint::start(front, *ip, shared.model.clone(), shared.faults.clone());
+                eps.insert(
+                    key.clone(),
+                    EndpointSlot {
+                        endpoint: ep,
+                        problems: Vec::new(),
+                    },
+                );
+            }
+        }
         for (svc, st) in services.iter().zip(&statuses) {
             let key = (st.namespace.clone(), st.name.clone());
             let Some(slot) = eps.get_mut(&key) else {
@@ -847,9 +869,10 @@ async fn reconcile(shared: &Arc<Shared>, id: &str, side: &ClusterSide) -> anyhow
             if !st.active {
                 continue;
             }
-            let port = slot.endpoint.port();
-            let ingress =
-                json!([{"ip": "127.0.0.1", "ports": [{"port": port, "protocol": "TCP"}]}]);
+            let ingress = json!([{
+                "ip": st.ip.to_string(),
+                "ports": [{"port": slot.endpoint.port(), "protocol": "TCP"}],
+            }]);
             // Write only on change, so a settled cluster sees no writes from the cloud side.
             if svc.pointer("/status/loadBalancer/ingress") != Some(&ingress) {
                 publish.push((key, ingress));

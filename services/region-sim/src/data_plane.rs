@@ -1,6 +1,7 @@
 //! The simulated data plane: one OpenAI-compatible HTTPS server per load balancer.
 //!
-//! An [`Endpoint`] is what a client reaches at a load balancer's address. It knows nothing about
+//! An [`Endpoint`] is what a client reaches at a load balancer's address: a site of the region's
+//! [`Front`] at the load balancer's own loopback address. It knows nothing about
 //! Kubernetes: it is told (through [`EndpointConfig`]) which certificate the gateway listener
 //! serves, which token hashes are valid, and where the route leads. It then fails the way a real
 //! gateway does when something is missing: no certificate → the TLS handshake fails, no route →
@@ -8,7 +9,7 @@
 
 use std::collections::BTreeSet;
 use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -22,19 +23,20 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::Stream;
-use hyper_util::rt::TokioIo;
-use hyper_util::service::TowerToHyperService;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::ServerConfig;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_rustls::TlsAcceptor;
 
 use crate::faults::{Api, Faults, Verdict};
+use crate::front::{Front, Site, SiteId};
+
+/// How long a connection may stay idle between requests, as on DigitalOcean's load balancers
+/// (`http_idle_timeout_seconds`, 60 by default).
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How fast the fake model answers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -114,11 +116,13 @@ struct Inner {
     requests: AtomicU64,
 }
 
-/// One OpenAI-compatible HTTPS server on a loopback port.
+/// One OpenAI-compatible HTTPS server at a loopback address of its own.
 pub struct Endpoint {
     addr: SocketAddr,
     inner: Arc<Inner>,
     shutdown: watch::Sender<bool>,
+    front: Front,
+    site: SiteId,
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -153,14 +157,15 @@ pub fn tls_config(cert_pem: &str, key_pem: &str) -> anyhow::Result<Arc<ServerCon
 }
 
 impl Endpoint {
-    /// Binds a loopback port and starts serving. Until a certificate is configured every TLS
-    /// handshake fails, as on a gateway whose listener has no valid certificate.
-    pub async fn start(
+    /// Starts serving at `ip` on `front` (the address is the caller's: a load balancer's). Until
+    /// a certificate is configured every TLS handshake fails, as on a gateway whose listener has
+    /// no valid certificate.
+    pub fn start(
+        front: &Front,
+        ip: Ipv4Addr,
         timing: Arc<RwLock<ModelTiming>>,
         faults: Arc<Faults>,
-    ) -> anyhow::Result<Endpoint> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
+    ) -> Endpoint {
         let inner = Arc::new(Inner {
             config: RwLock::new(EndpointConfig::default()),
             tls: RwLock::new(None),
@@ -170,21 +175,37 @@ impl Endpoint {
             requests: AtomicU64::new(0),
         });
         let (tx, rx) = watch::channel(false);
-        let app = router(inner.clone());
-        tokio::spawn(accept_loop(listener, inner.clone(), app, rx));
-        Ok(Endpoint {
-            addr,
+        let tls_of = inner.clone();
+        let site = front.register(
+            ip,
+            Site {
+                tls: Arc::new(move || tls_of.tls.read().expect("tls lock").clone()),
+                app: router(inner.clone()),
+                stop: rx,
+                idle_timeout: IDLE_TIMEOUT,
+            },
+        );
+        Endpoint {
+            addr: SocketAddr::from((ip, front.port())),
             inner,
             shutdown: tx,
-        })
+            front: front.clone(),
+            site,
+        }
     }
 
+    /// The load balancer's address.
+    pub fn ip(&self) -> Ipv4Addr {
+        self.site.ip
+    }
+
+    /// The port every endpoint of the region shares.
     pub fn port(&self) -> u16 {
         self.addr.port()
     }
 
     pub fn url(&self) -> String {
-        format!("https://127.0.0.1:{}", self.addr.port())
+        format!("https://{}", self.addr)
     }
 
     /// Requests that reached the HTTP layer (after a successful handshake).
@@ -219,76 +240,16 @@ impl Endpoint {
         result
     }
 
+    /// Stops serving: new connections to the address are closed at once, open ones too.
     pub fn shutdown(&self) {
+        self.front.unregister(self.site);
         let _ = self.shutdown.send(true);
     }
 }
 
 impl Drop for Endpoint {
     fn drop(&mut self) {
-        let _ = self.shutdown.send(true);
-    }
-}
-
-async fn accept_loop(
-    listener: TcpListener,
-    inner: Arc<Inner>,
-    app: Router,
-    stop: watch::Receiver<bool>,
-) {
-    serve_tls(
-        listener,
-        move || inner.tls.read().expect("tls lock").clone(),
-        app,
-        stop,
-    )
-    .await
-}
-
-/// Serves `app` over HTTPS (HTTP/1.1) on `listener` until `stop` changes, with the certificate
-/// `tls` gives for each connection; without one, the connection is closed (the client sees a
-/// handshake failure). Stopping closes open connections too.
-pub(crate) async fn serve_tls(
-    listener: TcpListener,
-    tls: impl Fn() -> Option<Arc<ServerConfig>>,
-    app: Router,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        let (stream, _) = tokio::select! {
-            _ = stop.changed() => return,
-            r = listener.accept() => match r {
-                Ok(s) => s,
-                Err(_) => continue,
-            },
-        };
-        // Streamed tokens go out as they are made, as from a gateway (Envoy sets TCP_NODELAY):
-        // Nagle's algorithm would hold each small write for the client's delayed ACK.
-        let _ = stream.set_nodelay(true);
-        let Some(cfg) = tls() else {
-            // No usable certificate: close the connection, the client sees a handshake failure.
-            drop(stream);
-            continue;
-        };
-        let app = app.clone();
-        let mut stop = stop.clone();
-        tokio::spawn(async move {
-            let acceptor = TlsAcceptor::from(cfg);
-            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream))
-                .await
-            {
-                Ok(Ok(t)) => t,
-                _ => return,
-            };
-            let svc = TowerToHyperService::new(app);
-            let conn =
-                hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(tls), svc);
-            tokio::select! {
-                _ = conn => {}
-                // The server went away (a load balancer, a cluster): its connections go with it.
-                _ = stop.changed() => {}
-            }
-        });
+        self.shutdown();
     }
 }
 

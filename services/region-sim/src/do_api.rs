@@ -97,12 +97,15 @@ fn reply(status: StatusCode, body: Value) -> ApiResult {
 }
 
 /// DigitalOcean pagination: `page`/`per_page` in, `links.pages` and `meta.total` out.
+/// One page of a list. `list` is asked for the items at the page's positions (fewer past the
+/// end) and the list's length, so that only the page is rendered: the workers page through
+/// thousands of clusters, and rendering every one for every page made listing them quadratic.
 fn paginate(
     base_url: &str,
     path: &str,
     q: &HashMap<String, String>,
     key: &str,
-    items: Vec<Value>,
+    list: impl FnOnce(std::ops::Range<usize>) -> (Vec<Value>, usize),
 ) -> ApiResult {
     let num =
         |name: &str, default: usize| -> Result<usize, ApiError> {
@@ -115,10 +118,9 @@ fn paginate(
         };
     let page = num("page", 1)?;
     let per_page = num("per_page", 20)?.min(200);
-    let total = items.len();
+    let start = (page - 1).saturating_mul(per_page);
+    let (items, total) = list(start..start.saturating_add(per_page));
     let last = total.div_ceil(per_page).max(1);
-    let start = (page - 1).saturating_mul(per_page).min(total);
-    let end = (start + per_page).min(total);
     let link = |p: usize| format!("{base_url}{path}?page={p}&per_page={per_page}");
     let mut pages = serde_json::Map::new();
     if page > 1 {
@@ -132,7 +134,7 @@ fn paginate(
     reply(
         StatusCode::OK,
         json!({
-            key: items[start..end].to_vec(),
+            key: items,
             "links": {"pages": pages},
             "meta": {"total": total},
         }),
@@ -244,8 +246,10 @@ async fn vpcs_list(
     headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult {
-    let vpcs = s.world.vpc_list(acting(&headers)?);
-    paginate(&s.base_url, "/v2/vpcs", &q, "vpcs", vpcs)
+    let acting = acting(&headers)?;
+    paginate(&s.base_url, "/v2/vpcs", &q, "vpcs", |r| {
+        s.world.vpc_page(acting, r)
+    })
 }
 
 async fn vpcs_create(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> ApiResult {
@@ -283,7 +287,7 @@ async fn clusters_list(
         "/v2/kubernetes/clusters",
         &q,
         "kubernetes_clusters",
-        s.world.cluster_list(),
+        |r| s.world.cluster_page(r),
     )
 }
 
@@ -440,7 +444,7 @@ async fn lbs_list(
         "/v2/load_balancers",
         &q,
         "load_balancers",
-        s.world.lb_list(),
+        |r| s.world.lb_page(r),
     )
 }
 

@@ -3,11 +3,14 @@
 //! pools, nodes, load balancers, GPU capacity) behind a DigitalOcean API subset, in which the
 //! platform's credential can act for one customer account (`X-Acting-Account`, see
 //! [`do_api::ACTING_ACCOUNT_HEADER`]), starts one simulated Kubernetes API
-//! server (the `sim-kube` crate) per cluster behind an HTTPS front with the cluster's own CA and
-//! expiring credentials, and plays the cloud's part in it (nodes, load balancer addresses, and
+//! server (the `sim-kube` crate, in process) per cluster behind an HTTPS front with the cluster's
+//! own CA and expiring credentials, and plays the cloud's part in it (nodes, load balancer addresses, and
 //! model servers that fetch their repository from the Hugging Face Hub they name and crash-loop
 //! when it refuses: [`hub_loader`]), and serves a fake OpenAI-compatible data plane for every
-//! load balancer wired to a gateway. It also offers fault injection and an inventory of
+//! load balancer wired to a gateway. Every cluster API and load balancer has a loopback address
+//! of its own (`127.x.y.z`), all served by one listener ([`front`]), so the process's sockets
+//! follow the connections clients keep open, not the clusters and load balancers that exist.
+//! It also offers fault injection and an inventory of
 //! everything it holds, under `/_sim/`. It must not contain control-plane logic (it only reacts
 //! to what a real cloud would see), must not reach any network beyond loopback, and production
 //! code must never need to know it is talking to it: a base URL, a token and the cluster
@@ -16,6 +19,7 @@
 pub mod data_plane;
 pub mod do_api;
 pub mod faults;
+pub mod front;
 pub mod hub_loader;
 pub mod inventory;
 pub mod picker;
@@ -50,15 +54,18 @@ pub struct SimConfig {
     pub token: String,
     /// Where the DO API (and `/_sim/`) listens; port 0 picks a free one.
     pub listen: SocketAddr,
+    /// The port every cluster API and load balancer shares, each at a loopback address of its
+    /// own (see [`front`]); 0 picks a free one.
+    pub front_port: u16,
     pub delays: Delays,
     /// GPU capacity per size slug, in nodes. GPU sizes not listed have none.
     pub gpu_capacity: BTreeMap<String, u32>,
     pub faults: FaultConfig,
     pub model: ModelTiming,
-    /// How often the simulated cloud controller re-derives a cluster whose objects did not
-    /// change and whose load balancers are all active (while one is not, it looks every 100 ms).
-    /// Defaults to 100 ms; benchmarks with many clusters raise it, as each look costs in
-    /// proportion to the cluster's objects.
+    /// How often the simulated cloud controller checks a settled cluster (every load balancer
+    /// active; while one is not, it looks every 100 ms) for changes it missed: it re-derives the
+    /// cluster only if its resourceVersion moved since (changes are normally seen at once).
+    /// Defaults to 100 ms.
     pub cloud_controller_idle_ms: u64,
     /// How long the cluster credentials the kubeconfig and credentials endpoints issue stay
     /// valid when the request does not ask (`expiry_seconds` absent or 0): 7 days, as on DOKS.
@@ -79,6 +86,7 @@ impl SimConfig {
             region: region.to_string(),
             token: token.to_string(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            front_port: 0,
             delays: Delays::default(),
             gpu_capacity: world::default_capacity(),
             faults: FaultConfig::default(),
@@ -366,8 +374,14 @@ impl RegionSim {
     pub async fn start(cfg: SimConfig) -> anyhow::Result<RegionSim> {
         let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
         let addr = listener.local_addr()?;
+        let front = front::Front::start(cfg.front_port).await?;
         let shared = Arc::new(Shared {
-            world: world::World::new(&cfg.region, cfg.delays.clone(), cfg.gpu_capacity.clone()),
+            world: world::World::with_addresses(
+                &cfg.region,
+                cfg.delays.clone(),
+                cfg.gpu_capacity.clone(),
+                front.addresses().clone(),
+            ),
             faults: Arc::new(faults::Faults::new(cfg.faults.clone())),
             token: cfg.token.clone(),
             base_url: format!("http://{addr}"),
@@ -377,6 +391,7 @@ impl RegionSim {
                 Duration::from_millis(cfg.cloud_controller_idle_ms),
                 cfg.credential_ttl,
                 Arc::new(hub_loader::HubLoader::new(cfg.default_hub.clone())?),
+                front.clone(),
             ),
             model: Arc::new(RwLock::new(cfg.model.clone())),
             drive_lock: tokio::sync::Mutex::new(()),
@@ -404,7 +419,7 @@ impl RegionSim {
                 ticker_shared.drive(Instant::now()).await;
             }
         });
-        tracing::info!(region = %cfg.region, %addr, "region simulator listening");
+        tracing::info!(region = %cfg.region, %addr, front_port = front.port(), "region simulator listening");
         Ok(RegionSim {
             shared,
             addr,
@@ -420,6 +435,16 @@ impl RegionSim {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The port every cluster API and load balancer shares (each at an address of its own).
+    pub fn front_port(&self) -> u16 {
+        self.shared.clusters.front().port()
+    }
+
+    /// Loopback addresses held now by clusters and load balancers.
+    pub fn addresses_in_use(&self) -> usize {
+        self.shared.clusters.front().addresses().in_use()
     }
 
     pub fn token(&self) -> String {
@@ -556,5 +581,6 @@ impl RegionSim {
             let _ = t.await;
         }
         self.shared.clusters.shutdown_all().await;
+        self.shared.clusters.front().shutdown();
     }
 }

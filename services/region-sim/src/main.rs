@@ -18,6 +18,10 @@ struct Args {
     /// Address for the DigitalOcean API and the /_sim admin endpoints.
     #[arg(long, env = "REGION_SIM_LISTEN", default_value = "127.0.0.1:0")]
     listen: SocketAddr,
+    /// The port every cluster's Kubernetes API and every load balancer shares, each at a
+    /// loopback address of its own (127.x.y.z); 0 picks a free one.
+    #[arg(long, env = "REGION_SIM_FRONT_PORT", default_value_t = 0)]
+    front_port: u16,
     /// Bearer token the DigitalOcean API accepts.
     #[arg(long, env = "REGION_SIM_TOKEN", hide_env_values = true)]
     token: String,
@@ -56,9 +60,8 @@ struct Args {
     data_plane_429_rate: f64,
     #[arg(long, env = "REGION_SIM_DATA_PLANE_LATENCY_MS", default_value_t = 0)]
     data_plane_latency_ms: u64,
-    /// How often a cluster whose objects did not change and whose load balancers are all active
-    /// is re-checked by the simulated cloud controller (each look costs in proportion to the
-    /// cluster's objects; raise it for thousands of objects).
+    /// How often the simulated cloud controller checks a settled cluster (every load balancer
+    /// active) for changes it missed; it re-derives it only if its objects changed since.
     #[arg(
         long,
         env = "REGION_SIM_CLOUD_CONTROLLER_IDLE_MS",
@@ -113,6 +116,7 @@ async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let mut cfg = SimConfig::new(&a.region, &a.token);
     cfg.listen = a.listen;
+    cfg.front_port = a.front_port;
     cfg.cloud_controller_idle_ms = a.cloud_controller_idle_ms;
     cfg.credential_ttl = std::time::Duration::from_secs(a.credential_ttl_secs.max(1));
     cfg.default_hub = a.default_hub;

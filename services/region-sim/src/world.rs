@@ -7,7 +7,9 @@
 //! testable without Kubernetes.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Mutex, RwLock};
+use std::net::Ipv4Addr;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use chrono::{SecondsFormat, Utc};
@@ -17,6 +19,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
+use crate::front::Addresses;
 use crate::sizes::{self, SizeInfo};
 
 /// Kubernetes version reported for clusters created with `latest` or a minor version.
@@ -275,6 +278,8 @@ struct Cluster {
     ha: bool,
     /// Address of the cluster's Kubernetes API once it is running.
     endpoint: String,
+    /// The API server's own loopback address (`ipv4`), once it has one.
+    ipv4: Option<Ipv4Addr>,
     pools: Vec<Pool>,
 }
 
@@ -296,6 +301,8 @@ pub struct LbStatus {
     pub name: String,
     pub lb_id: String,
     pub active: bool,
+    /// The load balancer's own loopback address.
+    pub ip: Ipv4Addr,
 }
 
 #[derive(Debug, Clone)]
@@ -313,6 +320,9 @@ struct LoadBalancer {
     until: Instant,
     vpc_uuid: String,
     created_at: String,
+    /// Its own address from the region's loopback block, held from creation until it is gone
+    /// (shown once it is active, as on DigitalOcean).
+    ip: Ipv4Addr,
 }
 
 #[derive(Debug, Default)]
@@ -331,6 +341,15 @@ pub struct World {
     state: Mutex<State>,
     delays: RwLock<Delays>,
     capacity: RwLock<BTreeMap<String, u32>>,
+    /// Where load balancers get their addresses.
+    addresses: Arc<Addresses>,
+}
+
+/// `render` of the items of `all` at positions `range` (clamped to it), and `all`'s length.
+fn page<T>(all: &[T], range: Range<usize>, render: impl Fn(&T) -> Value) -> (Vec<Value>, usize) {
+    let end = range.end.min(all.len());
+    let start = range.start.min(end);
+    (all[start..end].iter().map(render).collect(), all.len())
 }
 
 fn now_str() -> String {
@@ -397,6 +416,17 @@ fn default_vpc(region: &str, account: Option<Uuid>) -> Vpc {
 
 impl World {
     pub fn new(region: &str, delays: Delays, capacity: BTreeMap<String, u32>) -> Self {
+        Self::with_addresses(region, delays, capacity, Arc::new(Addresses::new()))
+    }
+
+    /// As [`World::new`], giving load balancers addresses from `addresses` (the ones the
+    /// region's front serves).
+    pub fn with_addresses(
+        region: &str,
+        delays: Delays,
+        capacity: BTreeMap<String, u32>,
+        addresses: Arc<Addresses>,
+    ) -> Self {
         let world = Self {
             region: region.to_string(),
             state: Mutex::new(State {
@@ -405,6 +435,7 @@ impl World {
             }),
             delays: RwLock::new(delays),
             capacity: RwLock::new(capacity),
+            addresses,
         };
         let platform_default = default_vpc(region, None);
         world.lock().vpcs.push(platform_default);
@@ -458,15 +489,21 @@ impl World {
     /// The VPCs `acting` sees: an account its own (its default VPC made on first use, as
     /// DigitalOcean does), the platform every account's.
     pub fn vpc_list(&self, acting: Option<Uuid>) -> Vec<Value> {
+        self.vpc_page(acting, 0..usize::MAX).0
+    }
+
+    /// The VPCs the caller sees at positions `range` (fewer past the end), and how many it sees.
+    pub fn vpc_page(&self, acting: Option<Uuid>, range: Range<usize>) -> (Vec<Value>, usize) {
         let mut st = self.lock();
         if acting.is_some() {
             self.ensure_default_vpc(&mut st, acting);
         }
-        st.vpcs
+        let seen: Vec<&Vpc> = st
+            .vpcs
             .iter()
             .filter(|v| acting.is_none() || v.account == acting)
-            .map(Self::vpc_json)
-            .collect()
+            .collect();
+        page(&seen, range, |v| Self::vpc_json(v))
     }
 
     fn ensure_default_vpc(&self, st: &mut State, account: Option<Uuid>) {
@@ -837,6 +874,7 @@ impl World {
             surge_upgrade: req.surge_upgrade.unwrap_or(false),
             ha: req.ha.unwrap_or(true),
             endpoint: String::new(),
+            ipv4: None,
             pools,
         };
         let out = Self::cluster_json(&cluster);
@@ -848,10 +886,12 @@ impl World {
         Ok(out)
     }
 
-    /// Records where the cluster's Kubernetes API answers; shown once the cluster is running.
-    pub fn set_cluster_endpoint(&self, cluster_id: &str, endpoint: &str) {
+    /// Records where the cluster's Kubernetes API answers (its URL and address); shown once the
+    /// cluster is running.
+    pub fn set_cluster_endpoint(&self, cluster_id: &str, endpoint: &str, ipv4: Ipv4Addr) {
         if let Some(c) = self.lock().clusters.iter_mut().find(|c| c.id == cluster_id) {
             c.endpoint = endpoint.to_string();
+            c.ipv4 = Some(ipv4);
         }
     }
 
@@ -894,7 +934,10 @@ impl World {
             "service_subnet": "10.245.0.0/16",
             "vpc_uuid": c.vpc_uuid,
             // The API server address is only known once the control plane is up.
-            "ipv4": if running { "127.0.0.1" } else { "" },
+            "ipv4": match c.ipv4 {
+                Some(ip) if running => ip.to_string(),
+                _ => String::new(),
+            },
             "endpoint": if running { c.endpoint.as_str() } else { "" },
             "tags": c.tags,
             "node_pools": c.pools.iter().map(Self::pool_json).collect::<Vec<_>>(),
@@ -921,11 +964,12 @@ impl World {
     }
 
     pub fn cluster_list(&self) -> Vec<Value> {
-        self.lock()
-            .clusters
-            .iter()
-            .map(Self::cluster_json)
-            .collect()
+        self.cluster_page(0..usize::MAX).0
+    }
+
+    /// The clusters at positions `range` (fewer past the end), and how many there are.
+    pub fn cluster_page(&self, range: Range<usize>) -> (Vec<Value>, usize) {
+        page(&self.lock().clusters, range, Self::cluster_json)
     }
 
     pub fn cluster_get(&self, id: &str) -> Result<Value, WorldError> {
@@ -1273,7 +1317,7 @@ impl World {
         json!({
             "id": l.id,
             "name": l.name,
-            "ip": if l.active { "127.0.0.1" } else { "" },
+            "ip": if l.active { l.ip.to_string() } else { String::new() },
             "ipv6": "",
             "size_unit": 1,
             "size": "lb-small",
@@ -1309,8 +1353,12 @@ impl World {
     }
 
     pub fn lb_list(&self) -> Vec<Value> {
-        let st = self.lock();
-        st.lbs.iter().map(|l| self.lb_json(l)).collect()
+        self.lb_page(0..usize::MAX).0
+    }
+
+    /// The load balancers at positions `range` (fewer past the end), and how many there are.
+    pub fn lb_page(&self, range: Range<usize>) -> (Vec<Value>, usize) {
+        page(&self.lock().lbs, range, |l| self.lb_json(l))
     }
 
     pub fn lb_get(&self, id: &str) -> Result<Value, WorldError> {
@@ -1336,8 +1384,14 @@ impl World {
             return Vec::new();
         };
         let wanted: BTreeSet<&str> = services.iter().map(|s| s.uid.as_str()).collect();
-        st.lbs
-            .retain(|l| l.cluster_id != cluster_id || wanted.contains(l.service_uid.as_str()));
+        let addresses = &self.addresses;
+        st.lbs.retain(|l| {
+            let keep = l.cluster_id != cluster_id || wanted.contains(l.service_uid.as_str());
+            if !keep {
+                addresses.release(l.ip);
+            }
+            keep
+        });
         let mut out = Vec::new();
         for s in services {
             let ann = |k: &str| {
@@ -1385,6 +1439,7 @@ impl World {
                         until: Instant::now() + delay,
                         vpc_uuid: vpc.clone(),
                         created_at: now_str(),
+                        ip: self.addresses.allocate(),
                     };
                     st.lbs.push(l.clone());
                     l
@@ -1395,6 +1450,7 @@ impl World {
                 name: lb.service,
                 lb_id: lb.id,
                 active: lb.active,
+                ip: lb.ip,
             });
         }
         out
@@ -1492,7 +1548,14 @@ impl World {
         st.next_droplet = next_droplet;
         if !gone_clusters.is_empty() {
             st.clusters.retain(|c| !gone_clusters.contains(&c.id));
-            st.lbs.retain(|l| !gone_clusters.contains(&l.cluster_id));
+            let addresses = &self.addresses;
+            st.lbs.retain(|l| {
+                let gone = gone_clusters.contains(&l.cluster_id);
+                if gone {
+                    addresses.release(l.ip);
+                }
+                !gone
+            });
             for id in gone_clusters {
                 effects.push(Effect::ClusterGone { cluster_id: id });
             }
@@ -1792,6 +1855,35 @@ mod tests {
     }
 
     #[test]
+    fn load_balancers_get_addresses_of_their_own_and_give_them_back() {
+        let w = world();
+        let id = create(&w, vec![pool("p", "s-2vcpu-4gb", 1)]);
+        let svc = |n: &str| ServiceLb {
+            namespace: "ns".into(),
+            name: n.into(),
+            uid: format!("u-{n}"),
+            annotations: BTreeMap::new(),
+            ports: vec![(443, "TCP".into(), None)],
+        };
+        let first = w.lb_sync(&id, &[svc("a"), svc("b")]);
+        assert_ne!(first[0].ip, first[1].ip);
+        let again = w.lb_sync(&id, &[svc("a"), svc("b")]);
+        assert_eq!(
+            (again[0].ip, again[1].ip),
+            (first[0].ip, first[1].ip),
+            "an address stays with its load balancer"
+        );
+        w.lb_sync(&id, &[svc("a")]);
+        assert_eq!(w.addresses.in_use(), 1, "b's address was given back");
+        let later = w.lb_sync(&id, &[svc("a"), svc("c")]);
+        assert_eq!(later[0].ip, first[0].ip);
+        assert!(
+            later[1].ip != first[1].ip && later[1].ip != first[0].ip,
+            "a released address does not come round at once"
+        );
+    }
+
+    #[test]
     fn delete_cluster_removes_everything() {
         let w = world();
         let id = create(&w, vec![pool("p", "s-2vcpu-4gb", 1)]);
@@ -1813,12 +1905,21 @@ mod tests {
         let lb = w.lb_get(&s[0].lb_id).unwrap();
         assert_eq!(lb["network"], "INTERNAL");
         assert_eq!(lb["status"], "active");
+        // The load balancer has an address of its own, which it holds until it is gone.
+        assert_eq!(lb["ip"], s[0].ip.to_string());
+        assert!(s[0].ip.is_loopback() && s[0].ip != Ipv4Addr::LOCALHOST);
+        assert_eq!(w.addresses.in_use(), 1);
         w.cluster_delete(&id).unwrap();
         assert_eq!(w.cluster_get(&id).unwrap()["status"]["state"], "deleting");
         let e = w.tick(Instant::now());
         assert!(e.iter().any(|e| matches!(e, Effect::ClusterGone { .. })));
         assert_eq!(w.cluster_get(&id), Err(WorldError::NotFound));
         assert!(w.lb_list().is_empty());
+        assert_eq!(
+            w.addresses.in_use(),
+            0,
+            "the address went with the load balancer"
+        );
         let inv = w.inventory();
         assert!(inv.clusters.is_empty() && inv.nodes.is_empty() && inv.node_pools.is_empty());
     }

@@ -1,6 +1,9 @@
 //! A simulated Kubernetes API server, the stand-in for a DOKS cluster in the
 //! region simulator and in tests. It owns an in-memory object store served over
-//! plain HTTP on loopback in the shape kube-rs and kubectl expect (discovery,
+//! plain HTTP on loopback ([`Cluster::start`]), or to callers in the same process
+//! without any socket ([`Cluster::start_in_process`] and [`Cluster::call`]: the
+//! region simulator, which serves thousands of clusters behind one listener of
+//! its own), in the shape kube-rs and kubectl expect (discovery,
 //! get/list/watch, create/replace/patch/server-side apply, delete with
 //! finalizers and cascading), plus the small simulated world behind it: a
 //! scheduler and Deployment controller that place pods on GPU nodes, load
@@ -98,6 +101,8 @@ pub(crate) struct Shared {
     store: Arc<Store>,
     config: Mutex<ClusterConfig>,
     shutdown: tokio::sync::watch::Sender<bool>,
+    /// Passes the controllers have made (see [`Cluster::controller_passes`]).
+    passes: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -114,7 +119,10 @@ impl Shared {
 
 struct Running {
     shared: Arc<Shared>,
-    addr: std::net::SocketAddr,
+    /// Where it listens; `None` for a cluster served in process only.
+    addr: Option<std::net::SocketAddr>,
+    /// The API, for in-process calls.
+    router: axum::Router,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
@@ -151,12 +159,65 @@ impl Cluster {
             .await
             .context("binding the simulated API server")?;
         let addr = listener.local_addr()?;
+        let shared = Self::new_shared(name, config)?;
+        let app = http::router(shared.clone());
+        let mut stop = shared.shutdown_rx();
+        let server = tokio::spawn({
+            let app = app.clone();
+            async move {
+                let graceful = async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                };
+                if let Err(e) = axum::serve(listener, app)
+                    .with_graceful_shutdown(graceful)
+                    .await
+                {
+                    tracing::warn!(error = %e, "simulated API server stopped");
+                }
+            }
+        });
+        let controllers = tokio::spawn(controllers::run(shared.clone()));
+        tracing::info!(cluster = name, %addr, "simulated Kubernetes API server started");
+        Ok(Cluster {
+            inner: Arc::new(Running {
+                shared,
+                addr: Some(addr),
+                router: app,
+                tasks: Mutex::new(vec![server, controllers]),
+            }),
+        })
+    }
+
+    /// As [`Cluster::start`], but without a listener: the API is reached only through
+    /// [`Cluster::call`], from this process, and the cluster holds no socket at all. Must be
+    /// called within a Tokio runtime (the controllers run on it).
+    pub fn start_in_process(name: &str, config: ClusterConfig) -> anyhow::Result<Cluster> {
+        let shared = Self::new_shared(name, config)?;
+        let app = http::router(shared.clone());
+        let controllers = tokio::spawn(controllers::run(shared.clone()));
+        tracing::debug!(
+            cluster = name,
+            "simulated Kubernetes API server started in process"
+        );
+        Ok(Cluster {
+            inner: Arc::new(Running {
+                shared,
+                addr: None,
+                router: app,
+                tasks: Mutex::new(vec![controllers]),
+            }),
+        })
+    }
+
+    /// The store with its initial namespaces, and the shutdown signal.
+    fn new_shared(name: &str, config: ClusterConfig) -> anyhow::Result<Arc<Shared>> {
         let (shutdown, _) = tokio::sync::watch::channel(false);
         let shared = Arc::new(Shared {
             name: name.to_string(),
             store: Arc::new(Store::new()),
             config: Mutex::new(config),
             shutdown,
+            passes: std::sync::atomic::AtomicU64::new(0),
         });
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
             ops::create(
@@ -168,28 +229,21 @@ impl Cluster {
             )
             .map_err(|e| anyhow::anyhow!(e.message))?;
         }
-        let app = http::router(shared.clone());
-        let mut stop = shared.shutdown_rx();
-        let server = tokio::spawn(async move {
-            let graceful = async move {
-                let _ = stop.wait_for(|s| *s).await;
-            };
-            if let Err(e) = axum::serve(listener, app)
-                .with_graceful_shutdown(graceful)
-                .await
-            {
-                tracing::warn!(error = %e, "simulated API server stopped");
-            }
-        });
-        let controllers = tokio::spawn(controllers::run(shared.clone()));
-        tracing::info!(cluster = name, %addr, "simulated Kubernetes API server started");
-        Ok(Cluster {
-            inner: Arc::new(Running {
-                shared,
-                addr,
-                tasks: Mutex::new(vec![server, controllers]),
-            }),
-        })
+        Ok(shared)
+    }
+
+    /// Serves one API request in process, exactly as the HTTP listener would (same paths,
+    /// verbs, status codes and bodies; a watch's body streams its events). The request's
+    /// `Authorization` is checked against [`ClusterConfig::bearer_token`] as over HTTP.
+    pub async fn call(
+        &self,
+        req: ::http::Request<axum::body::Body>,
+    ) -> ::http::Response<axum::body::Body> {
+        use tower::ServiceExt;
+        match self.inner.router.clone().oneshot(req).await {
+            Ok(r) => r,
+            Err(never) => match never {},
+        }
     }
 
     fn store(&self) -> &Store {
@@ -202,12 +256,25 @@ impl Cluster {
     }
 
     /// `http://127.0.0.1:PORT`.
+    ///
+    /// # Panics
+    ///
+    /// For a cluster started with [`Cluster::start_in_process`], which has no address.
     pub fn url(&self) -> String {
-        format!("http://{}", self.inner.addr)
+        let addr = self
+            .inner
+            .addr
+            .expect("a cluster started in process has no URL: use Cluster::call");
+        format!("http://{addr}")
+    }
+
+    /// Where it listens; `None` for a cluster started in process.
+    pub fn addr(&self) -> Option<std::net::SocketAddr> {
+        self.inner.addr
     }
 
     /// A kubeconfig for this cluster: server = [`Cluster::url`], a token user
-    /// when the cluster requires one.
+    /// when the cluster requires one. Panics as [`Cluster::url`] does.
     pub fn kubeconfig_yaml(&self) -> String {
         let name = self.name();
         let user = match &self.inner.shared.config().bearer_token {
@@ -371,6 +438,16 @@ impl Cluster {
     /// controllers and by [`Cluster`] methods are not counted.
     pub fn write_count(&self) -> u64 {
         self.store().write_count()
+    }
+
+    /// Passes the built-in controllers have made over the objects: one after every burst of
+    /// changes and whenever a timer of theirs is due (a pod's model load, a back-off, an
+    /// address delay); none for a cluster where nothing changes, however long it runs.
+    pub fn controller_passes(&self) -> u64 {
+        self.inner
+            .shared
+            .passes
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The current (highest) resourceVersion.

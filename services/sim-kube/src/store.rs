@@ -8,12 +8,22 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tokio::sync::{broadcast, Notify};
 
 /// How many changes are kept for watch resumption; older resourceVersions get 410 Gone.
 const HISTORY: usize = 20_000;
+/// How long a change is kept for watch resumption at most, as etcd keeps history until its
+/// periodic compaction (every 5 minutes by default): a cluster where nothing happens holds its
+/// objects and nothing more. Each kept change holds a version of an object, so without an age
+/// limit a busy cluster's history, not its objects, made up most of its memory.
+const HISTORY_AGE: Duration = Duration::from_secs(300);
+
+/// How many changes a watcher may fall behind before it must re-list (410 Gone). The buffer is
+/// allocated when the store is made, a slot per change, so it is a cost of every cluster.
+const WATCH_BUFFER: usize = 1024;
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Key {
@@ -72,7 +82,8 @@ pub struct Inner {
     /// the whole store costs one reference count.
     pub objects: Arc<BTreeMap<Key, Arc<Value>>>,
     pub rv: u64,
-    history: VecDeque<Arc<Change>>,
+    /// Recent changes, oldest first, with when they were made.
+    history: VecDeque<(Instant, Arc<Change>)>,
     /// Highest resourceVersion no longer in `history`.
     compacted: u64,
 }
@@ -97,7 +108,24 @@ impl Inner {
         if rv < self.compacted {
             return None;
         }
-        Some(self.history.iter().filter(|c| c.rv > rv).cloned().collect())
+        Some(
+            self.history
+                .iter()
+                .filter(|(_, c)| c.rv > rv)
+                .map(|(_, c)| c.clone())
+                .collect(),
+        )
+    }
+
+    /// Drops changes beyond [`HISTORY`] or older than [`HISTORY_AGE`].
+    fn prune(&mut self, now: Instant) {
+        while let Some((at, c)) = self.history.front() {
+            if self.history.len() <= HISTORY && now.duration_since(*at) < HISTORY_AGE {
+                break;
+            }
+            self.compacted = c.rv;
+            self.history.pop_front();
+        }
     }
 }
 
@@ -124,7 +152,7 @@ pub fn now_rfc3339() -> String {
 
 impl Store {
     pub fn new() -> Store {
-        let (changes, _) = broadcast::channel(8192);
+        let (changes, _) = broadcast::channel(WATCH_BUFFER);
         let (versions, _) = broadcast::channel(1024);
         Store {
             inner: Mutex::new(Inner {
@@ -176,14 +204,17 @@ impl Store {
         inner.compacted = inner.rv;
     }
 
+    /// Forgets changes older than the history keeps (see [`HISTORY_AGE`]); a cluster's
+    /// controller loop calls it as time passes, so a quiet cluster lets go of its history.
+    pub fn prune_history(&self) {
+        self.lock().prune(Instant::now());
+    }
+
     fn record(&self, inner: &mut Inner, change: Change) {
         let change = Arc::new(change);
-        inner.history.push_back(change.clone());
-        while inner.history.len() > HISTORY {
-            if let Some(old) = inner.history.pop_front() {
-                inner.compacted = old.rv;
-            }
-        }
+        let now = Instant::now();
+        inner.history.push_back((now, change.clone()));
+        inner.prune(now);
         let rv = change.rv;
         let _ = self.changes.send(change);
         let _ = self.versions.send(rv);
@@ -248,5 +279,45 @@ impl Store {
 impl Default for Store {
     fn default() -> Self {
         Store::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn history_older_than_its_age_is_forgotten() {
+        let store = Store::new();
+        let rt = crate::resources::index_of("ConfigMap");
+        let mut rvs = Vec::new();
+        for name in ["a", "b", "c"] {
+            let mut inner = store.lock();
+            let obj = store.commit(
+                &mut inner,
+                rt,
+                json!({"metadata": {"name": name, "namespace": "default"}}),
+            );
+            rvs.push(meta_str(&obj, "resourceVersion").parse::<u64>().unwrap());
+        }
+        let mut inner = store.lock();
+        assert_eq!(inner.changes_since(rvs[0]).unwrap().len(), 2);
+        // Just before the age limit everything is kept; past it, nothing is.
+        let now = Instant::now();
+        inner.prune(now + HISTORY_AGE - Duration::from_secs(1));
+        assert_eq!(inner.changes_since(rvs[0]).unwrap().len(), 2);
+        inner.prune(now + HISTORY_AGE + Duration::from_secs(1));
+        assert!(inner.history.is_empty());
+        assert!(
+            inner.changes_since(rvs[0]).is_none(),
+            "resuming from before the pruned changes: 410"
+        );
+        assert_eq!(
+            inner.changes_since(rvs[2]).map(|c| c.len()),
+            Some(0),
+            "resuming from the newest version still works"
+        );
+        assert_eq!(inner.objects.len(), 3, "objects stay");
     }
 }

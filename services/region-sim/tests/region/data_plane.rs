@@ -9,20 +9,21 @@ use std::sync::{Arc, RwLock};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
 use region_sim::faults::{ApiFaults, FaultConfig, Faults};
+use region_sim::front::Front;
 use serde_json::{json, Value};
 
 const TOKEN: &str = "di_0123456789abcdefghijklmnopqrstuvwxyzABCD";
 const MODEL: &str = "tiny-llm";
 
-/// A CA and a server certificate for 127.0.0.1, as PEM: (ca, cert, key).
-pub(crate) fn pki(cn: &str) -> (String, String, String) {
+/// A CA and a server certificate for the endpoint's address and `localhost`, as PEM: (ca, cert,
+/// key).
+pub(crate) fn pki(cn: &str, ep: &Endpoint) -> (String, String, String) {
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.distinguished_name.push(DnType::CommonName, cn);
     let ca_key = KeyPair::generate().unwrap();
     let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let leaf =
-        CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+    let leaf = CertificateParams::new(vec![ep.ip().to_string(), "localhost".to_string()]).unwrap();
     let key = KeyPair::generate().unwrap();
     let cert = leaf.signed_by(&key, &ca_cert, &ca_key).unwrap();
     (ca_cert.pem(), cert.pem(), key.serialize_pem())
@@ -42,13 +43,16 @@ fn wired(cert: &str, key: &str, endpoints: &[&str]) -> EndpointConfig {
     }
 }
 
+/// An endpoint at an address of its own on a front of its own.
 async fn endpoint(faults: Arc<Faults>) -> Endpoint {
     let timing = Arc::new(RwLock::new(ModelTiming {
         ttft_ms: 5,
         per_token_ms: 1,
         ..Default::default()
     }));
-    Endpoint::start(timing, faults).await.unwrap()
+    let front = Front::start(0).await.unwrap();
+    let ip = front.addresses().allocate();
+    Endpoint::start(&front, ip, timing, faults)
 }
 
 pub(crate) fn client(ca: &str) -> reqwest::Client {
@@ -70,8 +74,8 @@ async fn chat(c: &reqwest::Client, ep: &Endpoint, token: &str) -> reqwest::Respo
 
 #[tokio::test]
 async fn fails_like_a_gateway_when_wiring_is_incomplete() {
-    let (ca, cert, key) = pki("ca-1");
     let ep = endpoint(Arc::new(Faults::default())).await;
+    let (ca, cert, key) = pki("ca-1", &ep);
     let c = client(&ca);
 
     // No certificate on the listener: the handshake fails.
@@ -155,8 +159,8 @@ async fn fails_like_a_gateway_when_wiring_is_incomplete() {
 /// a model no pod serves is 404 as vLLM answers it.
 #[tokio::test]
 async fn requests_go_to_pods_serving_their_model() {
-    let (ca, cert, key) = pki("ca-1");
     let ep = endpoint(Arc::new(Faults::default())).await;
+    let (ca, cert, key) = pki("ca-1", &ep);
     let c = client(&ca);
     let mut cfg = wired(&cert, &key, &[]);
     cfg.route = Route::Pool {
@@ -217,9 +221,9 @@ async fn requests_go_to_pods_serving_their_model() {
 
 #[tokio::test]
 async fn certificate_changes_are_picked_up() {
-    let (ca1, cert1, key1) = pki("ca-1");
-    let (ca2, cert2, key2) = pki("ca-2");
     let ep = endpoint(Arc::new(Faults::default())).await;
+    let (ca1, cert1, key1) = pki("ca-1", &ep);
+    let (ca2, cert2, key2) = pki("ca-2", &ep);
     ep.update(wired(&cert1, &key1, &["p"])).unwrap();
     assert_eq!(chat(&client(&ca1), &ep, TOKEN).await.status(), 200);
     ep.update(wired(&cert2, &key2, &["p"])).unwrap();
@@ -234,9 +238,9 @@ async fn certificate_changes_are_picked_up() {
 
 #[tokio::test]
 async fn data_plane_faults_apply() {
-    let (ca, cert, key) = pki("ca");
     let faults = Arc::new(Faults::default());
     let ep = endpoint(faults.clone()).await;
+    let (ca, cert, key) = pki("ca", &ep);
     ep.update(wired(&cert, &key, &["p"])).unwrap();
     let c = client(&ca);
     faults.set(FaultConfig {
@@ -359,8 +363,8 @@ print(json.dumps(out))
 
 #[tokio::test]
 async fn official_openai_python_client_works_against_the_endpoint() {
-    let (ca, cert, key) = pki("sim-ca");
     let ep = endpoint(Arc::new(Faults::default())).await;
+    let (ca, cert, key) = pki("sim-ca", &ep);
     ep.update(wired(&cert, &key, &["vllm-0"])).unwrap();
     let dir = std::env::temp_dir().join(format!("region-sim-dp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -198,6 +198,15 @@ async fn kubeconfig_reaches_the_cluster_api_with_its_token_and_faults() {
     )
     .await;
     assert_eq!(c["kubernetes_cluster"]["endpoint"], kube.server.as_str());
+    // At the API server's own address (its `ipv4`) on the region's shared port, as the
+    // certificate the cluster's CA signed says.
+    let ipv4 = c["kubernetes_cluster"]["ipv4"].as_str().unwrap();
+    assert_eq!(kube.server, format!("https://{ipv4}:{}", sim.front_port()));
+    let ip: std::net::Ipv4Addr = ipv4.parse().unwrap();
+    assert!(
+        ip.is_loopback() && ip != std::net::Ipv4Addr::LOCALHOST,
+        "{ip}"
+    );
     // The credentials endpoint hands out the same server and a token of its own, which works
     // as well as the kubeconfig's.
     let (s, creds) = do_call(
@@ -553,13 +562,14 @@ async fn node_pools_become_labelled_tainted_nodes() {
     sim.shutdown().await;
 }
 
-pub(crate) fn pki() -> (String, String, String) {
+/// A CA and a certificate for `host` it signed, as PEM: (ca, cert, key).
+pub(crate) fn pki(host: &str) -> (String, String, String) {
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.distinguished_name.push(DnType::CommonName, "di-ca");
     let ca_key = KeyPair::generate().unwrap();
     let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    let leaf = CertificateParams::new(vec![host.to_string()]).unwrap();
     let key = KeyPair::generate().unwrap();
     let cert = leaf.signed_by(&key, &ca_cert, &ca_key).unwrap();
     (ca_cert.pem(), cert.pem(), key.serialize_pem())
@@ -586,7 +596,9 @@ async fn load_balancer_services_are_mirrored_and_serve_the_model() {
         (items(&v).len() == 2).then_some(())
     })
     .await;
-    let (ca, cert, key) = pki();
+    // The load balancer's address is not known yet: a certificate for 127.0.0.1 to begin with,
+    // as the worker issues one before the address shows.
+    let (first_ca, cert, key) = pki("127.0.0.1");
     let ns = "di-1";
     kube.create(
         "/api/v1/namespaces",
@@ -637,7 +649,12 @@ async fn load_balancer_services_are_mirrored_and_serve_the_model() {
     .await;
     assert_eq!(lb["network"], "INTERNAL");
     assert_eq!(lb["type"], "REGIONAL_NETWORK");
-    assert_eq!(lb["ip"], "127.0.0.1");
+    // An address of its own, from the loopback block.
+    let ip: std::net::Ipv4Addr = lb["ip"].as_str().unwrap().parse().unwrap();
+    assert!(
+        ip.is_loopback() && ip != std::net::Ipv4Addr::LOCALHOST,
+        "{ip}"
+    );
     assert_eq!(lb["region"]["slug"], "atl1");
     assert_eq!(lb["forwarding_rules"][0]["entry_port"], 443);
     let (s, one) = do_call(
@@ -650,20 +667,47 @@ async fn load_balancer_services_are_mirrored_and_serve_the_model() {
     assert_eq!(s, 200);
     assert_eq!(one["load_balancer"]["id"], lb["id"]);
 
-    // The Service gets its ingress: the loopback address and the endpoint's port.
+    // The Service gets its ingress: the load balancer's address and the region's shared port.
     let port = eventually("service ingress", async || {
         let (_, svc) = kube.get(&format!("{core}/services/private")).await;
         let ing = svc.pointer("/status/loadBalancer/ingress/0").cloned()?;
-        (ing["ip"] == "127.0.0.1").then_some(())?;
+        (ing["ip"] == ip.to_string()).then_some(())?;
         ing.pointer("/ports/0/port").and_then(Value::as_u64)
     })
     .await;
-    let https = Client::builder()
-        .tls_built_in_root_certs(false)
-        .add_root_certificate(reqwest::Certificate::from_pem(ca.as_bytes()).unwrap())
-        .build()
-        .unwrap();
-    let url = format!("https://127.0.0.1:{port}/v1/models");
+    assert_eq!(port, u64::from(sim.front_port()));
+    let trusting_pem = |ca: &str| {
+        Client::builder()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(reqwest::Certificate::from_pem(ca.as_bytes()).unwrap())
+            .build()
+            .unwrap()
+    };
+    let url = format!("https://{ip}:{port}/v1/models");
+    // A certificate that does not name the address does not verify...
+    let err = trusting_pem(&first_ca)
+        .get(&url)
+        .bearer_auth(DI_TOKEN)
+        .send()
+        .await
+        .expect_err("a certificate for 127.0.0.1 does not verify at the load balancer's address");
+    assert!(
+        format!("{err:?}").to_lowercase().contains("certificate"),
+        "{err:?}"
+    );
+    // ... so the gateway's Secret gets one for the address, as the worker reissues it.
+    let (ca, cert, key) = pki(&ip.to_string());
+    let (s, v) = kube
+        .call(
+            Method::PUT,
+            &format!("{core}/secrets/endpoint-tls"),
+            Some(json!({
+                "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "endpoint-tls"},
+                "type": "kubernetes.io/tls", "data": {"tls.crt": b64(&cert), "tls.key": b64(&key)}})),
+        )
+        .await;
+    assert!(s.is_success(), "{s} {v}");
+    let https = trusting_pem(&ca);
     // Once the model server pod is ready, the endpoint serves its model.
     let models = eventually("model served", async || {
         let r = https.get(&url).bearer_auth(DI_TOKEN).send().await.ok()?;
@@ -682,7 +726,7 @@ async fn load_balancer_services_are_mirrored_and_serve_the_model() {
         .unwrap();
     assert_eq!(r.status(), 401);
     let r = https
-        .post(format!("https://127.0.0.1:{port}/v1/chat/completions"))
+        .post(format!("https://{ip}:{port}/v1/chat/completions"))
         .bearer_auth(DI_TOKEN)
         .json(&json!({"model": "llama-3.1-8b", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}))
         .send()

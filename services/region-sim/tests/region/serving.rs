@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
 use region_sim::faults::Faults;
+use region_sim::front::Front;
 use region_sim::picker::{PickerConfig, PoolSpec, LLM_D_DEFAULT_CONFIG};
 use region_sim::serving::{BackendServing, Counters, Replica, ReplicaSpec, ServingConfig};
 use reqwest::Method;
@@ -47,15 +48,19 @@ struct Plane {
 
 impl Plane {
     async fn start(cfg: ServingConfig, picker: Option<&str>, pods: &[&str]) -> Plane {
-        let (ca, cert, key) = pki("serving-ca");
         let timing = Arc::new(RwLock::new(ModelTiming {
             ttft_ms: 5,
             per_token_ms: 1,
             serving: cfg,
         }));
-        let ep = Endpoint::start(timing, Arc::new(Faults::default()))
-            .await
-            .unwrap();
+        let front = Front::start(0).await.unwrap();
+        let ep = Endpoint::start(
+            &front,
+            front.addresses().allocate(),
+            timing,
+            Arc::new(Faults::default()),
+        );
+        let (ca, cert, key) = pki("serving-ca", &ep);
         let plane = Plane {
             ep,
             http: client(&ca),
@@ -459,7 +464,6 @@ async fn the_configmap_the_picker_mounts_decides_the_routing() {
     )
     .await;
     let kube = Kube::for_cluster(&sim, &id).await;
-    let (ca, cert, key) = crate::doks::pki();
     let ns = "di-1";
     let core = format!("/api/v1/namespaces/{ns}");
     let apps = format!("/apis/apps/v1/namespaces/{ns}");
@@ -468,9 +472,6 @@ async fn the_configmap_the_picker_mounts_decides_the_routing() {
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
     )
     .await;
-    kube.create(&format!("{core}/secrets"), json!({
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "endpoint-tls"}, "type": "kubernetes.io/tls",
-        "data": {"tls.crt": b64(&cert), "tls.key": b64(&key)}})).await;
     kube.create(
         &format!("{core}/secrets"),
         json!({
@@ -526,6 +527,20 @@ async fn the_configmap_the_picker_mounts_decides_the_routing() {
         "spec": {"type": "LoadBalancer", "selector": {"gateway.networking.k8s.io/gateway-name": "gw"},
                  "ports": [{"name": "https", "port": 443, "targetPort": 443, "protocol": "TCP"}]}})).await;
 
+    // The gateway's certificate names the load balancer's address, once it has one.
+    let url = eventually("a load balancer address", async || {
+        Some(sim.inventory().endpoints.first()?.url.clone())
+    })
+    .await;
+    let host = url
+        .trim_start_matches("https://")
+        .split(':')
+        .next()
+        .unwrap();
+    let (ca, cert, key) = crate::doks::pki(host);
+    kube.create(&format!("{core}/secrets"), json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "endpoint-tls"}, "type": "kubernetes.io/tls",
+        "data": {"tls.crt": b64(&cert), "tls.key": b64(&key)}})).await;
     let url = eventually(
         "two ready replicas behind an active load balancer",
         async || {
