@@ -103,8 +103,22 @@ pub struct DedicatedInference {
     pub spec: SpecOutput,
     pub pending_deployment_spec: Option<PendingSpecOutput>,
     pub endpoints: Endpoints,
+    /// Per model deployment of the running spec: the model servers ready now and the replicas
+    /// the control plane wants (the spec's `scale`, or the autoscaler's count within
+    /// `workload_config.autoscaling`). `ready` 0 with `wanted` 0 is a deployment scaled to
+    /// zero: its endpoint still takes requests, and the first one starts a replica.
+    #[serde(default)]
+    pub replicas: Vec<ReplicaCounts>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct ReplicaCounts {
+    pub model_id: String,
+    pub model_slug: String,
+    pub ready: u32,
+    pub wanted: u32,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
@@ -350,6 +364,21 @@ impl DedicatedInference {
                 public_endpoint_fqdn: record.public_endpoint_fqdn.clone(),
                 private_endpoint_fqdn: record.private_endpoint_fqdn.clone(),
             },
+            replicas: record
+                .spec
+                .iter()
+                .flat_map(|s| &s.model_deployments)
+                .filter_map(|d| {
+                    let id = d.model_id?;
+                    let r = record.replicas.iter().find(|r| r.model_id == id)?;
+                    Some(ReplicaCounts {
+                        model_id: id.to_string(),
+                        model_slug: d.model_slug.clone(),
+                        ready: r.ready,
+                        wanted: r.wanted,
+                    })
+                })
+                .collect(),
             created_at: record.created_at,
             updated_at: record.updated_at,
         })

@@ -103,6 +103,19 @@ pub struct Record {
     /// True once every cloud resource is gone: the DI no longer exists for customers.
     pub gone: bool,
     pub seq: i64,
+    /// Per model deployment, the model servers ready and the replicas wanted, as the worker
+    /// last recorded them (empty until it has).
+    #[serde(default)]
+    pub replicas: Vec<Replicas>,
+}
+
+/// A model deployment's replica counts: ready model servers, and the replicas the control plane
+/// wants (the spec's `scale`, or the autoscaler's count within its bounds).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Replicas {
+    pub model_id: Uuid,
+    pub ready: u32,
+    pub wanted: u32,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

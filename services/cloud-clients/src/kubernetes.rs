@@ -531,6 +531,26 @@ impl KubeClient {
         got.map(|o| to_value(o, &ar)).transpose()
     }
 
+    /// `GET path` on port `port` of pod `pod`, through the API server's pod proxy (how a
+    /// control plane outside the cluster reads a pod's `/metrics`). Not retried: a reading is
+    /// only worth its moment, and the caller looks again at its next pass.
+    pub async fn pod_proxy_get(
+        &self,
+        namespace: &str,
+        pod: &str,
+        port: u16,
+        path: &str,
+    ) -> Result<String, KubeError> {
+        let uri = format!(
+            "/api/v1/namespaces/{namespace}/pods/{pod}:{port}/proxy/{}",
+            path.trim_start_matches('/')
+        );
+        let req = http::Request::get(uri)
+            .body(Vec::new())
+            .map_err(|e| KubeError::InvalidObject(format!("pod proxy request: {e}")))?;
+        self.noted(counted("proxy", self.client.request_text(req).await))
+    }
+
     /// Objects matching `label_selector` (may be empty), in `namespace`, or in every namespace
     /// when `None`. Items carry `apiVersion` and `kind`.
     pub async fn list(

@@ -10,7 +10,8 @@ mod records;
 mod work;
 
 pub use work::{
-    Claim, ClaimOptions, ClusterRelease, LedgerEntry, PassInputs, Stall, PROGRESS_IDLE,
+    Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, LedgerEntry, PassInputs, Stall,
+    PROGRESS_IDLE,
 };
 
 use api_types::lifecycle::{Event as Transition, Status};
@@ -1136,7 +1137,7 @@ struct LockedRow {
 }
 
 /// Locks a live (not gone) DI row for the rest of the transaction.
-async fn lock_live(
+pub(crate) async fn lock_live(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
     team_id: Option<Uuid>,
@@ -1415,7 +1416,7 @@ async fn work_trace(
 /// callers make this the last statement before their commit. `requested` marks changes a
 /// customer asked for: only those make the DI due for a worker at once (a worker's own progress
 /// does not send it straight back to the queue).
-async fn change(
+pub(crate) async fn change(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
     phase: Status,
@@ -1437,6 +1438,23 @@ async fn change(
         .bind(id)
         .bind(reason)
         .bind(requested)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// An outbox entry without an event: a change customers see (in GET) that is not worth one.
+pub(crate) async fn outbox_only(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    kind: &str,
+) -> Result<()> {
+    sqlx::query("SELECT pg_advisory_xact_lock(7415)")
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query("INSERT INTO outbox (di_id, kind, requested) VALUES ($1, $2, false)")
+        .bind(id)
+        .bind(kind)
         .execute(&mut **tx)
         .await?;
     Ok(())

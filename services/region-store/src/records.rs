@@ -1,7 +1,7 @@
 //! Assembling a `Record` (a DI with its current and pending spec versions) from its rows.
 
 use api_types::lifecycle::Status;
-use api_types::regional::{Accelerator, Record, StoredSpec};
+use api_types::regional::{Accelerator, Record, Replicas, StoredSpec};
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgPool;
 use sqlx::types::Json;
@@ -28,6 +28,7 @@ struct DiRow {
     seq: i64,
     /// The current and the pending spec version, as JSON in `StoredSpec`'s shape.
     specs: Json<Vec<StoredSpec>>,
+    replicas: Json<Vec<Replicas>>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -89,7 +90,10 @@ pub(crate) async fn load(
                              ORDER BY m.position), '[]')
                          FROM model_deployments m WHERE m.di_id = s.di_id AND m.version = s.version))), '[]')
                  FROM spec_versions s
-                 WHERE s.di_id = d.id AND s.version IN (d.current_version, d.pending_version)) AS specs
+                 WHERE s.di_id = d.id AND s.version IN (d.current_version, d.pending_version)) AS specs,
+                (SELECT coalesce(json_agg(json_build_object(
+                     'model_id', r.model_id, 'ready', r.ready, 'wanted', r.wanted) ORDER BY r.model_id), '[]')
+                 FROM deployment_replicas r WHERE r.di_id = d.id) AS replicas
          FROM dedicated_inferences d
          WHERE id = $1 AND ($2::uuid IS NULL OR team_id = $2) AND ($3 OR gone_at IS NULL)",
     )
@@ -123,6 +127,7 @@ pub(crate) async fn load(
         updated_at: row.updated_at,
         gone: row.gone,
         seq: row.seq,
+        replicas: row.replicas.0,
     })
 }
 

@@ -77,6 +77,18 @@ pub struct PassInputs {
     pub hugging_face_token: Option<String>,
     /// The worker's probe token for this DI (see [`Store::probe_token`]).
     pub probe_token: String,
+    /// The replica counts and autoscaler memory as last recorded, by model id.
+    pub replicas: Vec<DeploymentReplicas>,
+}
+
+/// A model deployment's replica counts as the worker records them, with the autoscaler's memory
+/// between its looks (`None` for a fixed scale). The store keeps the memory as given.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeploymentReplicas {
+    pub model_id: Uuid,
+    pub ready: u32,
+    pub wanted: u32,
+    pub autoscaler: Option<serde_json::Value>,
 }
 
 /// How long a DI's progress fingerprint has been unchanged.
@@ -326,7 +338,9 @@ impl Store {
         let token_hashes = crate::token_hashes_on(&mut conn, di_id).await?;
         let hugging_face_token = self.hugging_face_token_on(&mut conn, di_id).await?;
         let probe_token = self.probe_token_on(&mut conn, di_id).await?;
+        let replicas = replicas_on(&mut conn, di_id).await?;
         Ok(PassInputs {
+            replicas,
             ledger,
             accelerators: accelerators
                 .into_iter()
@@ -342,6 +356,57 @@ impl Store {
             hugging_face_token,
             probe_token,
         })
+    }
+
+    /// Records DI `di_id`'s replica counts and autoscaler memory (rows of deployments not in
+    /// `rows` go), with an event per scaling decision. A change customers can see (a count, an
+    /// event) reaches the change feed; the autoscaler's memory alone does not.
+    pub async fn replicas_record(
+        &self,
+        di_id: Uuid,
+        rows: &[DeploymentReplicas],
+        events: &[(&str, String)],
+    ) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let row = crate::lock_live(&mut tx, di_id, None).await?;
+        let before = replicas_on(&mut *tx, di_id).await?;
+        let visible = |r: &[DeploymentReplicas]| {
+            let mut v: Vec<(Uuid, u32, u32)> =
+                r.iter().map(|r| (r.model_id, r.ready, r.wanted)).collect();
+            v.sort();
+            v
+        };
+        let seen_changed = visible(&before) != visible(rows);
+        let ids: Vec<Uuid> = rows.iter().map(|r| r.model_id).collect();
+        sqlx::query(
+            "DELETE FROM deployment_replicas WHERE di_id = $1 AND NOT (model_id = ANY($2))",
+        )
+        .bind(di_id)
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+        for r in rows {
+            sqlx::query(
+                "INSERT INTO deployment_replicas (di_id, model_id, ready, wanted, autoscaler) VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (di_id, model_id) DO UPDATE SET ready = excluded.ready, wanted = excluded.wanted,
+                     autoscaler = excluded.autoscaler, updated_at = now()",
+            )
+            .bind(di_id)
+            .bind(r.model_id)
+            .bind(i32::try_from(r.ready).unwrap_or(i32::MAX))
+            .bind(i32::try_from(r.wanted).unwrap_or(i32::MAX))
+            .bind(&r.autoscaler)
+            .execute(&mut *tx)
+            .await?;
+        }
+        for (reason, message) in events {
+            crate::change(&mut tx, di_id, row.status, reason, message, false).await?;
+        }
+        if seen_changed && events.is_empty() {
+            crate::outbox_only(&mut tx, di_id, "ReplicasChanged").await?;
+        }
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Forgets a resource that is gone.
@@ -470,5 +535,23 @@ async fn ledger_entries_on(conn: &mut PgConnection, di_id: Uuid) -> Result<Vec<L
                 retiring,
             },
         )
+        .collect())
+}
+
+async fn replicas_on(conn: &mut PgConnection, di_id: Uuid) -> Result<Vec<DeploymentReplicas>> {
+    let rows: Vec<(Uuid, i32, i32, Option<serde_json::Value>)> = sqlx::query_as(
+        "SELECT model_id, ready, wanted, autoscaler FROM deployment_replicas WHERE di_id = $1 ORDER BY model_id",
+    )
+    .bind(di_id)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(model_id, ready, wanted, autoscaler)| DeploymentReplicas {
+            model_id,
+            ready: ready.max(0) as u32,
+            wanted: wanted.max(0) as u32,
+            autoscaler,
+        })
         .collect())
 }

@@ -16,3 +16,4 @@ pub mod plan;
 pub mod queue;
 pub mod reconcile;
 pub mod runtime;
+pub mod scaling;

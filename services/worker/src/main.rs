@@ -53,6 +53,12 @@ struct Args {
     /// Periodic resync of converged DIs.
     #[arg(long, env = "WORKER_RESYNC_SECS", default_value_t = 300)]
     resync_secs: u64,
+    /// How often the autoscaler looks at a DI that declares `autoscaling`.
+    #[arg(long, env = "WORKER_AUTOSCALE_INTERVAL_MS", default_value_t = 10_000)]
+    autoscale_interval_ms: u64,
+    /// How long the load must fit in one replica fewer before the autoscaler removes one.
+    #[arg(long, env = "WORKER_SCALE_DOWN_WINDOW_SECS", default_value_t = 120)]
+    scale_down_window_secs: u64,
     /// No progress for this long in a phase turns the DI to error.
     #[arg(long, env = "WORKER_STALL_TIMEOUT_SECS", default_value_t = 1800)]
     stall_timeout_secs: u64,
@@ -114,6 +120,8 @@ async fn main() -> anyhow::Result<()> {
     config.settings.poll = Duration::from_millis(args.poll_ms.max(10));
     config.poll_min = Duration::from_millis(args.poll_min_ms.max(1));
     config.settings.resync = Duration::from_secs(args.resync_secs.max(1));
+    config.settings.autoscale_interval = Duration::from_millis(args.autoscale_interval_ms.max(100));
+    config.settings.scale_down_window = Duration::from_secs(args.scale_down_window_secs);
     config.settings.gateway_class = args.gateway_class;
     config.settings.system_pool_size = args.system_pool_size;
     config.settings.system_pool_count = args.system_pool_count.max(1);

@@ -17,7 +17,8 @@ use cloud_clients::digitalocean::{
 };
 use cloud_clients::{Deleted, DoClient, DoError, KubeClient, KubeClientOptions, KubeError};
 use region_store::{
-    ClusterRelease, Endpoints, LedgerEntry, NewCa, ObservedAccelerator, Store, StoreError,
+    ClusterRelease, DeploymentReplicas, Endpoints, LedgerEntry, NewCa, ObservedAccelerator, Store,
+    StoreError,
 };
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -26,6 +27,7 @@ use uuid::Uuid;
 use crate::cluster_clients::{self, ClusterClients};
 use crate::metrics::{self, Outcome, Phase};
 use crate::plan::{self, names, AccessTokenHash, Images, ManifestInput, PoolAction, TlsPair};
+use crate::scaling;
 
 /// Ledger kinds (see the `teardown_ledger` table).
 pub const LEDGER_CLUSTER: &str = "cluster";
@@ -67,6 +69,10 @@ pub struct Settings {
     pub poll: Duration,
     /// How soon to look again at a converged DI (periodic resync).
     pub resync: Duration,
+    /// How often the autoscaler looks at a converged DI that declares `autoscaling`.
+    pub autoscale_interval: Duration,
+    /// How long the load must have fit in one replica fewer before the autoscaler removes one.
+    pub scale_down_window: Duration,
 }
 
 impl std::fmt::Debug for Settings {
@@ -80,6 +86,8 @@ impl std::fmt::Debug for Settings {
             .field("system_pool_count", &self.system_pool_count)
             .field("poll", &self.poll)
             .field("resync", &self.resync)
+            .field("autoscale_interval", &self.autoscale_interval)
+            .field("scale_down_window", &self.scale_down_window)
             .finish_non_exhaustive()
     }
 }
@@ -99,6 +107,8 @@ impl Settings {
             probe_timeout: Duration::from_secs(5),
             poll: Duration::from_secs(2),
             resync: Duration::from_secs(300),
+            autoscale_interval: Duration::from_secs(10),
+            scale_down_window: Duration::from_secs(120),
         }
     }
 }
@@ -616,7 +626,17 @@ impl Reconciler {
             status = self.store.updating_begin(id).await?.status;
         }
         let pass = Pass::new(status, s.poll);
-        let models = plan::models(&spec.model_deployments)?;
+        let mut models = plan::models(&spec.model_deployments)?;
+        // A converged DI that autoscales is looked at every autoscale interval, not every resync.
+        let autoscaled = spec
+            .model_deployments
+            .iter()
+            .any(|md| plan::autoscale::Policy::of(md).is_some());
+        let converged_check = if autoscaled {
+            s.autoscale_interval.min(s.resync)
+        } else {
+            s.resync
+        };
         let inputs = self.store.pass_inputs(id).await?;
         let mut ledger = Ledger {
             store: &self.store,
@@ -679,6 +699,27 @@ impl Reconciler {
             .filter(|o| o["kind"] != "Pod" && o["kind"] != "Node")
             .cloned()
             .collect();
+
+        // Replicas: the spec's scale, or the autoscaler's count. Its decision is recorded
+        // before anything applies it, so that a pass failing halfway does not forget it.
+        let scaled = scaling::decide_all(
+            &kube,
+            &ns,
+            spec,
+            resync,
+            &observed,
+            &inputs.replicas,
+            epoch_millis(SystemTime::now()),
+            s.scale_down_window,
+        )
+        .await;
+        for m in &mut models {
+            if let Some(x) = scaled.iter().find(|x| x.model_id == m.model_id) {
+                m.scale = x.wanted;
+            }
+        }
+        self.record_replicas(id, &scaled, &observed, &inputs.replicas)
+            .await?;
 
         // Desired objects.
         let tls = tls(&inputs.ca, &observed)?;
@@ -789,7 +830,7 @@ impl Reconciler {
                 self.store.endpoints_update(id, &endpoints).await?;
                 tracing::info!(di = %id, ?endpoints, "endpoints moved");
             }
-            return Ok(Pass::new(status, s.resync));
+            return Ok(Pass::new(status, converged_check));
         };
         let Some(url) = assessment
             .public_endpoint
@@ -805,7 +846,7 @@ impl Reconciler {
             // The pass leaves the DI active (its span says so): no later pass is needed to see it.
             Ok(done) => {
                 tracing::info!(di = %id, version, "rollout complete");
-                Ok(Pass::new(done.status, s.resync))
+                Ok(Pass::new(done.status, converged_check))
             }
             // Superseded by a newer spec (or deleted) meanwhile: the next pass converges on it.
             Err(StoreError::Conflict(why)) => Ok(pass.wait(why, Duration::ZERO)),
@@ -1155,6 +1196,42 @@ impl Reconciler {
         Ok(())
     }
 
+    /// Records each deployment's ready model servers, wanted replicas and autoscaler memory,
+    /// with an event per scaling decision; nothing when nothing changed.
+    async fn record_replicas(
+        &self,
+        id: Uuid,
+        scaled: &[scaling::Scaled],
+        observed: &[Value],
+        recorded: &[DeploymentReplicas],
+    ) -> Result<()> {
+        let mut rows: Vec<DeploymentReplicas> = scaled
+            .iter()
+            .map(|x| DeploymentReplicas {
+                model_id: x.model_id,
+                ready: scaling::ready_servers(observed, &x.model_id).len() as u32,
+                wanted: x.wanted,
+                autoscaler: x
+                    .memory
+                    .as_ref()
+                    .map(|m| serde_json::to_value(m).expect("memory serialises")),
+            })
+            .collect();
+        rows.sort_by_key(|r| r.model_id);
+        let events: Vec<(&str, String)> = scaled
+            .iter()
+            .filter_map(|x| {
+                let d = x.decision.as_ref()?;
+                tracing::info!(di = %id, model = %x.model_id, reason = d.reason, message = %d.message, "autoscaler");
+                Some((d.reason, format!("model {}: {}", x.model_id, d.message)))
+            })
+            .collect();
+        if rows.as_slice() != recorded || !events.is_empty() {
+            self.store.replicas_record(id, &rows, &events).await?;
+        }
+        Ok(())
+    }
+
     /// `GET {url}/v1/models` with the probe token, trusting only the DI's CA: 200 or why not.
     async fn probe(&self, url: &str, ca_pem: &str, token: &str) -> std::result::Result<(), String> {
         let ca = reqwest::Certificate::from_pem(ca_pem.as_bytes()).map_err(|e| e.to_string())?;
@@ -1324,4 +1401,10 @@ mod tests {
         assert_eq!(old, AccessTokenHash::from_value(old.id(), "di_old"));
         assert_ne!(probe_token_hash(Uuid::new_v4(), "di_old").id(), old.id());
     }
+}
+
+/// Milliseconds since the epoch: the autoscaler's clock.
+fn epoch_millis(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

@@ -215,6 +215,21 @@ schedulingProfiles:
     weight: 3
 ";
 
+/// The EndpointPickerConfig of a model deployment: [`EPP_CONFIG`], with flow control for a
+/// deployment that scales to zero, so that the gateway holds its requests while no replica is
+/// ready instead of refusing them.
+pub fn epp_config(m: &Model) -> String {
+    if m.scales_to_zero {
+        EPP_CONFIG.replacen(
+            "kind: EndpointPickerConfig\n",
+            "kind: EndpointPickerConfig\nfeatureGates:\n- flowControl\n",
+            1,
+        )
+    } else {
+        EPP_CONFIG.to_string()
+    }
+}
+
 /// A short, stable hash of a JSON value (its serialisation is deterministic).
 fn json_hash(v: &Value) -> String {
     let digest = Sha256::digest(serde_json::to_vec(v).expect("a JSON value serialises"));
@@ -343,7 +358,7 @@ fn epp_objects(input: &ManifestInput, m: &Model) -> Vec<Value> {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": meta(di, &name, &extra),
-            "data": {EPP_CONFIG_FILE: EPP_CONFIG},
+            "data": {EPP_CONFIG_FILE: epp_config(m)},
         }),
         json!({
             "apiVersion": "v1",

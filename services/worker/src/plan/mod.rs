@@ -1,6 +1,7 @@
 //! The pure planning layer: (desired, observed) → actions. See the crate README for the object
 //! names, Secret formats and routing convention these functions produce.
 
+pub mod autoscale;
 pub mod certificates;
 pub mod manifests;
 pub mod model;

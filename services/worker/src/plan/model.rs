@@ -90,6 +90,9 @@ pub struct Model {
     pub scale: u32,
     pub gpus_per_node: u32,
     pub vendor: GpuVendor,
+    /// Whether the deployment may scale to zero replicas (`autoscaling.min_replicas` 0): its
+    /// gateway then holds requests while a replica starts (the EPP's flow control).
+    pub scales_to_zero: bool,
 }
 
 impl Model {
@@ -120,6 +123,10 @@ impl Model {
             scale,
             gpus_per_node,
             vendor,
+            scales_to_zero: md
+                .workload()
+                .autoscaling
+                .is_some_and(|a| a.min_replicas == Some(0)),
         })
     }
 }

@@ -1,0 +1,164 @@
+//! The autoscaler's look at a cluster: for each model deployment that declares `autoscaling`,
+//! read its ready model servers' vLLM metrics and its endpoint picker's queue through the API
+//! server's pod proxy (as a control plane outside a DOKS cluster reads them), and let
+//! [`plan::autoscale::decide`] say how many replicas it should run. Deployments without
+//! `autoscaling` keep their spec's scale. The counts then flow through the same converge as a
+//! customer's scale change: node pools, then the vLLM Deployment, without dropping a request.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use api_types::regional::StoredSpec;
+use cloud_clients::KubeClient;
+use region_store::DeploymentReplicas;
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::plan::autoscale::{self, Decision, Look, Memory, Policy, Scrape};
+use crate::plan::{manifests, names};
+
+/// A deployment's count for this pass.
+#[derive(Debug, Clone)]
+pub struct Scaled {
+    pub model_id: Uuid,
+    pub wanted: u32,
+    /// The autoscaler's memory to keep (`None`: not autoscaled, or not steady).
+    pub memory: Option<Memory>,
+    pub decision: Option<Decision>,
+}
+
+fn label<'a>(o: &'a Value, key: &str) -> Option<&'a str> {
+    o.pointer("/metadata/labels")
+        .and_then(|l| l.get(key))
+        .and_then(Value::as_str)
+}
+
+fn running_and_ready(pod: &Value) -> bool {
+    let deleting = pod
+        .pointer("/metadata/deletionTimestamp")
+        .is_some_and(|t| !t.is_null());
+    let ready = pod
+        .pointer("/status/conditions")
+        .and_then(Value::as_array)
+        .is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True")
+        });
+    !deleting && pod.pointer("/status/phase").and_then(Value::as_str) == Some("Running") && ready
+}
+
+fn pod_name(pod: &Value) -> &str {
+    pod.pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+}
+
+/// The ready model servers of a deployment, by pod name.
+pub fn ready_servers(observed: &[Value], model_id: &Uuid) -> Vec<String> {
+    let id = model_id.to_string();
+    let mut pods: Vec<String> = observed
+        .iter()
+        .filter(|o| o["kind"] == "Pod")
+        .filter(|o| label(o, names::MODEL_ID_LABEL) == Some(id.as_str()))
+        .filter(|o| running_and_ready(o))
+        .map(|o| pod_name(o).to_string())
+        .collect();
+    pods.sort();
+    pods
+}
+
+/// One look at the deployment's servers and picker. A server that cannot be read is left out
+/// (it counts as not ready for this look); an unreadable picker holds nothing.
+async fn look(kube: &KubeClient, ns: &str, observed: &[Value], model_id: &Uuid) -> Look {
+    let servers = ready_servers(observed, model_id);
+    let reads = servers.iter().map(|pod| async move {
+        let text = kube
+            .pod_proxy_get(ns, pod, manifests::VLLM_PORT, "/metrics")
+            .await;
+        (pod.clone(), text)
+    });
+    let pool = names::inference_pool(model_id);
+    let picker = observed
+        .iter()
+        .filter(|o| o["kind"] == "Pod" && label(o, names::EPP_LABEL) == Some(pool.as_str()))
+        .find(|o| o.pointer("/status/phase").and_then(Value::as_str) == Some("Running"))
+        .map(|o| pod_name(o).to_string());
+    let held = async {
+        let pod = picker?;
+        let text = kube
+            .pod_proxy_get(ns, &pod, manifests::EPP_METRICS_PORT, "/metrics")
+            .await
+            .map_err(|e| tracing::debug!(pod, error = %e, "endpoint picker metrics unreadable"))
+            .ok()?;
+        Some(autoscale::parse_epp_queue(&text, &pool))
+    };
+    let (reads, held) = futures::join!(futures::future::join_all(reads), held);
+    let unread = reads.iter().filter(|(_, t)| t.is_err()).count();
+    let ready: BTreeMap<String, Scrape> = reads
+        .into_iter()
+        .filter_map(|(pod, text)| match text {
+            Ok(t) => Some((pod, autoscale::parse_vllm(&t))),
+            Err(e) => {
+                tracing::debug!(pod, error = %e, "model server metrics unreadable");
+                None
+            }
+        })
+        .collect();
+    Look {
+        ready,
+        held,
+        unread,
+    }
+}
+
+/// Each deployment's count for this pass. `steady`: the DI is active with nothing to roll
+/// out; otherwise every deployment runs its spec's scale (the starting count) and the
+/// autoscaler starts again once the rollout is over.
+#[allow(clippy::too_many_arguments)]
+pub async fn decide_all(
+    kube: &KubeClient,
+    ns: &str,
+    spec: &StoredSpec,
+    steady: bool,
+    observed: &[Value],
+    recorded: &[DeploymentReplicas],
+    now_ms: i64,
+    scale_down_window: Duration,
+) -> Vec<Scaled> {
+    let mut out = Vec::new();
+    for md in &spec.model_deployments {
+        let Some(model_id) = md.model_id else {
+            continue;
+        };
+        let scale = md
+            .accelerators
+            .first()
+            .map_or(0, |g| u32::try_from(g.scale).unwrap_or(0));
+        let policy = Policy::of(md);
+        let (Some(policy), true) = (policy, steady) else {
+            out.push(Scaled {
+                model_id,
+                wanted: scale,
+                memory: None,
+                decision: None,
+            });
+            continue;
+        };
+        let memory = recorded
+            .iter()
+            .find(|r| r.model_id == model_id)
+            .and_then(|r| r.autoscaler.clone())
+            .and_then(|v| serde_json::from_value::<Memory>(v).ok())
+            .filter(|m| m.version == spec.version)
+            .unwrap_or_else(|| Memory::start(spec.version, scale, now_ms));
+        let seen = look(kube, ns, observed, &model_id).await;
+        let outcome = autoscale::decide(&policy, &memory, &seen, now_ms, scale_down_window);
+        out.push(Scaled {
+            model_id,
+            wanted: outcome.memory.wanted,
+            decision: outcome.decision,
+            memory: Some(outcome.memory),
+        });
+    }
+    out
+}
