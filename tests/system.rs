@@ -3,6 +3,7 @@
 //! end to end on the simulated cloud. Each module says what it covers.
 
 mod api;
+mod autoscaling;
 mod bad_input;
 mod byom;
 mod byom_clients;

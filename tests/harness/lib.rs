@@ -71,6 +71,12 @@ pub struct CloudOptions {
     pub credential_ttl: Duration,
     /// How soon the workers look again at a converged DI; `None`: the worker's default.
     pub resync: Option<Duration>,
+    /// The autoscaler's look interval and scale-down window; `None`: the worker's defaults.
+    pub autoscale_interval: Option<Duration>,
+    pub scale_down_window: Option<Duration>,
+    /// The simulated model servers' serving model (`region_sim::ServingConfig::time_scale`):
+    /// 0, the default, answers at once; 1 is real time.
+    pub serving_time_scale: f64,
 }
 
 impl CloudOptions {
@@ -96,6 +102,9 @@ impl Default for CloudOptions {
             lease: Duration::from_secs(3),
             credential_ttl: region_sim::DEFAULT_CREDENTIAL_TTL,
             resync: None,
+            autoscale_interval: None,
+            scale_down_window: None,
+            serving_time_scale: 0.0,
         }
     }
 }
@@ -116,6 +125,7 @@ impl Cloud {
         let mut cfg = region_sim::SimConfig::new(region, SIM_TOKEN);
         cfg.delays = options.delays.clone();
         cfg.credential_ttl = options.credential_ttl;
+        cfg.model.serving.time_scale = options.serving_time_scale;
         let sim = region_sim::RegionSim::start(cfg)
             .await
             .expect("region simulator starts");
@@ -182,6 +192,12 @@ impl Cloud {
         c.settings.hub_endpoint = Some(self.hub_url.clone());
         if let Some(resync) = self.options.resync {
             c.settings.resync = resync;
+        }
+        if let Some(i) = self.options.autoscale_interval {
+            c.settings.autoscale_interval = i;
+        }
+        if let Some(w) = self.options.scale_down_window {
+            c.settings.scale_down_window = w;
         }
         let handle = worker::runtime::Worker::start(c)
             .await

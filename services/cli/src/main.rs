@@ -114,6 +114,14 @@ enum Command {
     Events { id: String },
     /// A dedicated inference's accelerators.
     Accelerators { id: String },
+    /// Each model deployment's replicas (ready and wanted, with its autoscaling bounds) and the
+    /// most recent scaling decisions.
+    Replicas {
+        id: String,
+        /// How many recent scaling events to show.
+        #[arg(long, default_value_t = 10)]
+        events: usize,
+    },
     /// The CA certificate (PEM) of a dedicated inference's private endpoint.
     Ca { id: String },
 }
@@ -250,6 +258,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::GpuModelConfig => gpu_model_config(&client, out).await,
         Command::Events { id } => events(&client, out, &id).await,
         Command::Accelerators { id } => accelerators(&client, out, &id).await,
+        Command::Replicas { id, events } => replicas(&client, out, &id, events).await,
         Command::Ca { id } => ca(&client, out, &id).await,
     }
 }
@@ -825,6 +834,64 @@ async fn events(client: &Client, out: Output, id: &str) -> Result<(), Failure> {
                 "{}",
                 render::table(&["TIME", "PHASE", "REASON", "MESSAGE"], &rows)
             );
+        }
+    }
+    Ok(())
+}
+
+/// The events that are scaling decisions (see the worker's autoscaler).
+fn is_scaling(e: &Value) -> bool {
+    e["reason"]
+        .as_str()
+        .is_some_and(|r| r.starts_with("Scaled"))
+}
+
+async fn replicas(client: &Client, out: Output, id: &str, last: usize) -> Result<(), Failure> {
+    let answer = client.fetch(&di_path(id)?, &[]).await?;
+    let di = &answer.body["dedicated_inference"];
+    let path = format!("{}/events", di_path(id)?);
+    let (items, _) = client.get_all(&path, "events", &[]).await?;
+    let scaling: Vec<&Value> = items.iter().filter(|e| is_scaling(e)).collect();
+    let recent = &scaling[scaling.len().saturating_sub(last)..];
+    match out {
+        Output::Json => print_json(&json!({"replicas": di["replicas"], "events": recent})),
+        Output::Text => {
+            let rows: Vec<Vec<String>> = di["replicas"]
+                .as_array()
+                .map(|rs| {
+                    rs.iter()
+                        .map(|r| {
+                            let deployment = di["spec"]["model_deployments"]
+                                .as_array()
+                                .and_then(|ds| ds.iter().find(|d| d["model_id"] == r["model_id"]));
+                            vec![
+                                s(&r["model_slug"]),
+                                s(&r["ready"]),
+                                s(&r["wanted"]),
+                                deployment
+                                    .and_then(render::bounds)
+                                    .unwrap_or_else(|| "fixed".into()),
+                            ]
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            if rows.is_empty() {
+                eprintln!("No replicas counted yet.");
+            } else {
+                print!(
+                    "{}",
+                    render::table(&["MODEL", "READY", "WANTED", "AUTOSCALING"], &rows)
+                );
+            }
+            if !recent.is_empty() {
+                println!();
+                let rows: Vec<Vec<String>> = recent
+                    .iter()
+                    .map(|e| vec![render::time(&e["time"]), s(&e["reason"]), s(&e["message"])])
+                    .collect();
+                print!("{}", render::table(&["TIME", "DECISION", "WHY"], &rows));
+            }
         }
     }
     Ok(())

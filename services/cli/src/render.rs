@@ -140,6 +140,41 @@ fn deployments(spec: &Value) -> String {
     }
 }
 
+/// The autoscaling bounds a deployment declares, as `min–max`; `None` for a fixed scale.
+pub fn bounds(deployment: &Value) -> Option<String> {
+    let a = deployment["workload_config"].get("autoscaling")?;
+    let min = a["min_replicas"].as_u64().unwrap_or(1);
+    let max = match a["max_replicas"].as_u64() {
+        Some(m) => m.to_string(),
+        None => s(&deployment["accelerators"][0]["scale"]),
+    };
+    Some(format!("{min}–{max}"))
+}
+
+/// Per deployment, `model: R ready, W wanted (autoscaling min–max)`; `None` before the
+/// control plane has counted any.
+pub fn replicas(di: &Value) -> Option<String> {
+    let counts = di["replicas"].as_array().filter(|r| !r.is_empty())?;
+    let lines: Vec<String> = counts
+        .iter()
+        .map(|r| {
+            let deployment = di["spec"]["model_deployments"]
+                .as_array()
+                .and_then(|ds| ds.iter().find(|d| d["model_id"] == r["model_id"]));
+            let scaling = deployment
+                .and_then(bounds)
+                .map_or_else(|| " (fixed)".to_string(), |b| format!(" (autoscaling {b})"));
+            format!(
+                "{}: {} ready, {} wanted{scaling}",
+                s(&r["model_slug"]),
+                s(&r["ready"]),
+                s(&r["wanted"])
+            )
+        })
+        .collect();
+    Some(lines.join("\n"))
+}
+
 /// The key/value view of one dedicated inference.
 pub fn di(di: &Value) -> String {
     let pending = &di["pending_deployment_spec"];
@@ -172,6 +207,9 @@ pub fn di(di: &Value) -> String {
         ),
         ("Models", deployments(&di["spec"])),
     ]);
+    if let Some(r) = replicas(di) {
+        pairs.push(("Replicas", r));
+    }
     // A new DI shows its pending spec as the spec; say it once.
     if pending.is_object() && pending["version"] != di["spec"]["version"] {
         if pending["name"] != di["name"] {
@@ -190,6 +228,26 @@ pub fn di(di: &Value) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn replicas_show_ready_wanted_and_bounds() {
+        let di = json!({
+            "spec": {"model_deployments": [
+                {"model_id": "a", "model_slug": "m", "accelerators": [{"scale": 1}],
+                 "workload_config": {"autoscaling": {"min_replicas": 0, "max_replicas": 4}}},
+                {"model_id": "b", "model_slug": "n", "accelerators": [{"scale": 2}], "workload_config": {}},
+            ]},
+            "replicas": [
+                {"model_id": "a", "model_slug": "m", "ready": 2, "wanted": 3},
+                {"model_id": "b", "model_slug": "n", "ready": 2, "wanted": 2},
+            ],
+        });
+        assert_eq!(
+            replicas(&di).unwrap(),
+            "m: 2 ready, 3 wanted (autoscaling 0–4)\nn: 2 ready, 2 wanted (fixed)"
+        );
+        assert_eq!(replicas(&json!({"replicas": []})), None);
+    }
 
     #[test]
     fn tables_align_columns() {
