@@ -67,14 +67,24 @@ pub fn ready_servers(observed: &[Value], model_id: &Uuid) -> Vec<String> {
     pods
 }
 
+/// How long one metrics read may take: a server that answers slower is left out of the look.
+const READ_TIMEOUT: Duration = Duration::from_secs(3);
+
+async fn read(
+    get: impl std::future::Future<Output = Result<String, cloud_clients::KubeError>>,
+) -> Result<String, String> {
+    match tokio::time::timeout(READ_TIMEOUT, get).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer within {READ_TIMEOUT:?}")),
+    }
+}
+
 /// One look at the deployment's servers and picker. A server that cannot be read is left out
 /// (it counts as not ready for this look); an unreadable picker holds nothing.
 async fn look(kube: &KubeClient, ns: &str, observed: &[Value], model_id: &Uuid) -> Look {
     let servers = ready_servers(observed, model_id);
     let reads = servers.iter().map(|pod| async move {
-        let text = kube
-            .pod_proxy_get(ns, pod, manifests::VLLM_PORT, "/metrics")
-            .await;
+        let text = read(kube.pod_proxy_get(ns, pod, manifests::VLLM_PORT, "/metrics")).await;
         (pod.clone(), text)
     });
     let pool = names::inference_pool(model_id);
@@ -85,8 +95,7 @@ async fn look(kube: &KubeClient, ns: &str, observed: &[Value], model_id: &Uuid) 
         .map(|o| pod_name(o).to_string());
     let held = async {
         let pod = picker?;
-        let text = kube
-            .pod_proxy_get(ns, &pod, manifests::EPP_METRICS_PORT, "/metrics")
+        let text = read(kube.pod_proxy_get(ns, &pod, manifests::EPP_METRICS_PORT, "/metrics"))
             .await
             .map_err(|e| tracing::debug!(pod, error = %e, "endpoint picker metrics unreadable"))
             .ok()?;
@@ -112,8 +121,10 @@ async fn look(kube: &KubeClient, ns: &str, observed: &[Value], model_id: &Uuid) 
 }
 
 /// Each deployment's count for this pass. `steady`: the DI is active with nothing to roll
-/// out; otherwise every deployment runs its spec's scale (the starting count) and the
-/// autoscaler starts again once the rollout is over.
+/// out. An autoscaled deployment keeps its count across a customer's change (a PATCH that
+/// raises `max_replicas` under load must not shrink it back to `scale`), clamped to the new
+/// bounds and to at least one while the change rolls out (the rollout ends with a call that a
+/// replica must answer); a deployment seen for the first time starts at its spec's `scale`.
 #[allow(clippy::too_many_arguments)]
 pub async fn decide_all(
     kube: &KubeClient,
@@ -134,8 +145,7 @@ pub async fn decide_all(
             .accelerators
             .first()
             .map_or(0, |g| u32::try_from(g.scale).unwrap_or(0));
-        let policy = Policy::of(md);
-        let (Some(policy), true) = (policy, steady) else {
+        let Some(policy) = Policy::of(md) else {
             out.push(Scaled {
                 model_id,
                 wanted: scale,
@@ -144,13 +154,29 @@ pub async fn decide_all(
             });
             continue;
         };
-        let memory = recorded
+        let remembered = recorded
             .iter()
             .find(|r| r.model_id == model_id)
             .and_then(|r| r.autoscaler.clone())
-            .and_then(|v| serde_json::from_value::<Memory>(v).ok())
+            .and_then(|v| serde_json::from_value::<Memory>(v).ok());
+        let carried = remembered.as_ref().map_or(scale, |m| m.wanted);
+        if !steady {
+            let wanted = carried.clamp(policy.min.max(1), policy.max.max(1));
+            out.push(Scaled {
+                model_id,
+                wanted,
+                // Kept with its old version: the first steady look starts from this count.
+                memory: remembered.map(|m| Memory { wanted, ..m }),
+                decision: None,
+            });
+            continue;
+        }
+        let memory = remembered
             .filter(|m| m.version == spec.version)
-            .unwrap_or_else(|| Memory::start(spec.version, scale, now_ms));
+            .unwrap_or_else(|| {
+                let start = carried.clamp(policy.min, policy.max.max(policy.min));
+                Memory::start(spec.version, start, now_ms)
+            });
         let seen = look(kube, ns, observed, &model_id).await;
         let outcome = autoscale::decide(&policy, &memory, &seen, now_ms, scale_down_window);
         out.push(Scaled {
