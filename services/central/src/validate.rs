@@ -347,7 +347,8 @@ fn served_name(field: &str, name: &str) -> Result<String, ApiError> {
 }
 
 /// The replica bounds `workload_config.autoscaling` declares (already checked): `min_replicas`
-/// (default 1) and `max_replicas` (default: no bound below the largest scale); `None` without
+/// (default 1) and `max_replicas` (default: the starting scale itself, so any scale lies
+/// within; the autoscaler then never grows past it); `None` without
 /// autoscaling, when `scale` is fixed.
 fn replica_bounds(config: &serde_json::Value) -> Option<(i64, i64)> {
     let a = config.get("autoscaling")?;

@@ -79,6 +79,8 @@ pub struct PassInputs {
     pub probe_token: String,
     /// The replica counts and autoscaler memory as last recorded, by model id.
     pub replicas: Vec<DeploymentReplicas>,
+    /// The database's clock (milliseconds since the epoch): one clock for every worker.
+    pub now_ms: i64,
 }
 
 /// A model deployment's replica counts as the worker records them, with the autoscaler's memory
@@ -339,8 +341,13 @@ impl Store {
         let hugging_face_token = self.hugging_face_token_on(&mut conn, di_id).await?;
         let probe_token = self.probe_token_on(&mut conn, di_id).await?;
         let replicas = replicas_on(&mut conn, di_id).await?;
+        let now_ms: i64 =
+            sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
+                .fetch_one(&mut *conn)
+                .await?;
         Ok(PassInputs {
             replicas,
+            now_ms,
             ledger,
             accelerators: accelerators
                 .into_iter()

@@ -700,6 +700,9 @@ impl Reconciler {
             .cloned()
             .collect();
 
+        // The database's clock, not this machine's: the autoscaler's memory is shared by every
+        // worker that takes the DI, and their clocks may disagree.
+        let now_ms = inputs.now_ms;
         // Replicas: the spec's scale, or the autoscaler's count. Its decision is recorded
         // before anything applies it, so that a pass failing halfway does not forget it.
         let scaled = scaling::decide_all(
@@ -709,7 +712,7 @@ impl Reconciler {
             resync,
             &observed,
             &inputs.replicas,
-            epoch_millis(SystemTime::now()),
+            now_ms,
             s.scale_down_window,
         )
         .await;
@@ -740,9 +743,27 @@ impl Reconciler {
         let rolling = plan::readiness::rollouts(&desired, &observed);
         let mut writes = 0u64;
         if !(resync && rolling.is_empty() && plan::nodes_match(&id, &models, &observed)) {
-            writes += self
+            match self
                 .apply_node_pools(id, &cluster_id, &models, &rolling, &observed, &mut ledger)
-                .await?;
+                .await
+            {
+                Ok(n) => writes += n,
+                // The autoscaler asked for GPUs the cloud does not have: an active DI keeps
+                // serving with what it runs, rather than turning to `error`.
+                Err(e @ ReconcileError::Permanent { .. }) if resync => {
+                    let ReconcileError::Permanent { message, .. } = &e else {
+                        unreachable!("matched above")
+                    };
+                    let Some(back) =
+                        scaling::after_refusal(spec, &scaled, &observed, message, now_ms)
+                    else {
+                        return Err(e);
+                    };
+                    self.record_replicas(id, &back, &observed, &[]).await?;
+                    return Ok(pass.wait(format!("scale-up refused: {message}"), s.poll));
+                }
+                Err(e) => return Err(e),
+            }
         }
 
         // Kubernetes objects: the namespace is recorded before it is created.
@@ -1401,10 +1422,4 @@ mod tests {
         assert_eq!(old, AccessTokenHash::from_value(old.id(), "di_old"));
         assert_ne!(probe_token_hash(Uuid::new_v4(), "di_old").id(), old.id());
     }
-}
-
-/// Milliseconds since the epoch: the autoscaler's clock.
-fn epoch_millis(t: SystemTime) -> i64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

@@ -53,13 +53,15 @@ fn pod_name(pod: &Value) -> &str {
         .unwrap_or_default()
 }
 
-/// The ready model servers of a deployment, by pod name.
+/// The ready model servers of a deployment, by pod name: the pods its InferencePool selects
+/// (its endpoint picker carries the deployment's id too, but is not one).
 pub fn ready_servers(observed: &[Value], model_id: &Uuid) -> Vec<String> {
-    let id = model_id.to_string();
+    let selector = manifests::pool_selector(model_id);
+    let selector = selector.as_object().expect("a label map");
     let mut pods: Vec<String> = observed
         .iter()
         .filter(|o| o["kind"] == "Pod")
-        .filter(|o| label(o, names::MODEL_ID_LABEL) == Some(id.as_str()))
+        .filter(|o| selector.iter().all(|(k, v)| label(o, k) == v.as_str()))
         .filter(|o| running_and_ready(o))
         .map(|o| pod_name(o).to_string())
         .collect();
@@ -102,7 +104,11 @@ async fn look(kube: &KubeClient, ns: &str, observed: &[Value], model_id: &Uuid) 
         Some(autoscale::parse_epp_queue(&text, &pool))
     };
     let (reads, held) = futures::join!(futures::future::join_all(reads), held);
-    let unread = reads.iter().filter(|(_, t)| t.is_err()).count();
+    let unread: Vec<String> = reads
+        .iter()
+        .filter(|(_, t)| t.is_err())
+        .map(|(pod, _)| pod.clone())
+        .collect();
     let ready: BTreeMap<String, Scrape> = reads
         .into_iter()
         .filter_map(|(pod, text)| match text {
@@ -171,12 +177,18 @@ pub async fn decide_all(
             });
             continue;
         }
-        let memory = remembered
-            .filter(|m| m.version == spec.version)
-            .unwrap_or_else(|| {
+        let memory = match remembered {
+            Some(m) if m.version == spec.version => m,
+            // A new version starts from the count it rolled out with, and from the servers'
+            // last counters (the same servers may serve on: their history is not new load).
+            other => {
                 let start = carried.clamp(policy.min, policy.max.max(policy.min));
-                Memory::start(spec.version, start, now_ms)
-            });
+                Memory {
+                    last: other.map(|m| m.last).unwrap_or_default(),
+                    ..Memory::start(spec.version, start, now_ms)
+                }
+            }
+        };
         let seen = look(kube, ns, observed, &model_id).await;
         let outcome = autoscale::decide(&policy, &memory, &seen, now_ms, scale_down_window);
         out.push(Scaled {
@@ -187,4 +199,61 @@ pub async fn decide_all(
         });
     }
     out
+}
+
+/// How long after the cloud refused a scale-up (no GPU capacity) the autoscaler waits before
+/// asking again.
+pub const REFUSED_BACKOFF_MS: i64 = 5 * 60 * 1000;
+
+/// The counts after the cloud refused to grow a node pool: each autoscaled deployment that
+/// wanted more than it runs goes back to what it runs (within its bounds), asks for no more for
+/// [`REFUSED_BACKOFF_MS`], and says why in an event. `None` when no autoscaled count can come
+/// down: the refusal is then the DI's error, as for a customer's own scale.
+pub fn after_refusal(
+    spec: &StoredSpec,
+    scaled: &[Scaled],
+    observed: &[Value],
+    why: &str,
+    now_ms: i64,
+) -> Option<Vec<Scaled>> {
+    let mut lowered = false;
+    let out = scaled
+        .iter()
+        .map(|x| {
+            let policy = spec
+                .model_deployments
+                .iter()
+                .find(|md| md.model_id == Some(x.model_id))
+                .and_then(Policy::of);
+            let (Some(policy), Some(memory)) = (policy, &x.memory) else {
+                return x.clone();
+            };
+            let ready = ready_servers(observed, &x.model_id).len() as u32;
+            let back = ready.max(policy.min);
+            if back >= x.wanted {
+                return x.clone();
+            }
+            lowered = true;
+            Scaled {
+                model_id: x.model_id,
+                wanted: back,
+                memory: Some(Memory {
+                    wanted: back,
+                    changed_at: now_ms,
+                    calm_since: None,
+                    up_refused_until: Some(now_ms + REFUSED_BACKOFF_MS),
+                    ..memory.clone()
+                }),
+                decision: Some(Decision {
+                    reason: "ScaleUpRefused",
+                    message: format!(
+                        "{why}: {} → {back} replicas; no scale-up for {} minutes",
+                        x.wanted,
+                        REFUSED_BACKOFF_MS / 60_000
+                    ),
+                }),
+            }
+        })
+        .collect();
+    lowered.then_some(out)
 }

@@ -90,7 +90,13 @@ impl Histogram {
         let Some(e) = earlier.filter(|e| e.buckets.len() == self.buckets.len()) else {
             return self.clone();
         };
-        if self.count() < e.count() {
+        if self
+            .buckets
+            .iter()
+            .zip(&e.buckets)
+            .any(|(a, b)| a.0 != b.0 || a.1 < b.1)
+        {
+            // A counter went down (or the layout changed): the server restarted.
             return self.clone();
         }
         Histogram {
@@ -103,14 +109,17 @@ impl Histogram {
         }
     }
 
+    /// Adds `other` bucket by bucket, matched by bound (a bound only one side has is kept as
+    /// it is: both are cumulative, so the sum stays a valid, if coarser, histogram only where
+    /// the bounds agree; servers of one deployment run one vLLM and share a layout).
     fn add(&mut self, other: &Histogram) {
-        if self.buckets.is_empty() {
-            self.buckets = other.buckets.clone();
-        } else if self.buckets.len() == other.buckets.len() {
-            for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
-                a.1 += b.1;
+        for &(le, count) in &other.buckets {
+            match self.buckets.iter_mut().find(|b| b.0 == le) {
+                Some(b) => b.1 += count,
+                None => self.buckets.push((le, count)),
             }
         }
+        self.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
     }
 
     /// The `q`-quantile (0–1) as Prometheus's `histogram_quantile` estimates it: linear within
@@ -159,11 +168,18 @@ fn samples(text: &str) -> impl Iterator<Item = (&str, &str, f64)> {
         if line.is_empty() || line.starts_with('#') {
             return None;
         }
-        let (series, value) = line.rsplit_once(' ')?;
-        let value: f64 = match value {
+        // `name{labels} value [timestamp]`; label values may hold spaces, so split after `}`.
+        let (series, rest) = match line.rfind('}') {
+            Some(i) => (&line[..=i], line[i + 1..].trim_start()),
+            None => line.split_once(' ')?,
+        };
+        let value: f64 = match rest.split_whitespace().next()? {
             "+Inf" => f64::INFINITY,
             v => v.parse().ok()?,
         };
+        if value.is_nan() {
+            return None;
+        }
         let (name, labels) = match series.split_once('{') {
             Some((n, rest)) => (n, rest.trim_end_matches('}')),
             None => (series, ""),
@@ -205,12 +221,22 @@ pub fn parse_vllm(text: &str) -> Scrape {
             "vllm:kv_cache_usage_perc" => s.kv_usage = s.kv_usage.max(v),
             "vllm:request_success_total" => s.requests += v,
             "vllm:time_to_first_token_seconds_bucket" => bucket(&mut s.ttft, labels, v),
-            "vllm:time_per_output_token_seconds_bucket" => bucket(&mut s.tpot, labels, v),
+            // vLLM renamed TPOT to inter-token latency; servers may report either.
+            "vllm:inter_token_latency_seconds_bucket"
+            | "vllm:time_per_output_token_seconds_bucket" => bucket(&mut s.tpot, labels, v),
             _ => {}
         }
     }
     for h in [&mut s.ttft, &mut s.tpot] {
         h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    // A server reporting both TPOT names counted each observation twice.
+    if text.contains("vllm:inter_token_latency_seconds_bucket")
+        && text.contains("vllm:time_per_output_token_seconds_bucket")
+    {
+        for b in &mut s.tpot.buckets {
+            b.1 /= 2.0;
+        }
     }
     s
 }
@@ -240,6 +266,9 @@ pub struct Memory {
     pub calm_since: Option<i64>,
     /// The last look's counters per model server.
     pub last: BTreeMap<String, Scrape>,
+    /// No scale-up before this time: the cloud refused the last one (no GPU capacity).
+    #[serde(default)]
+    pub up_refused_until: Option<i64>,
 }
 
 impl Memory {
@@ -252,6 +281,7 @@ impl Memory {
             last_request_at: now,
             calm_since: None,
             last: BTreeMap::new(),
+            up_refused_until: None,
         }
     }
 }
@@ -264,8 +294,8 @@ pub struct Look {
     /// Requests held by the gateway (the EPP's queue); `None` when the EPP could not be read.
     pub held: Option<f64>,
     /// Ready model servers whose metrics could not be read. A look that misses some never
-    /// removes a replica: no reading is not the same as no load.
-    pub unread: usize,
+    /// removes a replica (no reading is not the same as no load), and keeps their last counters.
+    pub unread: Vec<String>,
 }
 
 /// A change of the wanted count, as its event says it.
@@ -298,18 +328,21 @@ fn signals(policy: &Policy, memory: &Memory, look: &Look) -> Signals {
     let mut s = Signals::default();
     let (mut ttft, mut tpot) = (Histogram::default(), Histogram::default());
     for (pod, now) in &look.ready {
-        let before = memory.last.get(pod);
-        let requests = match before {
-            Some(b) if now.requests >= b.requests => now.requests - b.requests,
-            // A server not seen before (or restarted) counts what it served so far.
-            _ => now.requests,
-        };
-        s.requests += requests;
         s.in_flight += now.running + now.waiting;
         s.waiting += now.waiting;
         s.kv_usage = s.kv_usage.max(now.kv_usage);
-        ttft.add(&now.ttft.since(before.map(|b| &b.ttft)));
-        tpot.add(&now.tpot.since(before.map(|b| &b.tpot)));
+        // A server not seen before is a baseline: its counters may hold hours of history.
+        let Some(before) = memory.last.get(pod) else {
+            continue;
+        };
+        s.requests += if now.requests >= before.requests {
+            now.requests - before.requests
+        } else {
+            // Restarted: what it served since.
+            now.requests
+        };
+        ttft.add(&now.ttft.since(Some(&before.ttft)));
+        tpot.add(&now.tpot.since(Some(&before.tpot)));
     }
     let q = (policy.percentile / 100.0).clamp(0.0, 1.0);
     s.ttft = ttft.quantile(q);
@@ -378,7 +411,17 @@ pub fn decide(
     if s.requests > 0.0 || s.in_flight > 0.0 || held > 0.0 {
         m.last_request_at = now;
     }
+    if ready == 0 && m.wanted > 0 {
+        // Replicas on their way (a wake, a node being made) count as use: the idle time runs
+        // from when one serves, not from the request that asked for it.
+        m.last_request_at = now;
+    }
     m.last = look.ready.clone();
+    for pod in &look.unread {
+        if let Some(kept) = memory.last.get(pod) {
+            m.last.insert(pod.clone(), kept.clone());
+        }
+    }
     let clamp = |n: u32| n.clamp(policy.min, policy.max.max(policy.min));
     let set = |m: &mut Memory, wanted: u32, reason: &'static str, message: String| {
         let from = m.wanted;
@@ -414,7 +457,8 @@ pub fn decide(
         let target = (ready as f64 * pressure.min(2.0)).ceil() as u32;
         let target = clamp(target);
         m.calm_since = None;
-        if target > m.wanted {
+        let refused = m.up_refused_until.is_some_and(|until| now < until);
+        if target > m.wanted && !refused {
             let decision = set(
                 &mut m,
                 target,
@@ -435,7 +479,7 @@ pub fn decide(
         };
     }
 
-    if look.unread > 0 {
+    if !look.unread.is_empty() {
         m.calm_since = None;
         return Outcome {
             memory: m,
@@ -445,7 +489,11 @@ pub fn decide(
 
     // Zero, after the idle time.
     let idle_ms = now - m.last_request_at;
-    if policy.min == 0 && idle_ms >= policy.scale_to_zero_after.as_millis() as i64 {
+    // Zero needs the gateway's word that it holds nothing (an unread picker might).
+    if policy.min == 0
+        && look.held.is_some()
+        && idle_ms >= policy.scale_to_zero_after.as_millis() as i64
+    {
         let decision = set(
             &mut m,
             0,
@@ -553,7 +601,7 @@ mod tests {
                 .map(|(p, s)| (p.to_string(), s.clone()))
                 .collect(),
             held: Some(held),
-            unread: 0,
+            unread: Vec::new(),
         }
     }
 
@@ -756,7 +804,7 @@ mod tests {
         let blind = Look {
             ready: [("a".to_string(), Scrape::default())].into(),
             held: None,
-            unread: 1,
+            unread: vec!["b".into()],
         };
         for i in 1..=100 {
             let o = decide(&p, &m, &blind, i * 10 * S, Duration::from_secs(60));
@@ -781,6 +829,148 @@ mod tests {
             .memory;
         }
         assert_eq!(m.wanted, 1);
+    }
+
+    /// A server whose metrics read timed out for one look (so it is dropped from `last`) must
+    /// not have its whole lifetime counted at the next look: two servers that served 1,000
+    /// slow requests long ago and 10 fast ones since must not scale up.
+    #[test]
+    fn a_server_unread_for_one_look_is_not_counted_from_its_start() {
+        let p = policy(1, 8);
+        let old = |n: f64| Scrape {
+            running: 1.0,
+            waiting: 0.0,
+            kv_usage: 0.1,
+            requests: n,
+            ttft: hist(2.0, n),
+            tpot: hist(0.005, n),
+        };
+        let mut m = Memory::start(1, 2, 0);
+        m.last = [
+            ("a".to_string(), old(1000.0)),
+            ("b".to_string(), old(1000.0)),
+        ]
+        .into();
+        // Look 1: "a" times out (unread), "b" served 10 fast requests.
+        let mut b1 = old(1000.0);
+        b1.requests += 10.0;
+        b1.ttft.add(&hist(0.05, 10.0));
+        let blind = Look {
+            ready: [("b".to_string(), b1.clone())].into(),
+            held: Some(0.0),
+            unread: vec!["a".into()],
+        };
+        let o = decide(&p, &m, &blind, 10 * S, Duration::from_secs(60));
+        assert!(o.decision.is_none(), "{:?}", o.decision);
+        // Look 2: both read; each served 10 more fast requests.
+        let mut a2 = old(1000.0);
+        a2.requests += 20.0;
+        a2.ttft.add(&hist(0.05, 20.0));
+        let mut b2 = b1;
+        b2.requests += 10.0;
+        b2.ttft.add(&hist(0.05, 10.0));
+        let o = decide(
+            &p,
+            &o.memory,
+            &look(&[("a", a2), ("b", b2)], 0.0),
+            20 * S,
+            Duration::from_secs(60),
+        );
+        assert!(
+            o.decision.is_none(),
+            "fast recent requests scaled up on stale history: {:?}",
+            o.decision
+        );
+    }
+
+    /// The first steady look after a spec change (`Memory::start`: `last` empty) counts every
+    /// long-lived server's lifetime histograms: a PATCH that only changes the bounds scales up
+    /// on load from hours ago.
+    #[test]
+    fn a_new_spec_version_does_not_count_lifetime_history() {
+        let p = policy(1, 8);
+        // Hours ago: 1,000 requests at 2 s TTFT; since the last look: nothing slow.
+        let long_lived = Scrape {
+            running: 1.0,
+            waiting: 0.0,
+            kv_usage: 0.1,
+            requests: 1000.0,
+            ttft: hist(2.0, 1000.0),
+            tpot: hist(0.005, 1000.0),
+        };
+        let m = Memory::start(2, 2, 0);
+        let o = decide(
+            &p,
+            &m,
+            &look(&[("a", long_lived.clone()), ("b", long_lived)], 0.0),
+            10 * S,
+            Duration::from_secs(60),
+        );
+        assert!(o.decision.is_none(), "{:?}", o.decision);
+    }
+
+    /// The endpoint picker's pod carries the deployment's model-id label, so `ready_servers`
+    /// counts it as a model server: its port 8000 never answers, every look has `unread` >= 1,
+    /// and the deployment never scales down or to zero (and GET shows ready = replicas + 1).
+    #[test]
+    fn the_endpoint_picker_is_not_a_model_server() {
+        use crate::plan::model::{models, tests::deployment};
+        use crate::plan::{manifests, names};
+        const M1: &str = "aaaaaaaa-0000-4000-8000-000000000001";
+        let di: uuid::Uuid = "0d1e2f3a-0000-4000-8000-00000000d1d1".parse().unwrap();
+        let model_id: uuid::Uuid = M1.parse().unwrap();
+        let mut md = deployment(M1, "meta-llama/Llama-3.1-8B-Instruct", "gpu-h100x1-80gb", 1);
+        md.workload_config =
+            serde_json::json!({"autoscaling": {"min_replicas": 0, "max_replicas": 2}});
+        let input = manifests::ManifestInput::new(
+            di,
+            models(&[md]).unwrap(),
+            false,
+            manifests::TlsPair {
+                cert_pem: "CERT".into(),
+                key_pem: "KEY".into(),
+            },
+        );
+        let objs = crate::plan::manifests(&input);
+        let epp = objs
+            .iter()
+            .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == names::epp(&model_id))
+            .expect("the EPP Deployment");
+        let pod = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "epp-xyz", "labels": epp["spec"]["template"]["metadata"]["labels"]},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+        });
+        assert_eq!(
+            crate::scaling::ready_servers(&[pod], &model_id),
+            Vec::<String>::new()
+        );
+    }
+
+    /// Right after a wake from zero the replica is still getting a GPU node and loading its
+    /// model (minutes); the held request gave up after 30 s. The idle clock must not send the
+    /// deployment back to zero before a replica has ever served.
+    #[test]
+    fn a_wake_is_not_undone_before_a_replica_serves() {
+        let p = policy(0, 2); // scale_to_zero_after 60 s, the smallest the API accepts
+        let mut m = Memory::start(1, 0, 0);
+        m.wanted = 0;
+        let o = decide(&p, &m, &look(&[], 1.0), 100 * S, Duration::from_secs(60));
+        assert_eq!(o.memory.wanted, 1);
+        // 70 s later: no replica ready yet, nothing held any more.
+        let o = decide(
+            &p,
+            &o.memory,
+            &look(&[], 0.0),
+            170 * S,
+            Duration::from_secs(60),
+        );
+        assert_eq!(
+            o.memory.wanted, 1,
+            "scaled to zero before any replica was ready: {:?}",
+            o.decision
+        );
     }
 
     #[test]

@@ -346,6 +346,7 @@ fn epp_objects(input: &ManifestInput, m: &Model) -> Vec<Value> {
     let mut pod_labels = labels_of(di, &extra);
     pod_labels[names::EPP_LABEL] = json!(pool);
     let read = json!(["get", "list", "watch"]);
+    let config = epp_config(m);
     let grpc_probe = |period: u32, delay: u32| {
         json!({
             "grpc": {"port": EPP_HEALTH_PORT, "service": "inference-extension"},
@@ -358,7 +359,7 @@ fn epp_objects(input: &ManifestInput, m: &Model) -> Vec<Value> {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": meta(di, &name, &extra),
-            "data": {EPP_CONFIG_FILE: epp_config(m)},
+            "data": {EPP_CONFIG_FILE: config},
         }),
         json!({
             "apiVersion": "v1",
@@ -407,7 +408,11 @@ fn epp_objects(input: &ManifestInput, m: &Model) -> Vec<Value> {
                 "selector": {"matchLabels": selector},
                 "strategy": {"type": "Recreate"},
                 "template": {
-                    "metadata": {"labels": pod_labels},
+                    // The picker reads its configuration once, at start: a changed one (flow
+                    // control switched by `min_replicas`) must start a new pod.
+                    "metadata": {"labels": pod_labels, "annotations": {
+                        names::CONFIG_HASH_ANNOTATION: json_hash(&json!(config)),
+                    }},
                     "spec": {
                         "serviceAccountName": name,
                         "terminationGracePeriodSeconds": 130,
@@ -420,6 +425,10 @@ fn epp_objects(input: &ManifestInput, m: &Model) -> Vec<Value> {
                                 "--pool-group", "inference.networking.k8s.io",
                                 "--config-file", format!("/config/{EPP_CONFIG_FILE}"),
                                 "--grpc-health-port", EPP_HEALTH_PORT.to_string(),
+                                // `/metrics` without its own token review: the autoscaler reads
+                                // it through the API server's pod proxy, which authorised the
+                                // worker already, and the picker's Role has no TokenReview.
+                                "--metrics-endpoint-auth=false",
                                 "--zap-encoder", "json",
                             ],
                             "env": [

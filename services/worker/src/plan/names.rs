@@ -13,6 +13,9 @@ pub const MODEL_ID_LABEL: &str = "dedicated-inference.dev/model-id";
 /// Annotation on the vLLM Deployment and its pod template: a hash of the desired template, so
 /// the planner can tell a rollout from a scale change.
 pub const TEMPLATE_HASH_ANNOTATION: &str = "dedicated-inference.dev/template-hash";
+/// On the endpoint picker's pod template: a hash of its configuration, so that a change starts
+/// a new picker (it reads the file once).
+pub const CONFIG_HASH_ANNOTATION: &str = "dedicated-inference.dev/config-hash";
 
 /// InferencePool selector labels (also the vLLM pod labels).
 pub const SERVING_LABEL: &str = "llm-d.ai/inference-serving";
