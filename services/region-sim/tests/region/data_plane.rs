@@ -39,6 +39,7 @@ fn wired(cert: &str, key: &str, endpoints: &[&str]) -> EndpointConfig {
                 .iter()
                 .map(|pod| Backend::new(*pod, Some(MODEL)))
                 .collect(),
+            pools: vec![],
         },
     }
 }
@@ -137,6 +138,7 @@ async fn fails_like_a_gateway_when_wiring_is_incomplete() {
     narrow.route = Route::Pool {
         paths: vec!["/v2".into()],
         endpoints: vec![Backend::new("pod-a", Some(MODEL))],
+        pools: vec![],
     };
     ep.update(narrow).unwrap();
     assert_eq!(chat(&c, &ep, TOKEN).await.status(), 404);
@@ -169,6 +171,7 @@ async fn requests_go_to_pods_serving_their_model() {
             Backend::new("pod-old", Some("old/model")),
             Backend::new("pod-new", Some(MODEL)),
         ],
+        pools: vec![],
     };
     ep.update(cfg).unwrap();
     let ask = |model: &'static str| {
