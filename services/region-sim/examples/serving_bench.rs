@@ -172,6 +172,7 @@ impl Plane {
                         b
                     })
                     .collect(),
+                pools: vec![],
             },
         })
         .unwrap();

@@ -47,6 +47,8 @@ mod kube {
             bearer_token: None,
             // Pods load their model as vLLM does: from the Hub their environment names.
             model_loader: Some(loader.clone()),
+            // Pods answer `pods/proxy` with their metrics (vLLM's, or the endpoint picker's).
+            pod_proxy: Some(Arc::new(crate::pod_proxy::PodMetrics)),
         }
     }
 

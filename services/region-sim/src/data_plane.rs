@@ -6,12 +6,18 @@
 //! serves, which token hashes are valid, and where the route leads. It then fails the way a real
 //! gateway does when something is missing: no certificate → the TLS handshake fails, no route →
 //! 404, bad token → 401, no ready backend → 503. The model behind it is fake but deterministic.
+//!
+//! Scale from zero: when the pool's endpoint picker runs with flow control
+//! ([`PoolRoute::flow_control`]) and the route has no ready backend, a request is held, as
+//! GIE's flow control queues it, until a backend appears (it is then served normally) or the
+//! route's request timeout ([`PoolRoute::hold_limit`]) passes (503 with `Retry-After`). Held
+//! requests are counted per pool ([`held_requests`]): the EPP's queue-size gauge.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::convert::Infallible;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
@@ -73,7 +79,90 @@ pub enum Route {
         paths: Vec<String>,
         /// The ready pods behind the pool.
         endpoints: Vec<Backend>,
+        /// The InferencePools the route's rules lead to.
+        pools: Vec<PoolRoute>,
     },
+}
+
+/// How long a request is held for a pool without ready endpoints when its route sets no
+/// `timeouts.request`.
+pub const DEFAULT_HOLD_LIMIT: Duration = Duration::from_secs(30);
+
+/// What a client is told to wait before retrying a request no replica became ready for.
+pub const HOLD_RETRY_AFTER_SECS: u64 = 10;
+
+/// An InferencePool a route leads to, as the gateway's flow control sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolRoute {
+    /// The pool's name.
+    pub name: String,
+    /// A stable key (the pool's UID): held requests are counted under it ([`held_requests`]).
+    pub key: String,
+    /// The pool's endpoint picker runs with the `flowControl` feature gate: while the route has
+    /// no ready backend, requests wait for one instead of failing at once.
+    pub flow_control: bool,
+    /// How long a request may wait: the route rule's `timeouts.request` (a zero duration, which
+    /// disables the timeout, holds for as long as the endpoint lives), else
+    /// [`DEFAULT_HOLD_LIMIT`].
+    pub hold_limit: Duration,
+}
+
+impl Default for PoolRoute {
+    fn default() -> Self {
+        PoolRoute {
+            name: String::new(),
+            key: String::new(),
+            flow_control: false,
+            hold_limit: DEFAULT_HOLD_LIMIT,
+        }
+    }
+}
+
+/// Held requests per pool key, shared by every endpoint (several load balancers may front one
+/// pool, as one EPP serves them all). An entry lives while a request is held.
+fn held_registry() -> &'static Mutex<HashMap<String, Weak<AtomicUsize>>> {
+    static H: OnceLock<Mutex<HashMap<String, Weak<AtomicUsize>>>> = OnceLock::new();
+    H.get_or_init(Default::default)
+}
+
+/// Requests the gateways currently hold for the pool with this key (the EPP's
+/// `inference_extension_flow_control_queue_size`).
+pub fn held_requests(pool_key: &str) -> usize {
+    held_registry()
+        .lock()
+        .expect("held lock")
+        .get(pool_key)
+        .and_then(Weak::upgrade)
+        .map_or(0, |n| n.load(Ordering::SeqCst))
+}
+
+/// One held request, counted for its pool until it is dropped (served, timed out, or its
+/// client gone).
+struct Held {
+    count: Arc<AtomicUsize>,
+}
+
+impl Held {
+    fn new(pool_key: &str) -> Held {
+        let mut m = held_registry().lock().expect("held lock");
+        let count = match m.get(pool_key).and_then(Weak::upgrade) {
+            Some(c) => c,
+            None => {
+                m.retain(|_, w| w.strong_count() > 0);
+                let c = Arc::new(AtomicUsize::new(0));
+                m.insert(pool_key.to_string(), Arc::downgrade(&c));
+                c
+            }
+        };
+        count.fetch_add(1, Ordering::SeqCst);
+        Held { count }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// One ready pod behind a pool and the model it serves. A pod keeps the model it was started
@@ -114,6 +203,10 @@ struct Inner {
     faults: Arc<Faults>,
     next_backend: AtomicUsize,
     requests: AtomicU64,
+    /// Bumped on every configuration update: held requests wake on it.
+    updates: watch::Sender<u64>,
+    /// True once the endpoint shuts down: held requests are released.
+    stopped: watch::Receiver<bool>,
 }
 
 /// One OpenAI-compatible HTTPS server at a loopback address of its own.
@@ -166,6 +259,7 @@ impl Endpoint {
         timing: Arc<RwLock<ModelTiming>>,
         faults: Arc<Faults>,
     ) -> Endpoint {
+        let (tx, rx) = watch::channel(false);
         let inner = Arc::new(Inner {
             config: RwLock::new(EndpointConfig::default()),
             tls: RwLock::new(None),
@@ -173,8 +267,9 @@ impl Endpoint {
             faults,
             next_backend: AtomicUsize::new(0),
             requests: AtomicU64::new(0),
+            updates: watch::channel(0).0,
+            stopped: rx.clone(),
         });
-        let (tx, rx) = watch::channel(false);
         let tls_of = inner.clone();
         let site = front.register(
             ip,
@@ -237,6 +332,9 @@ impl Endpoint {
             *self.inner.tls.write().expect("tls lock") = built;
         }
         *current = cfg;
+        drop(current);
+        // Held requests look again (a ready backend may have appeared).
+        self.inner.updates.send_modify(|n| *n += 1);
         result
     }
 
@@ -307,7 +405,7 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
         }
     }
     let cfg = inner.config.read().expect("endpoint lock").clone();
-    let (paths, endpoints) = match cfg.route {
+    let (paths, endpoints, pools) = match cfg.route {
         Route::None => {
             return Err(oai_error(
                 StatusCode::NOT_FOUND,
@@ -316,7 +414,11 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
                 "route not found",
             ))
         }
-        Route::Pool { paths, endpoints } => (paths, endpoints),
+        Route::Pool {
+            paths,
+            endpoints,
+            pools,
+        } => (paths, endpoints, pools),
     };
     if !paths.is_empty()
         && !paths.iter().any(|p| match p.strip_prefix('=') {
@@ -350,20 +452,99 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
             "Invalid or missing access token.",
         ));
     }
-    if endpoints.is_empty() {
-        return Err(oai_error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            json!(503),
-            "no healthy upstream",
-        ));
-    }
+    let endpoints = if !endpoints.is_empty() {
+        endpoints
+    } else if let Some(pool) = pools.iter().find(|p| p.flow_control) {
+        // The route's first pool whose picker holds requests holds this one.
+        hold(inner, pool).await?
+    } else {
+        return Err(no_healthy_upstream());
+    };
     let turn = inner.next_backend.fetch_add(1, Ordering::Relaxed);
     Ok(Admitted {
         backend: endpoints[turn % endpoints.len()].pod.clone(),
         backends: endpoints,
         turn,
     })
+}
+
+fn no_healthy_upstream() -> Response {
+    oai_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        json!(503),
+        "no healthy upstream",
+    )
+}
+
+/// `30 s`, `0.5 s`.
+fn seconds(d: Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{} s", d.as_secs_f64())
+    }
+}
+
+/// Waits, counted as held for `pool`, until the route has a ready backend (its backends), the
+/// hold limit passes or the endpoint shuts down (the answer). Wakes only on configuration
+/// updates, on shutdown and at the deadline. Wall-clock time: the wait is the client's, not the
+/// serving model's.
+async fn hold(inner: &Inner, pool: &PoolRoute) -> Result<Vec<Backend>, Response> {
+    let _held = Held::new(&pool.key);
+    let limit = if pool.hold_limit.is_zero() {
+        // A zero request timeout disables it: hold for as long as the endpoint lives.
+        Duration::from_secs(365 * 24 * 3600)
+    } else {
+        pool.hold_limit
+    };
+    let deadline = tokio::time::Instant::now() + limit;
+    // Subscribed before looking, so an update between the look and the wait is not missed.
+    let mut updates = inner.updates.subscribe();
+    let mut stopped = inner.stopped.clone();
+    loop {
+        if *stopped.borrow_and_update() {
+            return Err(no_healthy_upstream());
+        }
+        match &inner.config.read().expect("endpoint lock").route {
+            Route::Pool { endpoints, .. } if !endpoints.is_empty() => return Ok(endpoints.clone()),
+            Route::Pool { .. } => {}
+            Route::None => {
+                return Err(oai_error(
+                    StatusCode::NOT_FOUND,
+                    "not_found_error",
+                    json!(404),
+                    "route not found",
+                ))
+            }
+        }
+        tokio::select! {
+            r = updates.changed() => {
+                if r.is_err() {
+                    return Err(no_healthy_upstream());
+                }
+            }
+            r = stopped.changed() => {
+                if r.is_err() {
+                    return Err(no_healthy_upstream());
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                let mut r = oai_error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_error",
+                    json!(503),
+                    format!(
+                        "no replica became ready within {}; the endpoint is scaling up from zero, retry later",
+                        seconds(pool.hold_limit)
+                    ),
+                );
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(HOLD_RETRY_AFTER_SECS));
+                return Err(r);
+            }
+        }
+    }
 }
 
 /// Gateway API `PathPrefix` semantics: element-wise prefix, `/` matches everything.

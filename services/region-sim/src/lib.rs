@@ -23,6 +23,7 @@ pub mod front;
 pub mod hub_loader;
 pub mod inventory;
 pub mod picker;
+pub mod pod_proxy;
 pub mod routing;
 pub mod serving;
 pub mod sizes;

@@ -35,6 +35,10 @@
 //!   candidate. Metrics are read from the replicas as a scrape every 50 ms (simulated) would
 //!   have seen them ([`crate::serving::SCRAPE_INTERVAL`]).
 //!
+//! - `featureGates` (a top-level list of names): `flowControl` makes the gateway hold requests
+//!   while the pool has no ready endpoint (scale from zero), see [`crate::data_plane`]; other
+//!   gates are ignored.
+//!
 //! The real EPP reads its configuration at start; the simulated one applies a changed ConfigMap
 //! on the cloud controller's next look at the cluster (within its idle interval).
 
@@ -121,6 +125,10 @@ pub struct PickerConfig {
     pub scorers: Vec<(Scorer, f64)>,
     pub picker: PickerKind,
     pub prefix: PrefixParams,
+    /// `featureGates` lists `flowControl`: the EPP holds requests it cannot place yet (no ready
+    /// endpoint) instead of failing them; the gateway then waits with them (see
+    /// [`crate::data_plane::PoolRoute`]).
+    pub flow_control: bool,
 }
 
 // Weights are finite (parse refuses the others), so equality is reflexive.
@@ -166,6 +174,12 @@ impl PickerConfig {
             plugins.insert(name.to_string(), (ty.to_string(), params));
         }
         let mut cfg = PickerConfig::default();
+        // Feature gates are a top-level list of names; the ones the simulator does not know
+        // change nothing, as gates of another EPP version would not.
+        cfg.flow_control = v
+            .get("featureGates")
+            .and_then(Value::as_array)
+            .is_some_and(|gates| gates.iter().any(|g| g.as_str() == Some("flowControl")));
         // Prefix parameters: the producer's, else the scorer's (older configurations put them
         // on the scorer).
         let prefix_params = plugins
@@ -578,6 +592,15 @@ mod tests {
         assert_eq!(c.picker, PickerKind::MaxScore);
         assert!(c.prefix.auto_tune);
         assert!(c.scores());
+        assert!(!c.flow_control);
+    }
+
+    #[test]
+    fn the_flow_control_gate_is_read_and_other_gates_ignored() {
+        let with = format!("{LLM_D_DEFAULT_CONFIG}featureGates: [someFutureGate, flowControl]\n");
+        assert!(PickerConfig::parse(&with).unwrap().flow_control);
+        let other = format!("{LLM_D_DEFAULT_CONFIG}featureGates:\n- someFutureGate\n");
+        assert!(!PickerConfig::parse(&other).unwrap().flow_control);
     }
 
     #[test]

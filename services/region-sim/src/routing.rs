@@ -11,11 +11,12 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use base64::Engine;
 use serde_json::{Map, Value};
 
-use crate::data_plane::{Backend, EndpointConfig, Route};
+use crate::data_plane::{Backend, EndpointConfig, PoolRoute, Route, DEFAULT_HOLD_LIMIT};
 
 /// Selector label that ties a Service to the Gateway it fronts.
 pub const GATEWAY_NAME_LABEL: &str = "gateway.networking.k8s.io/gateway-name";
@@ -105,7 +106,7 @@ pub(crate) fn labels_match(selector: &Map<String, Value>, labels: Option<&Value>
             .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
 }
 
-fn pod_ready(p: &Value) -> bool {
+pub(crate) fn pod_ready(p: &Value) -> bool {
     !deleting(p)
         && s(p, "/status/phase") == Some("Running")
         && p.pointer("/status/conditions")
@@ -433,6 +434,8 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     // the model it names, which is what those matches amount to.
     let mut paths = Vec::new();
     let mut pool_names = Vec::new();
+    // Per pool: how long its rule lets a request wait (the first rule leading to it decides).
+    let mut hold_limits: Vec<Duration> = Vec::new();
     for rule in &rules {
         let backend = rule
             .get("backendRefs")
@@ -447,6 +450,18 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         };
         if !pool_names.iter().any(|n| n == name) {
             pool_names.push(name.to_string());
+            let limit = match rule.pointer("/timeouts/request").and_then(Value::as_str) {
+                None => DEFAULT_HOLD_LIMIT,
+                Some(t) => gateway_duration(t).unwrap_or_else(|| {
+                    w.problems.push(format!(
+                        "HTTPRoute {ns}/{} has an invalid timeouts.request {t:?}: {} s used",
+                        name_of(route),
+                        DEFAULT_HOLD_LIMIT.as_secs()
+                    ));
+                    DEFAULT_HOLD_LIMIT
+                }),
+            };
+            hold_limits.push(limit);
         }
         for m in rule
             .get("matches")
@@ -478,20 +493,58 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         labels: &gateway_pods,
     };
     let mut endpoints = Vec::new();
-    for pool_name in &pool_names {
-        endpoints.extend(pool_endpoints(
-            objs,
-            &ns,
-            pool_name,
-            gateway,
-            &mut w.problems,
-        ));
+    let mut pools = Vec::new();
+    for (pool_name, hold_limit) in pool_names.iter().zip(hold_limits) {
+        let (ready, spec) = pool_endpoints(objs, &ns, pool_name, gateway, &mut w.problems);
+        endpoints.extend(ready);
+        pools.push(PoolRoute {
+            name: pool_name.clone(),
+            key: spec.key.clone(),
+            flow_control: spec.picker.as_ref().is_some_and(|p| p.flow_control),
+            hold_limit,
+        });
     }
     endpoints.sort_by(|a, b| a.pod.cmp(&b.pod));
     endpoints.dedup_by(|a, b| a.pod == b.pod);
-    // A route to nothing that resolves: the gateway answers 5xx.
-    w.config.route = Route::Pool { paths, endpoints };
+    // A route to nothing that resolves: the gateway answers 5xx (or holds the request, when
+    // a pool's picker runs with flow control).
+    w.config.route = Route::Pool {
+        paths,
+        endpoints,
+        pools,
+    };
     w
+}
+
+/// A Gateway API duration (`1h`, `30s`, `500ms`, `1m30s`: one to four number-unit pairs, units
+/// `h`, `m`, `s`, `ms`, numbers of at most five digits), as HTTPRoute `timeouts` take them.
+pub fn gateway_duration(text: &str) -> Option<Duration> {
+    let mut rest = text;
+    let mut total = Duration::ZERO;
+    let mut pairs = 0;
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 || digits > 5 {
+            return None;
+        }
+        let n: u64 = rest[..digits].parse().ok()?;
+        rest = &rest[digits..];
+        let (unit, len) = if rest.starts_with("ms") {
+            (Duration::from_millis(1), 2)
+        } else if rest.starts_with('h') {
+            (Duration::from_secs(3600), 1)
+        } else if rest.starts_with('m') {
+            (Duration::from_secs(60), 1)
+        } else if rest.starts_with('s') {
+            (Duration::from_secs(1), 1)
+        } else {
+            return None;
+        };
+        rest = &rest[len..];
+        total += unit * n as u32;
+        pairs += 1;
+    }
+    (1..=4).contains(&pairs).then_some(total)
 }
 
 /// The ready pods of InferencePool `pool_name` that the gateway may reach, with their models;
@@ -502,7 +555,7 @@ fn pool_endpoints(
     pool_name: &str,
     gateway: Source,
     problems: &mut Vec<String>,
-) -> Vec<Backend> {
+) -> (Vec<Backend>, Arc<crate::picker::PoolSpec>) {
     let pool = find(objs, "InferencePool", INFERENCE_GROUP, ns, pool_name);
     let selector = pool.and_then(|p| {
         p.pointer("/spec/selector/matchLabels")
@@ -519,7 +572,8 @@ fn pool_endpoints(
         problems.push(format!(
             "InferencePool {ns}/{pool_name} not found or has no selector"
         ));
-        return Vec::new();
+        let spec = crate::picker::pool_spec(objs, ns, pool, pool_name, problems);
+        return (Vec::new(), Arc::new(spec));
     };
     let pods: Vec<&Value> = objs
         .iter()
@@ -568,7 +622,7 @@ fn pool_endpoints(
             pods.len()
         ));
     }
-    endpoints
+    (endpoints, pool_spec)
 }
 
 #[cfg(test)]
@@ -619,10 +673,14 @@ mod tests {
     /// The route with the serving facts left out (tested on their own below).
     fn without_serving(route: &Route) -> Route {
         let mut r = route.clone();
-        if let Route::Pool { endpoints, .. } = &mut r {
+        if let Route::Pool {
+            endpoints, pools, ..
+        } = &mut r
+        {
             for b in endpoints {
                 b.serving = Default::default();
             }
+            pools.clear();
         }
         r
     }
@@ -642,7 +700,8 @@ mod tests {
             without_serving(&w.config.route),
             Route::Pool {
                 paths: vec!["/".into()],
-                endpoints: vec![Backend::new("vllm-1-a", Some("big"))]
+                endpoints: vec![Backend::new("vllm-1-a", Some("big"))],
+                pools: vec![],
             }
         );
     }
@@ -670,7 +729,8 @@ mod tests {
                 endpoints: vec![
                     Backend::new("vllm-new", Some("big")),
                     Backend::new("vllm-old", Some("org/small")),
-                ]
+                ],
+                pools: vec![],
             }
         );
     }
@@ -704,7 +764,8 @@ mod tests {
                 endpoints: vec![
                     Backend::new("vllm-1-a", Some("big")),
                     Backend::new("vllm-2-a", Some("small")),
-                ]
+                ],
+                pools: vec![],
             }
         );
     }
@@ -807,6 +868,58 @@ mod tests {
         );
         assert!(w.problems.is_empty(), "{:?}", w.problems);
         assert!(backend(&w).pool.unwrap().picker.is_none());
+    }
+
+    #[test]
+    fn gateway_api_durations() {
+        assert_eq!(gateway_duration("30s"), Some(Duration::from_secs(30)));
+        assert_eq!(gateway_duration("1m"), Some(Duration::from_secs(60)));
+        assert_eq!(gateway_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(
+            gateway_duration("1h2m3s4ms"),
+            Some(Duration::from_millis(3_723_004))
+        );
+        assert_eq!(gateway_duration("0s"), Some(Duration::ZERO));
+        for bad in [
+            "",
+            "30",
+            "s",
+            "1.5s",
+            "-1s",
+            "123456s",
+            "1h1h1h1h1h",
+            "10 s",
+            "1d",
+        ] {
+            assert_eq!(gateway_duration(bad), None, "{bad:?}");
+        }
+    }
+
+    /// The route's pools carry the rule's request timeout as their hold limit (30 s without
+    /// one); a pool whose picker has no flow-control gate holds nothing.
+    #[test]
+    fn pools_carry_the_rules_request_timeout() {
+        let w = wire(&svc(), &objects());
+        let Route::Pool { pools, .. } = &w.config.route else {
+            panic!("{:?}", w.config.route)
+        };
+        assert_eq!(pools.len(), 1);
+        assert_eq!(pools[0].name, "pool");
+        assert_eq!(pools[0].hold_limit, DEFAULT_HOLD_LIMIT);
+        assert!(!pools[0].flow_control);
+        let mut objs = objects();
+        for o in objs.iter_mut() {
+            if o["kind"] == "HTTPRoute" {
+                let mut route = (**o).clone();
+                route["spec"]["rules"][0]["timeouts"] = json!({"request": "1m30s"});
+                *o = Arc::new(route);
+            }
+        }
+        let w = wire(&svc(), &objs);
+        let Route::Pool { pools, .. } = &w.config.route else {
+            panic!("{:?}", w.config.route)
+        };
+        assert_eq!(pools[0].hold_limit, Duration::from_secs(90));
     }
 
     #[test]

@@ -1462,8 +1462,26 @@ pub fn start(
     }))
 }
 
-/// `GET /_sim/clusters/{id}/pods/{ns}/{name}/metrics`: the pod's vLLM `/metrics`, as a scrape
-/// of the pod's serving port would read it.
+/// The pod's vLLM `/metrics` text, as a scrape of its serving port would read it: its
+/// replica's, or, while no endpoint routes to it (or the serving model is off and it has none),
+/// a freshly started vLLM's (zero counters, for the model it serves). `objs` are the cluster's
+/// objects (the pod's Deployment and node describe the replica).
+pub fn pod_metrics_text(objs: &[Arc<Value>], pod: &Value) -> String {
+    let spec = ReplicaSpec::of_pod(objs, pod);
+    match spec.uid.as_deref().and_then(replica_by_uid) {
+        Some(r) => r.metrics_text(),
+        None => {
+            let served = routing::pod_model(objs, pod);
+            Replica::new(spec, served.as_deref()).metrics_text()
+        }
+    }
+}
+
+/// The Prometheus text exposition content type.
+pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// `GET /_sim/clusters/{id}/pods/{ns}/{name}/metrics`: the pod's vLLM `/metrics`
+/// ([`pod_metrics_text`]; the cluster API's `pods/proxy` answers the same).
 pub(crate) async fn admin_pod_metrics(
     State(s): State<Arc<crate::Shared>>,
     Path((id, ns, name)): Path<(String, String, String)>,
@@ -1480,21 +1498,9 @@ pub(crate) async fn admin_pod_metrics(
         )
             .into_response();
     };
-    let spec = ReplicaSpec::of_pod(&objs, pod);
-    let text = match spec.uid.as_deref().and_then(replica_by_uid) {
-        Some(r) => r.metrics_text(),
-        // No endpoint has routed to it yet: a freshly started vLLM.
-        None => {
-            let served = routing::pod_model(&objs, pod);
-            Replica::new(spec, served.as_deref()).metrics_text()
-        }
-    };
     (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
+        [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
+        pod_metrics_text(&objs, pod),
     )
         .into_response()
 }

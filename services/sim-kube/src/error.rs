@@ -187,6 +187,9 @@ impl ApiError {
     pub fn unsupported_media(ct: &str) -> ApiError {
         ApiError::new(415, "UnsupportedMediaType", format!("the body of the request was in an unknown format - accepted media types include: application/json, application/yaml, application/merge-patch+json, application/strategic-merge-patch+json, application/json-patch+json, application/apply-patch+yaml (got {ct:?})"))
     }
+    pub fn service_unavailable(msg: impl Into<String>) -> ApiError {
+        ApiError::new(503, "ServiceUnavailable", msg)
+    }
     pub fn gone(msg: impl Into<String>) -> ApiError {
         ApiError::new(410, "Expired", msg)
     }

@@ -210,6 +210,10 @@ fn dispatch(
         }
         _ => {}
     }
+    // A pod's port, through the API server: not a stored resource.
+    if crate::pod_proxy::parse(path).is_some() {
+        return crate::pod_proxy::serve(shared, method, uri);
+    }
     // Only JSON (and YAML) bodies: protobuf/CBOR clients get 415 and fall back to JSON.
     if let Some(ct) = headers.get("content-type").and_then(|v| v.to_str().ok()) {
         if ct.contains("protobuf") || ct.contains("cbor") {

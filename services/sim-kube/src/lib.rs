@@ -11,7 +11,8 @@
 //! pod's containers load is the answer of an optional hook ([`ModelLoader`],
 //! told each container's args and resolved environment): without one, bound
 //! pods turn Ready after the model-load delay; with one, a failed load
-//! crash-loops as on a real kubelet. It must not
+//! crash-loops as on a real kubelet. What a pod answers on its ports, through the API's
+//! `pods/proxy` subresource, is likewise the answer of an optional hook ([`PodProxy`]). It must not
 //! open connections to anything, pretend to run containers or serve data-plane
 //! traffic (another crate wires that), or know about DigitalOcean's API beyond
 //! the node labels, taints and Service annotations a real cluster carries.
@@ -24,6 +25,7 @@ mod loader;
 mod managed;
 mod ops;
 mod patch;
+mod pod_proxy;
 mod resources;
 mod selector;
 mod store;
@@ -32,6 +34,8 @@ mod watch;
 
 /// The hook deciding whether a container's model loads (see [`ClusterConfig::model_loader`]).
 pub use loader::{LoadRequest, ModelLoader};
+/// The hook answering the `pods/proxy` subresource (see [`ClusterConfig::pod_proxy`]).
+pub use pod_proxy::{PodProxy, ProxyRequest, ProxyResponse};
 /// Label selectors as the API server matches them (NetworkPolicy peers use them too).
 pub use selector::LabelSelector;
 
@@ -63,6 +67,12 @@ pub struct ClusterConfig {
     /// message as its last termination message, restarts after a back-off doubling from 1 s to
     /// 10 s, and is asked again with its new restart count.
     pub model_loader: Option<Arc<dyn ModelLoader>>,
+    /// Answers `GET /api/v1/namespaces/{ns}/pods/{name}[:{port}]/proxy/{path}` for a pod that
+    /// is Running and Ready, as the real API server forwards such a request to the pod (how an
+    /// autoscaler outside the pods' network reads their `/metrics`). The cluster runs no
+    /// containers, so without a hook, or when the hook has no answer, the request is 503
+    /// ("error trying to reach service"), as for a pod where nothing listens.
+    pub pod_proxy: Option<Arc<dyn PodProxy>>,
 }
 
 impl std::fmt::Debug for ClusterConfig {
@@ -79,6 +89,7 @@ impl std::fmt::Debug for ClusterConfig {
                 "model_loader",
                 &self.model_loader.as_ref().map(|_| "<loader>"),
             )
+            .field("pod_proxy", &self.pod_proxy.as_ref().map(|_| "<proxy>"))
             .finish()
     }
 }
@@ -91,6 +102,7 @@ impl Default for ClusterConfig {
             gateway_address_delay: Duration::from_millis(100),
             bearer_token: None,
             model_loader: None,
+            pod_proxy: None,
         }
     }
 }

@@ -5,9 +5,12 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
+use region_sim::data_plane::{
+    held_requests, token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, PoolRoute, Route,
+};
 use region_sim::faults::{ApiFaults, FaultConfig, Faults};
 use region_sim::front::Front;
 use serde_json::{json, Value};
@@ -39,6 +42,7 @@ fn wired(cert: &str, key: &str, endpoints: &[&str]) -> EndpointConfig {
                 .iter()
                 .map(|pod| Backend::new(*pod, Some(MODEL)))
                 .collect(),
+            pools: vec![],
         },
     }
 }
@@ -137,6 +141,7 @@ async fn fails_like_a_gateway_when_wiring_is_incomplete() {
     narrow.route = Route::Pool {
         paths: vec!["/v2".into()],
         endpoints: vec![Backend::new("pod-a", Some(MODEL))],
+        pools: vec![],
     };
     ep.update(narrow).unwrap();
     assert_eq!(chat(&c, &ep, TOKEN).await.status(), 404);
@@ -169,6 +174,7 @@ async fn requests_go_to_pods_serving_their_model() {
             Backend::new("pod-old", Some("old/model")),
             Backend::new("pod-new", Some(MODEL)),
         ],
+        pools: vec![],
     };
     ep.update(cfg).unwrap();
     let ask = |model: &'static str| {
@@ -267,6 +273,155 @@ async fn data_plane_faults_apply() {
 }
 
 /// A virtualenv with the `openai` package, created once under the target directory.
+/// A route to one pool with no ready pod; `flow_control` as its picker's feature gate says.
+fn empty_pool(
+    cert: &str,
+    key: &str,
+    pool_key: &str,
+    flow_control: bool,
+    hold: Duration,
+) -> EndpointConfig {
+    let mut cfg = wired(cert, key, &[]);
+    if let Route::Pool { pools, .. } = &mut cfg.route {
+        pools.push(PoolRoute {
+            name: "pool".into(),
+            key: pool_key.into(),
+            flow_control,
+            hold_limit: hold,
+        });
+    }
+    cfg
+}
+
+/// Scale from zero, on the endpoint alone: with flow control a request waits for a ready pod
+/// (counted as held for its pool) and is served once one appears; past the hold limit it is
+/// 503 with `Retry-After`; a shutdown releases it; without flow control the 503 is immediate.
+#[tokio::test]
+async fn a_flow_controlled_pool_holds_requests_until_a_pod_is_ready() {
+    let ep = endpoint(Arc::new(Faults::default())).await;
+    let (ca, cert, key) = pki("ca-hold", &ep);
+    let c = client(&ca);
+    let pool_key = format!("hold-{}", ep.ip());
+
+    // Without the gate: 503 at once, as before.
+    ep.update(empty_pool(
+        &cert,
+        &key,
+        &pool_key,
+        false,
+        Duration::from_secs(30),
+    ))
+    .unwrap();
+    let started = Instant::now();
+    let r = chat(&c, &ep, TOKEN).await;
+    assert_eq!(r.status(), 503);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(r.headers().get("retry-after").is_none());
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["message"], "no healthy upstream");
+
+    // With it: held, counted, then served when a pod turns ready.
+    ep.update(empty_pool(
+        &cert,
+        &key,
+        &pool_key,
+        true,
+        Duration::from_secs(60),
+    ))
+    .unwrap();
+    let held = tokio::spawn({
+        let (c, url) = (c.clone(), ep.url());
+        async move {
+            c.post(format!("{url}/v1/chat/completions"))
+                .bearer_auth(TOKEN)
+                .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    wait_for("the request held", || held_requests(&pool_key) == 1).await;
+    // An unauthenticated request is not held.
+    assert_eq!(chat(&c, &ep, "di_wrong").await.status(), 401);
+    assert!(!held.is_finished());
+    let mut ready = empty_pool(&cert, &key, &pool_key, true, Duration::from_secs(60));
+    if let Route::Pool { endpoints, .. } = &mut ready.route {
+        endpoints.push(Backend::new("pod-a", Some(MODEL)));
+    }
+    ep.update(ready).unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(10), held)
+        .await
+        .expect("served once a pod is ready")
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-sim-backend"], "pod-a");
+    assert_eq!(held_requests(&pool_key), 0);
+
+    // Past the hold limit: 503 with Retry-After, and the gauge back to 0.
+    ep.update(empty_pool(
+        &cert,
+        &key,
+        &pool_key,
+        true,
+        Duration::from_millis(300),
+    ))
+    .unwrap();
+    let started = Instant::now();
+    let r = chat(&c, &ep, TOKEN).await;
+    assert_eq!(r.status(), 503);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(r.headers()["retry-after"], "10");
+    let body: Value = r.json().await.unwrap();
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("no replica became ready within 0.3 s")
+            && msg.contains("scaling up from zero"),
+        "{msg}"
+    );
+    assert_eq!(held_requests(&pool_key), 0);
+
+    // A shutdown releases what is held.
+    ep.update(empty_pool(
+        &cert,
+        &key,
+        &pool_key,
+        true,
+        Duration::from_secs(60),
+    ))
+    .unwrap();
+    let held = tokio::spawn({
+        let (c, url) = (c.clone(), ep.url());
+        async move {
+            c.post(format!("{url}/v1/chat/completions"))
+                .bearer_auth(TOKEN)
+                .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
+                .send()
+                .await
+        }
+    });
+    wait_for("the request held", || held_requests(&pool_key) == 1).await;
+    ep.shutdown();
+    let r = tokio::time::timeout(Duration::from_secs(10), held)
+        .await
+        .expect("released at shutdown")
+        .unwrap();
+    // Closed with the connection, or answered 503 first: either way not held any more.
+    if let Ok(r) = r {
+        assert_eq!(r.status(), 503);
+    }
+    wait_for("the gauge back to 0", || held_requests(&pool_key) == 0).await;
+}
+
+async fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..400 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
 fn python_with_openai() -> PathBuf {
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
     let python = venv.join("bin").join("python");

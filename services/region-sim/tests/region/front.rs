@@ -32,6 +32,7 @@ fn serving(cert: &str, key: &str, pod: &str, model: &str) -> EndpointConfig {
         route: Route::Pool {
             paths: vec![],
             endpoints: vec![Backend::new(pod, Some(model))],
+            pools: vec![],
         },
     }
 }

@@ -94,6 +94,7 @@ impl Plane {
                         b
                     })
                     .collect(),
+                pools: vec![],
             },
         }
     }

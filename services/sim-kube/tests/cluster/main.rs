@@ -7,4 +7,5 @@ mod api;
 mod common;
 mod controller;
 mod in_process;
+mod pod_proxy;
 mod world;

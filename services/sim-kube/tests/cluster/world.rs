@@ -21,6 +21,7 @@ fn config(model_load: u64) -> ClusterConfig {
         gateway_address_delay: Duration::from_millis(50),
         bearer_token: None,
         model_loader: None,
+        pod_proxy: None,
     }
 }
 

@@ -1,0 +1,180 @@
+//! What the pods of a simulated cluster answer through the cluster API's `pods/proxy`
+//! subresource (sim-kube's [`sim_kube::PodProxy`] hook): the `/metrics` of the two kinds of pod
+//! an autoscaler reads in a real cluster.
+//!
+//! - A model server (a pod an InferencePool selects, or one started with a model): its vLLM
+//!   metrics, [`crate::serving::pod_metrics_text`], on any port. At any time scale: a pod with
+//!   no replica yet shows a freshly started vLLM (zeros).
+//! - An endpoint picker (a pod the InferencePool's `endpointPickerRef` Service selects, or one
+//!   started with `--pool-name <pool>`): the EPP's pool gauges, on any port (9090 in real
+//!   deployments): `inference_extension_flow_control_queue_size{inference_pool}` (requests the
+//!   gateways hold for the pool, [`crate::data_plane::held_requests`]),
+//!   `inference_pool_ready_pods{name}`, and `inference_pool_average_queue_size{name}` /
+//!   `inference_pool_average_kv_cache_utilization{name}` over the ready pods' replicas.
+//!
+//! Any other pod or path has nothing listening: the API server answers 503.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use serde_json::{Map, Value};
+use sim_kube::{PodProxy, ProxyRequest, ProxyResponse};
+
+use crate::routing;
+use crate::serving;
+
+const INFERENCE_GROUP: &str = "inference.networking.k8s.io";
+
+/// The hook every simulated cluster is started with.
+#[derive(Debug, Default)]
+pub struct PodMetrics;
+
+impl PodProxy for PodMetrics {
+    fn proxy(&self, r: &ProxyRequest) -> Option<ProxyResponse> {
+        if r.method != "GET" || r.path.trim_end_matches('/') != "/metrics" {
+            return None;
+        }
+        let objs = &r.objects;
+        let pools = picker_pools(objs, &r.namespace, &r.pod);
+        let text = if !pools.is_empty() {
+            epp_metrics_text(objs, &r.namespace, &pools)
+        } else if is_model_server(objs, &r.namespace, &r.pod) {
+            serving::pod_metrics_text(objs, &r.pod)
+        } else {
+            return None;
+        };
+        Some(ProxyResponse {
+            status: 200,
+            content_type: serving::METRICS_CONTENT_TYPE.to_string(),
+            body: text.into_bytes(),
+        })
+    }
+}
+
+fn inference_pools<'a>(objs: &'a [Arc<Value>], ns: &'a str) -> impl Iterator<Item = &'a Value> {
+    objs.iter().map(Arc::as_ref).filter(move |o| {
+        o["kind"] == "InferencePool"
+            && o["apiVersion"]
+                .as_str()
+                .is_some_and(|v| v.starts_with(INFERENCE_GROUP))
+            && routing::ns_of(o) == ns
+            && !routing::deleting(o)
+    })
+}
+
+/// The string labels of `selector` (`matchLabels`, or a plain map as in older pools).
+fn pool_selector(pool: &Value) -> Option<Map<String, Value>> {
+    pool.pointer("/spec/selector/matchLabels")
+        .or_else(|| pool.pointer("/spec/selector"))
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .filter(|(_, v)| v.is_string())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+}
+
+/// The pools whose endpoint picker this pod is: their `endpointPickerRef` Service selects it,
+/// or it was started with `--pool-name <pool>`.
+fn picker_pools<'a>(objs: &'a [Arc<Value>], ns: &'a str, pod: &Value) -> Vec<&'a Value> {
+    let labels = pod.pointer("/metadata/labels");
+    let named: Vec<String> = pod
+        .pointer("/spec/containers")
+        .and_then(Value::as_array)
+        .map(|cs| {
+            cs.iter()
+                .filter_map(|c| routing::flag_value(&routing::command_line(c), "--pool-name"))
+                .collect()
+        })
+        .unwrap_or_default();
+    inference_pools(objs, ns)
+        .filter(|pool| {
+            let by_name = named.iter().any(|n| pool["metadata"]["name"] == n.as_str());
+            let by_service = pool
+                .pointer("/spec/endpointPickerRef/name")
+                .and_then(Value::as_str)
+                .and_then(|svc| routing::find(objs, "Service", "", ns, svc))
+                .and_then(|svc| svc.pointer("/spec/selector").and_then(Value::as_object))
+                .is_some_and(|sel| routing::labels_match(sel, labels));
+            by_name || by_service
+        })
+        .collect()
+}
+
+fn is_model_server(objs: &[Arc<Value>], ns: &str, pod: &Value) -> bool {
+    let labels = pod.pointer("/metadata/labels");
+    inference_pools(objs, ns)
+        .filter_map(pool_selector)
+        .any(|sel| routing::labels_match(&sel, labels))
+        || routing::pod_model(objs, pod).is_some()
+}
+
+/// The EPP's gauges for each of its pools.
+fn epp_metrics_text(objs: &[Arc<Value>], ns: &str, pools: &[&Value]) -> String {
+    let mut queue = String::new();
+    let mut ready = String::new();
+    let mut avg_queue = String::new();
+    let mut avg_kv = String::new();
+    for pool in pools {
+        let name = routing::s(pool, "/metadata/name")
+            .unwrap_or_default()
+            .replace('"', "");
+        // The key the data plane counts held requests under (see `picker::pool_spec`).
+        let key = routing::s(pool, "/metadata/uid")
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("{ns}/{name}"));
+        let ready_pods: Vec<&Value> = match pool_selector(pool) {
+            Some(sel) => objs
+                .iter()
+                .map(Arc::as_ref)
+                .filter(|o| {
+                    o["kind"] == "Pod"
+                        && routing::ns_of(o) == ns
+                        && routing::labels_match(&sel, o.pointer("/metadata/labels"))
+                        && routing::pod_ready(o)
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        let loads: Vec<serving::Load> = ready_pods
+            .iter()
+            .filter_map(|p| routing::s(p, "/metadata/uid"))
+            .filter_map(serving::replica_by_uid)
+            .map(|r| r.load())
+            .collect();
+        let n = ready_pods.len().max(1) as f64;
+        let waiting: usize = loads.iter().map(|l| l.waiting).sum();
+        let kv: f64 = loads.iter().map(|l| l.kv_usage).sum();
+        let _ = writeln!(
+            queue,
+            "inference_extension_flow_control_queue_size{{inference_pool=\"{name}\"}} {}",
+            crate::data_plane::held_requests(&key)
+        );
+        let _ = writeln!(
+            ready,
+            "inference_pool_ready_pods{{name=\"{name}\"}} {}",
+            ready_pods.len()
+        );
+        let _ = writeln!(
+            avg_queue,
+            "inference_pool_average_queue_size{{name=\"{name}\"}} {}",
+            waiting as f64 / n
+        );
+        let _ = writeln!(
+            avg_kv,
+            "inference_pool_average_kv_cache_utilization{{name=\"{name}\"}} {}",
+            kv / n
+        );
+    }
+    format!(
+        "# HELP inference_extension_flow_control_queue_size Current number of requests held in the flow control queue.\n\
+         # TYPE inference_extension_flow_control_queue_size gauge\n{queue}\
+         # HELP inference_pool_ready_pods The number of ready pods in the inference server pool.\n\
+         # TYPE inference_pool_ready_pods gauge\n{ready}\
+         # HELP inference_pool_average_queue_size The average number of requests pending in the model server queue.\n\
+         # TYPE inference_pool_average_queue_size gauge\n{avg_queue}\
+         # HELP inference_pool_average_kv_cache_utilization The average kv cache utilization for an inference server pool.\n\
+         # TYPE inference_pool_average_kv_cache_utilization gauge\n{avg_kv}"
+    )
+}
