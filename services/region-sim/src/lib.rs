@@ -10,6 +10,9 @@
 //! load balancer wired to a gateway. Every cluster API and load balancer has a loopback address
 //! of its own (`127.x.y.z`), all served by one listener ([`front`]), so the process's sockets
 //! follow the connections clients keep open, not the clusters and load balancers that exist.
+//! Pods answer the cluster API's `pods/proxy` with their metrics (vLLM's, or the endpoint
+//! picker's pool gauges: [`pod_proxy`]), and a gateway whose pool's picker runs with flow control
+//! holds requests while the pool has no ready replica ([`data_plane`]: scale from zero).
 //! It also offers fault injection and an inventory of
 //! everything it holds, under `/_sim/`. It must not contain control-plane logic (it only reacts
 //! to what a real cloud would see), must not reach any network beyond loopback, and production

@@ -173,13 +173,15 @@ impl PickerConfig {
             let params = p.get("parameters").cloned().unwrap_or(Value::Null);
             plugins.insert(name.to_string(), (ty.to_string(), params));
         }
-        let mut cfg = PickerConfig::default();
         // Feature gates are a top-level list of names; the ones the simulator does not know
         // change nothing, as gates of another EPP version would not.
-        cfg.flow_control = v
-            .get("featureGates")
-            .and_then(Value::as_array)
-            .is_some_and(|gates| gates.iter().any(|g| g.as_str() == Some("flowControl")));
+        let mut cfg = PickerConfig {
+            flow_control: v
+                .get("featureGates")
+                .and_then(Value::as_array)
+                .is_some_and(|gates| gates.iter().any(|g| g.as_str() == Some("flowControl"))),
+            ..PickerConfig::default()
+        };
         // Prefix parameters: the producer's, else the scorer's (older configurations put them
         // on the scorer).
         let prefix_params = plugins

@@ -66,9 +66,9 @@ fn trusting(ca_data: &str) -> Client {
 
 /// A client built from the kubeconfig the DO API hands out.
 pub(crate) struct Kube {
-    server: String,
-    token: String,
-    http: Client,
+    pub(crate) server: String,
+    pub(crate) token: String,
+    pub(crate) http: Client,
 }
 
 impl Kube {
@@ -121,6 +121,19 @@ impl Kube {
         let r = req.send().await.unwrap();
         let s = r.status();
         (s, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// A GET whose answer is not JSON (a pod's metrics through `pods/proxy`).
+    pub(crate) async fn get_text(&self, path: &str) -> (StatusCode, String) {
+        let r = self
+            .http
+            .get(format!("{}{path}", self.server))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .unwrap();
+        let s = r.status();
+        (s, r.text().await.unwrap_or_default())
     }
 
     pub(crate) async fn get(&self, path: &str) -> (StatusCode, Value) {

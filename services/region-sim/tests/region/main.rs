@@ -7,4 +7,5 @@ mod do_api;
 mod doks;
 mod front;
 mod hub;
+mod scale_from_zero;
 mod serving;
