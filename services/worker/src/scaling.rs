@@ -164,7 +164,11 @@ pub async fn decide_all(
             .iter()
             .find(|r| r.model_id == model_id)
             .and_then(|r| r.autoscaler.clone())
-            .and_then(|v| serde_json::from_value::<Memory>(v).ok());
+            .and_then(|v| {
+                serde_json::from_value::<Memory>(v)
+                    .map_err(|e| tracing::warn!(model = %model_id, error = %e, "autoscaler memory unreadable; starting again"))
+                    .ok()
+            });
         let carried = remembered.as_ref().map_or(scale, |m| m.wanted);
         if !steady {
             let wanted = carried.clamp(policy.min.max(1), policy.max.max(1));

@@ -77,7 +77,28 @@ impl Policy {
 /// A cumulative histogram: `(upper bound, count ≤ bound)` in bound order, `+Inf` last.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Histogram {
+    #[serde(with = "bounds")]
     pub buckets: Vec<(f64, f64)>,
+}
+
+/// JSON has no infinity (serde_json writes `null`, then cannot read it back as a number): the
+/// `+Inf` bound is stored as `null`.
+mod bounds {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(b: &[(f64, f64)], s: S) -> Result<S::Ok, S::Error> {
+        b.iter()
+            .map(|&(le, n)| (le.is_finite().then_some(le), n))
+            .collect::<Vec<_>>()
+            .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(f64, f64)>, D::Error> {
+        let b = Vec::<(Option<f64>, f64)>::deserialize(d)?;
+        Ok(b.into_iter()
+            .map(|(le, n)| (le.unwrap_or(f64::INFINITY), n))
+            .collect())
+    }
 }
 
 impl Histogram {
@@ -971,6 +992,17 @@ mod tests {
             "scaled to zero before any replica was ready: {:?}",
             o.decision
         );
+    }
+
+    #[test]
+    fn memory_survives_its_json_round_trip() {
+        let mut m = Memory::start(3, 2, 1000);
+        m.last = [("a".to_string(), server(5.0, 0.2, 1.0, 0.0))].into();
+        m.calm_since = Some(500);
+        let json = serde_json::to_value(&m).unwrap();
+        let back: Memory = serde_json::from_value(json).expect("memory reads back");
+        assert_eq!(back, m);
+        assert!(back.last["a"].ttft.buckets.last().unwrap().0.is_infinite());
     }
 
     #[test]
