@@ -19,8 +19,10 @@ use serde_json::{json, Value};
 use system_tests::{CloudOptions, Options, System};
 use uuid::Uuid;
 
-const MODEL: &str = "qwen/qwen2.5-7b-instruct";
-const GPU: &str = "gpu-h100x1-80gb";
+// An 8B model on the smallest GPU that serves it: one replica runs out of KV cache and batch
+// under the step's load, as a 70B model on an H100 would at a larger scale.
+const MODEL: &str = "meta-llama/llama-3.1-8b-instruct";
+const GPU: &str = "gpu-l40sx1-48gb";
 const REGION: &str = "atl1";
 
 struct Args {
@@ -254,7 +256,7 @@ async fn create(
     scale: u32,
     workload: Value,
 ) -> (String, String) {
-    let body = json!({"spec": {
+    let body = json!({"access_tokens": {"hugging_face_token": system_tests::HF_TOKEN}, "spec": {
         "name": name, "region": REGION, "enable_public_endpoint": true,
         "model_deployments": [{
             "model_slug": MODEL, "model_provider": "hugging_face",
