@@ -257,7 +257,7 @@ async fn create(
     workload: Value,
 ) -> (String, String) {
     let body = json!({"access_tokens": {"hugging_face_token": system_tests::HF_TOKEN}, "spec": {
-        "name": name, "region": REGION, "enable_public_endpoint": true,
+        "version": 1, "name": name, "region": REGION, "enable_public_endpoint": true,
         "model_deployments": [{
             "model_slug": MODEL, "model_provider": "hugging_face",
             "workload_config": workload,
@@ -360,6 +360,9 @@ fn report(t: &Target, a: &Args, step: (f64, f64)) {
     for w in trace.windows(2) {
         gpu_seconds += (w[1].0 - w[0].0) * w[0].1 as f64;
     }
+    // The counts when the step began and ended, and how long after each the first change came.
+    let at = |t: f64| trace.iter().find(|p| p.0 >= t).copied().unwrap_or_default();
+    let (up_from, down_from) = (at(step.0), at(step.1));
     let first = |cond: &dyn Fn(&(f64, usize, u64, u64)) -> bool, after: f64| {
         trace
             .iter()
@@ -375,9 +378,9 @@ fn report(t: &Target, a: &Args, step: (f64, f64)) {
         share(&in_step),
         percentile(ttfts.clone(), 0.5),
         percentile(ttfts, 0.9),
-        first(&|p| p.3 > 1, step.0),
-        first(&|p| p.2 > 1, step.0),
-        first(&|p| p.3 <= 1 && p.2 <= 1, step.1),
+        first(&|p| p.3 > up_from.3, step.0),
+        first(&|p| p.2 > up_from.2, step.0),
+        first(&|p| p.3 < down_from.3, step.1),
         gpu_seconds / 3600.0,
     );
     let _ = a;

@@ -343,7 +343,14 @@ struct Signals {
     kv_usage: f64,
     ttft: Option<f64>,
     tpot: Option<f64>,
+    /// Whether the latency histograms held enough requests to judge: a percentile of three
+    /// requests is the slowest of them (a cold prefill), not the deployment's latency.
+    latency_judged: bool,
 }
+
+/// Requests a window must hold before its latency percentiles count; until then the window
+/// grows (the histograms' baseline stays where it was).
+pub const MIN_SAMPLES: f64 = 20.0;
 
 fn signals(policy: &Policy, memory: &Memory, look: &Look) -> Signals {
     let mut s = Signals::default();
@@ -365,9 +372,12 @@ fn signals(policy: &Policy, memory: &Memory, look: &Look) -> Signals {
         ttft.add(&now.ttft.since(Some(&before.ttft)));
         tpot.add(&now.tpot.since(Some(&before.tpot)));
     }
-    let q = (policy.percentile / 100.0).clamp(0.0, 1.0);
-    s.ttft = ttft.quantile(q);
-    s.tpot = tpot.quantile(q);
+    s.latency_judged = ttft.count() >= MIN_SAMPLES;
+    if s.latency_judged {
+        let q = (policy.percentile / 100.0).clamp(0.0, 1.0);
+        s.ttft = ttft.quantile(q);
+        s.tpot = tpot.quantile(q);
+    }
     s
 }
 
@@ -438,6 +448,15 @@ pub fn decide(
         m.last_request_at = now;
     }
     m.last = look.ready.clone();
+    if !s.latency_judged {
+        // Too few requests since the baseline: keep it, so the next window is longer.
+        for (pod, now) in m.last.iter_mut() {
+            if let Some(before) = memory.last.get(pod) {
+                now.ttft = before.ttft.clone();
+                now.tpot = before.tpot.clone();
+            }
+        }
+    }
     for pod in &look.unread {
         if let Some(kept) = memory.last.get(pod) {
             m.last.insert(pod.clone(), kept.clone());
@@ -992,6 +1011,31 @@ mod tests {
             "scaled to zero before any replica was ready: {:?}",
             o.decision
         );
+    }
+
+    #[test]
+    fn a_few_slow_requests_are_not_a_percentile() {
+        let p = policy(1, 4);
+        let mut m = Memory::start(1, 1, 0);
+        m.last = [("a".to_string(), Scrape::default())].into();
+        // Three cold prefills of 2 s each: too few to judge, nothing scales.
+        let o = decide(
+            &p,
+            &m,
+            &look(&[("a", server(3.0, 2.0, 1.0, 0.0))], 0.0),
+            10 * S,
+            Duration::from_secs(60),
+        );
+        assert!(o.decision.is_none(), "{:?}", o.decision);
+        // The window grows: with 30 more slow ones since the same baseline, it scales.
+        let o = decide(
+            &p,
+            &o.memory,
+            &look(&[("a", server(33.0, 2.0, 1.0, 0.0))], 0.0),
+            20 * S,
+            Duration::from_secs(60),
+        );
+        assert_eq!(o.decision.map(|d| d.reason), Some("ScaledUp"));
     }
 
     #[test]
