@@ -504,9 +504,9 @@ async fn main() {
         "SLO step",
         "TTFT p50",
         "TTFT p90",
-        "wants >1",
-        "serves >1",
-        "back to 1",
+        "wants more",
+        "serves more",
+        "wants less",
         "GPU-h"
     );
     report(&auto, &a, step);
