@@ -40,7 +40,7 @@ struct Args {
 
 fn args() -> Args {
     let mut a = Args {
-        low: 2,
+        low: 1,
         high: 48,
         warm_secs: 30,
         step_secs: 120,
@@ -59,7 +59,7 @@ fn args() -> Args {
             println!(
                 "autoscale_bench [--low N] [--high N] [--warm-secs S] [--step-secs S] [--after-secs S]\n\
                  \x20               [--max N] [--node-ms MS] [--load-ms MS] [--interval-ms MS] [--window-secs S]\n\
-                 defaults: low 2, high 48 concurrent conversations; 30 s low, 120 s high, 120 s low;\n\
+                 defaults: low 1, high 48 concurrent conversations; 30 s low, 120 s high, 120 s low;\n\
                  max_replicas 3; GPU nodes and model loads take 10 s each; the autoscaler looks every\n\
                  2 s and removes a replica after 30 s of calm."
             );
@@ -529,6 +529,27 @@ async fn main() {
             .collect::<Vec<_>>()
             .join(" ")
     );
+
+    // Every decision, as the DI's events give them.
+    let events = sys
+        .call(
+            Method::GET,
+            &format!("/v2/dedicated-inferences/{}/events?per_page=200", auto.id),
+            &api,
+            None,
+        )
+        .await;
+    println!("autoscaler decisions:");
+    for e in events.body["events"].as_array().into_iter().flatten() {
+        if e["reason"].as_str().is_some_and(|r| r.starts_with("Scale")) {
+            println!(
+                "  {} {}: {}",
+                e["time"].as_str().unwrap_or("?"),
+                e["reason"].as_str().unwrap_or("?"),
+                e["message"].as_str().unwrap_or("")
+            );
+        }
+    }
 
     // Scale from zero: the first request after zero, as its client sees it.
     let started = Instant::now();
