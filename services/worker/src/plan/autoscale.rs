@@ -290,6 +290,9 @@ pub struct Memory {
     /// No scale-up before this time: the cloud refused the last one (no GPU capacity).
     #[serde(default)]
     pub up_refused_until: Option<i64>,
+    /// When the latency histograms' baseline in `last` was taken.
+    #[serde(default)]
+    pub window_since: i64,
 }
 
 impl Memory {
@@ -303,6 +306,7 @@ impl Memory {
             calm_since: None,
             last: BTreeMap::new(),
             up_refused_until: None,
+            window_since: now,
         }
     }
 }
@@ -349,10 +353,13 @@ struct Signals {
 }
 
 /// Requests a window must hold before its latency percentiles count; until then the window
-/// grows (the histograms' baseline stays where it was).
+/// grows (the histograms' baseline stays where it was), for at most [`MAX_WINDOW_MS`].
 pub const MIN_SAMPLES: f64 = 20.0;
+/// The oldest a latency window may reach: older requests (a load that has gone) are not the
+/// deployment's latency now, so an unjudged window this old starts again.
+pub const MAX_WINDOW_MS: i64 = 60_000;
 
-fn signals(policy: &Policy, memory: &Memory, look: &Look) -> Signals {
+fn signals(policy: &Policy, memory: &Memory, look: &Look, now: i64) -> Signals {
     let mut s = Signals::default();
     let (mut ttft, mut tpot) = (Histogram::default(), Histogram::default());
     for (pod, now) in &look.ready {
@@ -372,7 +379,8 @@ fn signals(policy: &Policy, memory: &Memory, look: &Look) -> Signals {
         ttft.add(&now.ttft.since(Some(&before.ttft)));
         tpot.add(&now.tpot.since(Some(&before.tpot)));
     }
-    s.latency_judged = ttft.count() >= MIN_SAMPLES;
+    let stale = now - memory.window_since >= MAX_WINDOW_MS;
+    s.latency_judged = !stale && ttft.count() >= MIN_SAMPLES;
     if s.latency_judged {
         let q = (policy.percentile / 100.0).clamp(0.0, 1.0);
         s.ttft = ttft.quantile(q);
@@ -437,7 +445,7 @@ pub fn decide(
 ) -> Outcome {
     let mut m = memory.clone();
     let ready = look.ready.len();
-    let s = signals(policy, memory, look);
+    let s = signals(policy, memory, look, now);
     let held = look.held.unwrap_or(0.0);
     if s.requests > 0.0 || s.in_flight > 0.0 || held > 0.0 {
         m.last_request_at = now;
@@ -448,14 +456,17 @@ pub fn decide(
         m.last_request_at = now;
     }
     m.last = look.ready.clone();
-    if !s.latency_judged {
+    if !s.latency_judged && now - memory.window_since < MAX_WINDOW_MS {
+        // (A stale window is not judged and starts again below.)
         // Too few requests since the baseline: keep it, so the next window is longer.
-        for (pod, now) in m.last.iter_mut() {
+        for (pod, scrape) in m.last.iter_mut() {
             if let Some(before) = memory.last.get(pod) {
-                now.ttft = before.ttft.clone();
-                now.tpot = before.tpot.clone();
+                scrape.ttft = before.ttft.clone();
+                scrape.tpot = before.tpot.clone();
             }
         }
+    } else {
+        m.window_since = now;
     }
     for pod in &look.unread {
         if let Some(kept) = memory.last.get(pod) {
@@ -1036,6 +1047,49 @@ mod tests {
             Duration::from_secs(60),
         );
         assert_eq!(o.decision.map(|d| d.reason), Some("ScaledUp"));
+    }
+
+    #[test]
+    fn a_window_never_reaches_back_past_its_limit() {
+        let p = policy(1, 4);
+        let mut m = Memory::start(1, 1, 0);
+        m.last = [("a".to_string(), Scrape::default())].into();
+        // 15 slow requests (a load that then went), too few to judge ...
+        m = decide(
+            &p,
+            &m,
+            &look(&[("a", server(15.0, 2.0, 0.0, 0.0))], 0.0),
+            10 * S,
+            Duration::from_secs(60),
+        )
+        .memory;
+        // ... then, long after, 10 fast ones: the slow ones are out of the window.
+        let mut later = server(15.0, 2.0, 0.0, 0.0);
+        later.requests += 10.0;
+        later.ttft.add(&hist(0.05, 10.0));
+        let o = decide(
+            &p,
+            &m,
+            &look(&[("a", later.clone())], 0.0),
+            70 * S,
+            Duration::from_secs(60),
+        );
+        assert!(
+            o.decision.is_none(),
+            "a stale window is not judged: {:?}",
+            o.decision
+        );
+        m = o.memory;
+        later.requests += 10.0;
+        later.ttft.add(&hist(0.05, 10.0));
+        let o = decide(
+            &p,
+            &m,
+            &look(&[("a", later)], 0.0),
+            80 * S,
+            Duration::from_secs(60),
+        );
+        assert!(o.decision.is_none(), "{:?}", o.decision);
     }
 
     #[test]
