@@ -31,13 +31,14 @@ fn sample(text: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// A DI in namespace `di-1`: a vLLM Deployment with no replica, its pool, the pool's endpoint
+/// A DI in namespace `di-1`: a vLLM Deployment with `replicas` replicas, its pool, the pool's endpoint
 /// picker (its ConfigMap holding `epp_config`), a gateway whose route times requests out after
 /// `timeout` (when set), and a load balancer with a certificate for its address. Returns the
 /// client trusting that certificate and the endpoint's URL.
-async fn zero_replica_di(
+pub(crate) async fn pool_di(
     sim: &region_sim::RegionSim,
     kube: &Kube,
+    replicas: usize,
     epp_config: &str,
     timeout: Option<&str>,
 ) -> (reqwest::Client, String) {
@@ -58,7 +59,7 @@ async fn zero_replica_di(
     .await;
     kube.create(&format!("{apps}/deployments"), json!({
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "vllm"},
-        "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "vllm"}},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": "vllm"}},
           "template": {"metadata": {"labels": {"app": "vllm"}}, "spec": {
             "nodeSelector": {"doks.digitalocean.com/node-pool": "gpu"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -124,7 +125,8 @@ async fn zero_replica_di(
     let url = eventually("an active load balancer with its certificate", async || {
         let inv = sim.inventory();
         let ep = inv.endpoints.first()?;
-        (ep.tls && ep.ready_endpoints.is_empty()).then(|| ep.url.clone())
+        let wired = replicas == 0 || ep.problems.is_empty();
+        (ep.tls && ep.ready_endpoints.len() == replicas && wired).then(|| ep.url.clone())
     })
     .await;
     (client(&ca), url)
@@ -185,7 +187,7 @@ async fn a_held_request_is_served_once_the_pool_scales_up_from_zero() {
     )
     .await;
     let kube = Kube::for_cluster(&sim, &id).await;
-    let (https, url) = zero_replica_di(&sim, &kube, &flow_controlled(), Some("60s")).await;
+    let (https, url) = pool_di(&sim, &kube, 0, &flow_controlled(), Some("60s")).await;
     let epp = ready_pod(&kube, "pool-epp-").await;
     let epp_metrics = format!("/api/v1/namespaces/di-1/pods/{epp}:9090/proxy/metrics");
     let gauges = async || {
@@ -315,8 +317,14 @@ async fn without_flow_control_a_pool_without_replicas_is_503_at_once() {
     )
     .await;
     let kube = Kube::for_cluster(&sim, &id).await;
-    let (https, url) =
-        zero_replica_di(&sim, &kube, region_sim::picker::LLM_D_DEFAULT_CONFIG, None).await;
+    let (https, url) = pool_di(
+        &sim,
+        &kube,
+        0,
+        region_sim::picker::LLM_D_DEFAULT_CONFIG,
+        None,
+    )
+    .await;
     let started = Instant::now();
     let r = chat(&https, &url).await;
     assert_eq!(r.status(), 503);

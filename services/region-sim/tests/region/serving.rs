@@ -15,7 +15,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 
 use crate::data_plane::{client, pki};
-use crate::doks::{b64, eventually, running_cluster, Kube};
+use crate::doks::{eventually, running_cluster, Kube};
 
 const TOKEN: &str = "di_0123456789abcdefghijklmnopqrstuvwxyzABCD";
 const MODEL: &str = "llama-3.1-8b";
@@ -465,95 +465,8 @@ async fn the_configmap_the_picker_mounts_decides_the_routing() {
     )
     .await;
     let kube = Kube::for_cluster(&sim, &id).await;
-    let ns = "di-1";
-    let core = format!("/api/v1/namespaces/{ns}");
-    let apps = format!("/apis/apps/v1/namespaces/{ns}");
-    kube.create(
-        "/api/v1/namespaces",
-        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
-    )
-    .await;
-    kube.create(
-        &format!("{core}/secrets"),
-        json!({
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "inference-access-tokens"},
-        "data": {"tok-1": b64(&token_hash(TOKEN))}}),
-    )
-    .await;
-    kube.create(&format!("{apps}/deployments"), json!({
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "vllm"},
-        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "vllm"}},
-          "template": {"metadata": {"labels": {"app": "vllm"}}, "spec": {
-            "nodeSelector": {"doks.digitalocean.com/node-pool": "gpu"},
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "containers": [{"name": "vllm", "image": "vllm/vllm-openai",
-              "args": ["--model", "meta-llama/Llama-3.1-8B-Instruct", "--served-model-name", MODEL],
-              "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}})).await;
-    kube.create(
-        &format!("{core}/configmaps"),
-        json!({
-        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "pool-epp"},
-        "data": {"config.yaml": PREFIX_ONLY}}),
-    )
-    .await;
-    kube.create(&format!("{apps}/deployments"), json!({
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "pool-epp"},
-        "spec": {"replicas": 1, "selector": {"matchLabels": {"epp": "pool"}},
-          "template": {"metadata": {"labels": {"epp": "pool"}}, "spec": {
-            "containers": [{"name": "epp", "image": "ghcr.io/llm-d/llm-d-router-endpoint-picker:v0.10.0",
-              "args": ["--pool-name", "pool", "--config-file", "/config/config.yaml"],
-              "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": true}]}],
-            "volumes": [{"name": "config", "configMap": {"name": "pool-epp"}}]}}}})).await;
-    kube.create(
-        &format!("{core}/services"),
-        json!({
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "pool-epp"},
-        "spec": {"selector": {"epp": "pool"}, "ports": [{"name": "grpc-ext-proc", "port": 9002}]}}),
-    )
-    .await;
-    kube.create(&format!("/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"), json!({
-        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "pool"},
-        "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [{"number": 8000}],
-                 "endpointPickerRef": {"kind": "Service", "name": "pool-epp", "port": {"number": 9002}}}})).await;
-    kube.create(&format!("/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/gateways"), json!({
-        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway", "metadata": {"name": "gw"},
-        "spec": {"gatewayClassName": "istio", "listeners": [{"name": "https", "port": 443, "protocol": "HTTPS",
-          "tls": {"mode": "Terminate", "certificateRefs": [{"kind": "Secret", "name": "endpoint-tls"}]}}]}})).await;
-    kube.create(&format!("/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes"), json!({
-        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "route"},
-        "spec": {"parentRefs": [{"name": "gw"}], "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
-          "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "pool"}]}]}})).await;
-    kube.create(&format!("{core}/services"), json!({
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "public"},
-        "spec": {"type": "LoadBalancer", "selector": {"gateway.networking.k8s.io/gateway-name": "gw"},
-                 "ports": [{"name": "https", "port": 443, "targetPort": 443, "protocol": "TCP"}]}})).await;
-
-    // The gateway's certificate names the load balancer's address, once it has one.
-    let url = eventually("a load balancer address", async || {
-        Some(sim.inventory().endpoints.first()?.url.clone())
-    })
-    .await;
-    let host = url
-        .trim_start_matches("https://")
-        .split(':')
-        .next()
-        .unwrap();
-    let (ca, cert, key) = crate::doks::pki(host);
-    kube.create(&format!("{core}/secrets"), json!({
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "endpoint-tls"}, "type": "kubernetes.io/tls",
-        "data": {"tls.crt": b64(&cert), "tls.key": b64(&key)}})).await;
-    let url = eventually(
-        "two ready replicas behind an active load balancer",
-        async || {
-            let inv = sim.inventory();
-            let ep = inv.endpoints.first()?;
-            let (_, svc) = kube.get(&format!("{core}/services/public")).await;
-            svc.pointer("/status/loadBalancer/ingress/0/ports/0/port")?;
-            (ep.ready_endpoints.len() == 2 && ep.problems.is_empty()).then(|| ep.url.clone())
-        },
-    )
-    .await;
-    let https = client(&ca);
+    let (ns, core) = ("di-1", "/api/v1/namespaces/di-1");
+    let (https, url) = crate::scale_from_zero::pool_di(&sim, &kube, 2, PREFIX_ONLY, None).await;
     let messages = [json!({"role": "user", "content": words("shared", 300)})];
     let send = async |n: usize| {
         let mut pods = Vec::new();
