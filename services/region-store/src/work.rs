@@ -340,11 +340,18 @@ impl Store {
         let token_hashes = crate::token_hashes_on(&mut conn, di_id).await?;
         let hugging_face_token = self.hugging_face_token_on(&mut conn, di_id).await?;
         let probe_token = self.probe_token_on(&mut conn, di_id).await?;
-        let replicas = replicas_on(&mut conn, di_id).await?;
-        let now_ms: i64 =
-            sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
-                .fetch_one(&mut *conn)
-                .await?;
+        // The replica rows and the database's clock in one round trip (an aggregate over no
+        // rows is still one row).
+        let (now_ms, replicas): (i64, sqlx::types::Json<Vec<ReplicasRow>>) = sqlx::query_as(
+            "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint,
+                    coalesce(json_agg(json_build_object('model_id', model_id, 'ready', ready,
+                        'wanted', wanted, 'autoscaler', autoscaler) ORDER BY model_id), '[]')
+             FROM deployment_replicas WHERE di_id = $1",
+        )
+        .bind(di_id)
+        .fetch_one(&mut *conn)
+        .await?;
+        let replicas = replicas.0.into_iter().map(Into::into).collect();
         Ok(PassInputs {
             replicas,
             now_ms,
@@ -543,6 +550,26 @@ async fn ledger_entries_on(conn: &mut PgConnection, di_id: Uuid) -> Result<Vec<L
             },
         )
         .collect())
+}
+
+/// A `deployment_replicas` row as `pass_inputs` reads it (JSON).
+#[derive(serde::Deserialize)]
+struct ReplicasRow {
+    model_id: Uuid,
+    ready: i32,
+    wanted: i32,
+    autoscaler: Option<serde_json::Value>,
+}
+
+impl From<ReplicasRow> for DeploymentReplicas {
+    fn from(r: ReplicasRow) -> Self {
+        DeploymentReplicas {
+            model_id: r.model_id,
+            ready: r.ready.max(0) as u32,
+            wanted: r.wanted.max(0) as u32,
+            autoscaler: r.autoscaler,
+        }
+    }
 }
 
 async fn replicas_on(conn: &mut PgConnection, di_id: Uuid) -> Result<Vec<DeploymentReplicas>> {
