@@ -742,12 +742,27 @@ impl Reconciler {
         // Node pools: read from DigitalOcean unless a resync finds the Nodes as planned.
         let rolling = plan::readiness::rollouts(&desired, &observed);
         let mut writes = 0u64;
+        // Pool shrinks and deletions held back for pods to be placed or to leave: the pools
+        // are not done, so the DI is looked at again soon even once it serves.
+        let mut pools_held = Vec::new();
         if !(resync && rolling.is_empty() && plan::nodes_match(&id, &models, &observed)) {
+            let awaited = plan::readiness::awaited_pools(&desired, &observed);
             match self
-                .apply_node_pools(id, &cluster_id, &models, &rolling, &observed, &mut ledger)
+                .apply_node_pools(
+                    id,
+                    &cluster_id,
+                    &models,
+                    &rolling,
+                    &awaited,
+                    &observed,
+                    &mut ledger,
+                )
                 .await
             {
-                Ok(n) => writes += n,
+                Ok((n, held)) => {
+                    writes += n;
+                    pools_held = held;
+                }
                 // The autoscaler asked for GPUs the cloud does not have: an active DI keeps
                 // serving with what it runs, rather than turning to `error`.
                 Err(e @ ReconcileError::Permanent { .. }) if resync => {
@@ -841,6 +856,13 @@ impl Reconciler {
             public_fqdn: assessment.public_endpoint.clone(),
             private_fqdn: assessment.private_endpoint.clone(),
         };
+        let settled = |status: Status| {
+            if pools_held.is_empty() {
+                Pass::new(status, converged_check)
+            } else {
+                Pass::new(status, s.poll).wait(pools_held.join("; "), s.poll)
+            }
+        };
         let Some(version) = pending else {
             // Converged and nothing to roll out: a resync. Endpoints that moved since the rollout
             // (a load balancer replaced, the cluster rebuilt) are recorded.
@@ -851,7 +873,7 @@ impl Reconciler {
                 self.store.endpoints_update(id, &endpoints).await?;
                 tracing::info!(di = %id, ?endpoints, "endpoints moved");
             }
-            return Ok(Pass::new(status, converged_check));
+            return Ok(settled(status));
         };
         let Some(url) = assessment
             .public_endpoint
@@ -867,7 +889,7 @@ impl Reconciler {
             // The pass leaves the DI active (its span says so): no later pass is needed to see it.
             Ok(done) => {
                 tracing::info!(di = %id, version, "rollout complete");
-                Ok(Pass::new(done.status, converged_check))
+                Ok(settled(done.status))
             }
             // Superseded by a newer spec (or deleted) meanwhile: the next pass converges on it.
             Err(StoreError::Conflict(why)) => Ok(pass.wait(why, Duration::ZERO)),
@@ -933,9 +955,10 @@ impl Reconciler {
         cluster_id: &str,
         models: &[plan::Model],
         rolling: &plan::readiness::Rollouts,
+        awaited: &std::collections::BTreeSet<String>,
         observed: &[Value],
         ledger: &mut Ledger<'_>,
-    ) -> Result<u64> {
+    ) -> Result<(u64, Vec<String>)> {
         let pools = self.cloud.node_pool_list(cluster_id).await?;
         let busy = plan::readiness::busy_nodes(observed);
         let observed_pools: Vec<plan::ObservedPool> = pools
@@ -957,9 +980,9 @@ impl Reconciler {
                     .collect(),
             })
             .collect();
-        let actions = plan::node_pools(&id, models, rolling, &observed_pools);
-        let changes = actions.len() as u64;
-        for action in actions {
+        let plan = plan::node_pools(&id, models, rolling, &observed_pools, awaited);
+        let changes = plan.actions.len() as u64;
+        for action in plan.actions {
             match action {
                 PoolAction::Create(d) => {
                     ledger
@@ -1008,7 +1031,7 @@ impl Reconciler {
                 }
             }
         }
-        Ok(changes)
+        Ok((changes, plan.held))
     }
 
     /// The VPC's cluster `name` (its id) with a client, once it runs; until then, the pass to

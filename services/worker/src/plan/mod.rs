@@ -16,6 +16,7 @@ pub use manifests::{
 pub use model::{models, GpuVendor, Model, PlanError};
 pub use pools::{
     desired_pools, node_pools, nodes_match, DesiredPool, ObservedNode, ObservedPool, PoolAction,
+    PoolPlan,
 };
 pub use readiness::{
     assess, load_failure, Assessment, LoadFailure, ObservedAccelerator, Progress, MODEL_LOAD_FAILED,

@@ -6,7 +6,10 @@
 //! (`scale + 1`) for the surge pod, because every pod takes a whole node and the Deployment
 //! never removes an old pod before a new one is ready — unless every old pod runs on another
 //! pool of the model (a GPU size change), which then holds them. Afterwards the pool shrinks by
-//! deleting idle nodes by id, never a node that still runs a model server.
+//! deleting idle nodes by id, never a node that still runs a model server, and never while a
+//! model server may still be placed on the pool (see [`super::readiness::awaited_pools`]): an
+//! idle node can be the one the scheduler is about to give a waiting pod. A pool no longer
+//! wanted goes once none of its nodes runs a pod and its model is not moving off it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -128,20 +131,33 @@ pub fn desired_pools(
         .collect()
 }
 
+/// What to do to the DI's node pools, and what is held back for now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolPlan {
+    /// Execute in the order given.
+    pub actions: Vec<PoolAction>,
+    /// Shrinks and deletions that wait for pods (to be placed, or to leave), in words: a pass
+    /// that holds one back is not done with the pools.
+    pub held: Vec<String>,
+}
+
 /// Compares the desired pools with the cluster's pools (all of them: pools of other DIs are
 /// recognised by their `dedicated-inference.dev/id` label and left alone) and returns the
-/// actions: creates, grows, idle-node deletions, then pool deletions. An unchanged spec gives
-/// no actions.
+/// actions: creates, grows, idle-node deletions, then pool deletions. `awaited` names the pools
+/// a model server may still be placed on (see [`super::readiness::awaited_pools`]): they do
+/// not shrink. An unchanged spec gives no actions.
 pub fn node_pools(
     di_id: &Uuid,
     models: &[Model],
     rolling_out: &Rollouts,
     existing: &[ObservedPool],
-) -> Vec<PoolAction> {
+    awaited: &BTreeSet<String>,
+) -> PoolPlan {
     let desired = desired_pools(di_id, models, rolling_out, existing);
     let ours: Vec<&ObservedPool> = existing.iter().filter(|p| belongs_to(di_id, p)).collect();
     let (mut creates, mut resizes, mut node_deletes, mut deletes) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut held = Vec::new();
     for d in &desired {
         let Some(p) = ours.iter().find(|p| p.name == d.name) else {
             creates.push(PoolAction::Create(d.clone()));
@@ -153,6 +169,13 @@ pub fn node_pools(
                 name: p.name.clone(),
                 count: d.count,
             });
+        } else if d.count < p.count && awaited.contains(&p.name) {
+            held.push(format!(
+                "node pool {}: {} of {} nodes to remove once its model servers are placed",
+                p.name,
+                p.count - d.count,
+                p.count
+            ));
         } else if d.count < p.count {
             // Only idle nodes go; busy ones are waited for (their pods are being scaled away).
             let mut idle: Vec<&ObservedNode> = p.nodes.iter().filter(|n| !n.busy).collect();
@@ -181,19 +204,32 @@ pub fn node_pools(
         let moving = models.iter().any(|m| {
             Some(&m.model_id.to_string()) == model && rolling_out.contains_key(&m.model_id)
         });
-        if !moving {
-            deletes.push(PoolAction::Delete {
-                pool_id: p.id.clone(),
-                name: p.name.clone(),
-            });
+        if moving {
+            continue;
         }
+        // Its pods leave first (a removed model's are being deleted with their Deployment):
+        // a pool deleted under them would cut their requests short.
+        if awaited.contains(&p.name) || p.nodes.iter().any(|n| n.busy) {
+            held.push(format!(
+                "node pool {}: no longer used, waiting for its pods to leave",
+                p.name
+            ));
+            continue;
+        }
+        deletes.push(PoolAction::Delete {
+            pool_id: p.id.clone(),
+            name: p.name.clone(),
+        });
     }
-    creates
-        .into_iter()
-        .chain(resizes)
-        .chain(node_deletes)
-        .chain(deletes)
-        .collect()
+    PoolPlan {
+        actions: creates
+            .into_iter()
+            .chain(resizes)
+            .chain(node_deletes)
+            .chain(deletes)
+            .collect(),
+        held,
+    }
 }
 
 /// Whether the DI's Kubernetes Nodes (in `observed`) already show exactly the pools `models`
@@ -268,6 +304,17 @@ mod tests {
         Rollouts::new()
     }
 
+    /// The actions for DI `di()` when no model server waits to be placed.
+    fn plan(models: &[Model], rolling: &Rollouts, existing: &[ObservedPool]) -> Vec<PoolAction> {
+        node_pools(&di(), models, rolling, existing, &BTreeSet::new()).actions
+    }
+
+    fn idle(pools: &mut [ObservedPool]) {
+        for n in pools.iter_mut().flat_map(|p| p.nodes.iter_mut()) {
+            n.busy = false;
+        }
+    }
+
     /// `M1` rolling out, its old pods on `pool`'s nodes.
     fn rolling_on(pool: &ObservedPool) -> Rollouts {
         let nodes = pool.nodes.iter().map(|n| n.name.clone()).collect();
@@ -276,7 +323,7 @@ mod tests {
 
     #[test]
     fn new_spec_creates_one_pool_per_model() {
-        let actions = node_pools(&di(), &spec(2, true), &none(), &[]);
+        let actions = plan(&spec(2, true), &none(), &[]);
         assert_eq!(actions.len(), 2);
         let PoolAction::Create(p) = &actions[0] else {
             panic!("{actions:?}")
@@ -293,14 +340,14 @@ mod tests {
     fn unchanged_spec_gives_no_actions() {
         let models = spec(2, true);
         let existing = observe(&desired_pools(&di(), &models, &none(), &[]));
-        assert_eq!(node_pools(&di(), &models, &none(), &existing), vec![]);
+        assert_eq!(plan(&models, &none(), &existing), vec![]);
     }
 
     #[test]
     fn scale_up_resizes() {
         let existing = observe(&desired_pools(&di(), &spec(2, false), &none(), &[]));
         assert_eq!(
-            node_pools(&di(), &spec(4, false), &none(), &existing),
+            plan(&spec(4, false), &none(), &existing),
             vec![PoolAction::Resize {
                 pool_id: "pool-0".into(),
                 name: existing[0].name.clone(),
@@ -313,14 +360,11 @@ mod tests {
     fn scale_down_deletes_idle_nodes_only() {
         let mut existing = observe(&desired_pools(&di(), &spec(3, false), &none(), &[]));
         // All busy: wait for the Deployment to let go of two nodes.
-        assert_eq!(
-            node_pools(&di(), &spec(1, false), &none(), &existing),
-            vec![]
-        );
+        assert_eq!(plan(&spec(1, false), &none(), &existing), vec![]);
         existing[0].nodes[0].busy = false;
         existing[0].nodes[2].busy = false;
         assert_eq!(
-            node_pools(&di(), &spec(1, false), &none(), &existing),
+            plan(&spec(1, false), &none(), &existing),
             vec![
                 PoolAction::DeleteNode {
                     pool_id: "pool-0".into(),
@@ -335,15 +379,21 @@ mod tests {
         // Nodes unknown: a plain resize.
         existing[0].nodes.clear();
         assert!(matches!(
-            node_pools(&di(), &spec(1, false), &none(), &existing)[..],
+            plan(&spec(1, false), &none(), &existing)[..],
             [PoolAction::Resize { count: 1, .. }]
         ));
     }
 
     #[test]
     fn removed_model_deletes_its_pool_added_model_creates_one() {
-        let existing = observe(&desired_pools(&di(), &spec(1, true), &none(), &[]));
-        let actions = node_pools(&di(), &spec(1, false), &none(), &existing);
+        let mut existing = observe(&desired_pools(&di(), &spec(1, true), &none(), &[]));
+        // While the removed model's pod runs there (its Deployment is being deleted), the pool
+        // waits for it to leave.
+        let held = node_pools(&di(), &spec(1, false), &none(), &existing, &BTreeSet::new());
+        assert_eq!(held.actions, vec![]);
+        assert_eq!(held.held.len(), 1, "{held:?}");
+        idle(&mut existing[1..]);
+        let actions = plan(&spec(1, false), &none(), &existing);
         assert_eq!(
             actions,
             vec![PoolAction::Delete {
@@ -352,7 +402,7 @@ mod tests {
             }]
         );
         let first_only = observe(&desired_pools(&di(), &spec(1, false), &none(), &[]));
-        let actions = node_pools(&di(), &spec(1, true), &none(), &first_only);
+        let actions = plan(&spec(1, true), &none(), &first_only);
         assert!(
             matches!(&actions[..], [PoolAction::Create(p)] if p.model_id == id(M2) && p.size == "gpu-mi300x8-1536gb")
         );
@@ -363,11 +413,11 @@ mod tests {
         let other = Uuid::new_v4();
         let mut theirs = observe(&desired_pools(&other, &spec(1, false), &none(), &[]));
         theirs[0].id = "theirs".into();
-        let actions = node_pools(&di(), &[], &none(), &theirs);
+        let actions = plan(&[], &none(), &theirs);
         assert_eq!(actions, vec![]);
         // Also unlabelled pools (e.g. the cluster's CPU pool).
         theirs[0].labels.clear();
-        assert_eq!(node_pools(&di(), &[], &none(), &theirs), vec![]);
+        assert_eq!(plan(&[], &none(), &theirs), vec![]);
     }
 
     #[test]
@@ -376,18 +426,18 @@ mod tests {
         let existing = observe(&desired_pools(&di(), &models, &none(), &[]));
         let rolling = rolling_on(&existing[0]);
         assert!(matches!(
-            node_pools(&di(), &models, &rolling, &existing)[..],
+            plan(&models, &rolling, &existing)[..],
             [PoolAction::Resize { count: 3, .. }]
         ));
         // During the rollout at scale + 1: nothing more.
         let surged = observe(&desired_pools(&di(), &models, &rolling, &[]));
         assert_eq!(surged[0].count, 3);
-        assert_eq!(node_pools(&di(), &models, &rolling, &surged), vec![]);
+        assert_eq!(plan(&models, &rolling, &surged), vec![]);
         // Done: the node the old pod left is idle and goes.
         let mut after = surged.clone();
         after[0].nodes[1].busy = false;
         assert_eq!(
-            node_pools(&di(), &models, &none(), &after),
+            plan(&models, &none(), &after),
             vec![PoolAction::DeleteNode {
                 pool_id: "pool-0".into(),
                 node_id: "node-0-1".into()
@@ -400,23 +450,59 @@ mod tests {
         let old = observe(&desired_pools(&di(), &spec(2, false), &none(), &[]));
         let bigger = models(&[deployment(M1, "org/a", "gpu-h100x8-640gb", 2)]).unwrap();
         let rolling = rolling_on(&old[0]);
-        let actions = node_pools(&di(), &bigger, &rolling, &old);
+        let actions = plan(&bigger, &rolling, &old);
         // No surge node: the old pool still holds the old pods.
         assert!(
             matches!(&actions[..], [PoolAction::Create(p)] if p.count == 2 && p.size == "gpu-h100x8-640gb"),
             "{actions:?}"
         );
-        // Rollout over: the old pool goes.
+        // Rollout over: the old pool goes once its old pods have left.
         let mut both = old.clone();
         let mut new = observe(&desired_pools(&di(), &bigger, &none(), &old));
         new[0].id = "pool-new".into();
         both.extend(new);
+        assert_eq!(plan(&bigger, &none(), &both), vec![]);
+        idle(&mut both[..1]);
         assert_eq!(
-            node_pools(&di(), &bigger, &none(), &both),
+            plan(&bigger, &none(), &both),
             vec![PoolAction::Delete {
                 pool_id: "pool-0".into(),
                 name: old[0].name.clone()
             }]
+        );
+    }
+
+    /// The soak's outage during a GPU move: a scale-down arrives while the new pool's pod
+    /// waits for a node. Both nodes look idle, but the pod is about to be placed on one of
+    /// them: nothing goes until it is placed, then the idle one does.
+    #[test]
+    fn a_pool_a_pod_waits_for_keeps_its_idle_nodes() {
+        let mut existing = observe(&desired_pools(&di(), &spec(2, false), &none(), &[]));
+        idle(&mut existing);
+        let awaited = BTreeSet::from([existing[0].name.clone()]);
+        let waiting = node_pools(&di(), &spec(1, false), &none(), &existing, &awaited);
+        assert_eq!(waiting.actions, vec![]);
+        assert_eq!(waiting.held.len(), 1, "{waiting:?}");
+        // Placed on the first node: the other one goes.
+        existing[0].nodes[0].busy = true;
+        assert_eq!(
+            plan(&spec(1, false), &none(), &existing),
+            vec![PoolAction::DeleteNode {
+                pool_id: "pool-0".into(),
+                node_id: "node-0-1".into()
+            }]
+        );
+        // A pool no longer wanted is not deleted while a pod may still be placed there.
+        let awaited = BTreeSet::from([existing[0].name.clone()]);
+        idle(&mut existing);
+        let other_size = models(&[deployment(M1, "org/a", "gpu-h100x8-640gb", 1)]).unwrap();
+        let plan = node_pools(&di(), &other_size, &none(), &existing, &awaited);
+        assert!(
+            !plan
+                .actions
+                .iter()
+                .any(|a| matches!(a, PoolAction::Delete { .. })),
+            "{plan:?}"
         );
     }
 

@@ -392,6 +392,53 @@ pub fn busy_nodes(pods: &[Value]) -> BTreeSet<String> {
         .collect()
 }
 
+/// The node pools (by name) that a model server may still be placed on: a pool whose nodes are
+/// all idle now can still be about to receive a pod, and a node removed as idle then takes the
+/// pod with it once it goes (after the pod may have turned ready and the Deployment let the
+/// old ones go: an outage). A pool is awaited when
+/// - a pod of the DI that asks for it (`nodeSelector`) has no node yet, or
+/// - the Deployment `desired` points at it has not settled: it is not applied as desired yet,
+///   its controller has not seen its last change, or fewer of its current pods are on a node
+///   than it wants (the controller creates the others when it gets to them).
+///
+/// Only an idle node of a pool that is not awaited can go: nothing can be placed there
+/// between this look and the deletion.
+pub fn awaited_pools(desired: &[Value], observed: &[Value]) -> BTreeSet<String> {
+    let pool_of = |pod_spec: &Value| {
+        pod_spec
+            .pointer("/nodeSelector")
+            .and_then(|s| s.get(names::NODE_POOL_LABEL))
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    let mut awaited: BTreeSet<String> = observed
+        .iter()
+        .filter(|p| p["kind"] == "Pod" && !pod_finished(p) && !deleting(p))
+        .filter(|p| s(p, "/spec/nodeName").is_none_or(str::is_empty))
+        .filter_map(|p| pool_of(&p["spec"]))
+        .collect();
+    for d in desired.iter().filter(|d| d["kind"] == "Deployment") {
+        let Some(pool) = pool_of(&d["spec"]["template"]["spec"]) else {
+            continue;
+        };
+        let settled = observed_of(d, observed).is_some_and(|o| {
+            let want = template_hash(d);
+            let placed = pods_of(d, observed)
+                .into_iter()
+                .filter(|p| !pod_finished(p) && !deleting(p) && template_hash(p) == want)
+                .filter(|p| s(p, "/spec/nodeName").is_some_and(|n| !n.is_empty()))
+                .count() as i64;
+            template_hash(o) == want
+                && int(o, "/status/observedGeneration") >= int(o, "/metadata/generation")
+                && placed >= int(o, "/spec/replicas")
+        });
+        if !settled {
+            awaited.insert(pool);
+        }
+    }
+    awaited
+}
+
 /// Model deployments whose vLLM Deployment is replacing pods, each with the nodes its old pods
 /// run on (where the old pods are decides whether the rollout needs a spare node).
 pub type Rollouts = BTreeMap<Uuid, BTreeSet<String>>;
@@ -663,6 +710,43 @@ mod tests {
         assert_eq!(rollouts(&d2, &mid).keys().collect::<Vec<_>>(), vec![&m1]);
         // Old pods gone: over.
         assert!(rollouts(&d2, &converged(&d2)).is_empty());
+    }
+
+    #[test]
+    fn a_pool_is_awaited_until_every_pod_it_wants_is_on_a_node() {
+        let d = desired(2, false, false);
+        let vllm =
+            |o: &Value| o["kind"] == "Deployment" && o["metadata"]["name"] == "vllm-aaaaaaaa";
+        let pool = d.iter().find(|o| vllm(o)).unwrap()["spec"]["template"]["spec"]["nodeSelector"]
+            [names::NODE_POOL_LABEL]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let is_vllm_pod = |o: &Value| {
+            o["kind"] == "Pod"
+                && o["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("vllm-"))
+        };
+        // Not applied yet: its pods are still to come.
+        assert!(awaited_pools(&d, &[]).contains(&pool));
+        // Every pod it wants on a node: nothing more can be placed there.
+        assert!(awaited_pools(&d, &converged(&d)).is_empty());
+        // A pod waiting to be placed.
+        let mut waiting = converged(&d);
+        let pod = waiting.iter_mut().find(|o| is_vllm_pod(o)).unwrap();
+        pod["spec"] = json!({"nodeSelector": {names::NODE_POOL_LABEL: pool}});
+        assert_eq!(awaited_pools(&d, &waiting), BTreeSet::from([pool.clone()]));
+        // One pod of the two it wants not created yet (the controller gets to it).
+        let mut short = converged(&d);
+        let first = short.iter().position(|o| is_vllm_pod(o)).unwrap();
+        short.remove(first);
+        assert!(awaited_pools(&d, &short).contains(&pool));
+        // The controller has not seen the last change.
+        let mut stale = converged(&d);
+        let dep = stale.iter_mut().find(|o| vllm(o)).unwrap();
+        dep["status"]["observedGeneration"] = json!(1);
+        assert!(awaited_pools(&d, &stale).contains(&pool));
     }
 
     #[test]
