@@ -10,8 +10,8 @@ mod records;
 mod work;
 
 pub use work::{
-    Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, LedgerEntry, PassInputs, Stall,
-    PROGRESS_IDLE,
+    Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, HolderSession, LedgerEntry,
+    PassInputs, Stall, PROGRESS_IDLE,
 };
 
 use api_types::lifecycle::{Event as Transition, Status};
@@ -42,6 +42,10 @@ pub enum StoreError {
     Database(#[from] sqlx::Error),
     #[error("a sealed secret could not be opened")]
     Seal,
+    /// A worker's write under a lease it no longer holds (see [`Store::under_lease`]): another
+    /// worker may have the DI now, and the write was not made.
+    #[error("the lease on this dedicated inference is no longer held")]
+    LeaseLost,
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;
@@ -82,6 +86,15 @@ pub struct Store {
     /// Central's operation id for the lifecycle writes made through this store (see
     /// [`Store::for_operation`]).
     operation: Option<Uuid>,
+    /// The worker's lease every write about its DI is fenced by (see [`Store::under_lease`]).
+    lease: Option<Lease>,
+}
+
+/// A worker's lease on one DI: the fencing token of its writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Lease {
+    di_id: Uuid,
+    token: Uuid,
 }
 
 const HF_TOKEN: &str = "hugging_face_token";
@@ -94,7 +107,50 @@ impl Store {
             pool,
             sealer,
             operation: None,
+            lease: None,
         }
+    }
+
+    /// This store, for a worker's pass over DI `di_id` under the lease `lease_token` (see
+    /// [`Claim`]): every write it makes about a DI first checks, in the write's own
+    /// transaction, that this lease is still the DI's and has not run out, and otherwise fails
+    /// with [`StoreError::LeaseLost`] and writes nothing. The check share-locks the lease's row
+    /// until commit, so the lease cannot be taken over while such a write commits. A worker that
+    /// stalled past its lease (a paused process, a slow network, a database failover) therefore
+    /// cannot overwrite what the DI's next worker does.
+    pub fn under_lease(&self, di_id: Uuid, lease_token: Uuid) -> Store {
+        Store {
+            lease: Some(Lease {
+                di_id,
+                token: lease_token,
+            }),
+            ..self.clone()
+        }
+    }
+
+    /// The token of the lease this store writes under, if any.
+    pub(crate) fn lease_token(&self) -> Option<Uuid> {
+        self.lease.map(|l| l.token)
+    }
+
+    /// The lease check of a write about DI `id` (see [`Store::under_lease`]); nothing without a
+    /// lease. Callers that lock the DI's row do so first: the regional service's writes lock it
+    /// and then the lease's row, and one order everywhere is what keeps them from deadlocking.
+    pub(crate) async fn fence(&self, conn: &mut PgConnection, id: Uuid) -> Result<()> {
+        let Some(lease) = self.lease else {
+            return Ok(());
+        };
+        let held: Option<i32> = sqlx::query_scalar(
+            "SELECT 1 FROM work_items WHERE di_id = $1 AND lease_token = $2 AND expires_at > now() FOR SHARE",
+        )
+        .bind(lease.di_id)
+        .bind(lease.token)
+        .fetch_optional(&mut *conn)
+        .await?;
+        if held.is_none() || lease.di_id != id {
+            return Err(StoreError::LeaseLost);
+        }
+        Ok(())
     }
 
     /// This store, with the lifecycle writes central may send again (patch, delete, token create
@@ -693,6 +749,7 @@ impl Store {
     ) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
+        self.fence(&mut tx, id).await?;
         let Some(active) = row.status.after(Transition::RolloutComplete) else {
             return Err(StoreError::Conflict(format!(
                 "a dedicated inference in status {} is not rolling out",
@@ -734,6 +791,7 @@ impl Store {
     pub async fn endpoints_update(&self, id: Uuid, endpoints: &Endpoints) -> Result<()> {
         let mut tx = self.pool.begin().await?;
         lock_live(&mut tx, id, None).await?;
+        self.fence(&mut tx, id).await?;
         let moved = sqlx::query(
             "UPDATE dedicated_inferences SET public_endpoint_fqdn = $2, private_endpoint_fqdn = $3, updated_at = now()
              WHERE id = $1 AND status = 'active'
@@ -781,6 +839,7 @@ impl Store {
     ) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
+        self.fence(&mut tx, id).await?;
         let heading_for = row.pending_version.or(row.current_version);
         let superseded = version.is_some_and(|v| Some(v) != heading_for);
         let repeated = row.status == Status::Error && row.status_reason.as_deref() == Some(reason);
@@ -807,6 +866,7 @@ impl Store {
     pub async fn gone(&self, id: Uuid) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
+        self.fence(&mut tx, id).await?;
         let Some(status) = row.status.after(Transition::Gone) else {
             return Err(StoreError::Conflict(
                 "only a dedicated inference being deleted can be gone".into(),
@@ -846,6 +906,7 @@ impl Store {
     pub async fn event_append(&self, id: Uuid, reason: &str, message: &str) -> Result<()> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
+        self.fence(&mut tx, id).await?;
         change(&mut tx, id, row.status, reason, message, false).await?;
         tx.commit().await?;
         Ok(())
@@ -859,6 +920,7 @@ impl Store {
     ) -> Result<()> {
         let mut tx = self.pool.begin().await?;
         lock_live(&mut tx, id, None).await?;
+        self.fence(&mut tx, id).await?;
         let names: Vec<String> = observed.iter().map(|a| a.name.clone()).collect();
         sqlx::query("DELETE FROM accelerators WHERE di_id = $1 AND NOT (name = ANY($2))")
             .bind(id)
@@ -1039,6 +1101,7 @@ impl Store {
     ) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
+        self.fence(&mut tx, id).await?;
         if let Some(to) = row.status.after(event).filter(|to| *to != row.status) {
             sqlx::query(
                 "UPDATE dedicated_inferences SET status = $2, updated_at = now() WHERE id = $1",

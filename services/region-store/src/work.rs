@@ -22,6 +22,34 @@ pub struct Claim {
     pub traceparent: Option<String>,
 }
 
+/// The database session a worker keeps open for as long as it lives: leases taken in its name
+/// are free as soon as it ends (see [`Store::work_claim_in_session`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HolderSession {
+    pub pid: i32,
+    pub started: chrono::DateTime<chrono::Utc>,
+}
+
+impl HolderSession {
+    /// The session of `conn`, which its owner keeps open (and idle) to stand for it.
+    pub async fn of(conn: &mut PgConnection) -> Result<HolderSession> {
+        let (pid, started): (i32, chrono::DateTime<chrono::Utc>) = sqlx::query_as(
+            "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        Ok(HolderSession { pid, started })
+    }
+}
+
+/// Whether the lease of `work_items` row `w` is free: never taken, released, run out, or its
+/// holder's session is gone (the holder died). A session another role's may hide its start
+/// from this one: then its pid alone says it lives.
+const LEASE_FREE: &str = "(w.expires_at IS NULL OR w.expires_at <= now()
+    OR (w.holder_pid IS NOT NULL AND NOT EXISTS (
+        SELECT 1 FROM pg_stat_activity a WHERE a.pid = w.holder_pid
+          AND (a.backend_start IS NULL OR a.backend_start = w.holder_session_start))))";
+
 /// How many DIs the work queue holds, by state (for a gauge). Returned by
 /// [`Store::work_depth`]; not re-exported from the crate root yet, so callers use its fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -118,20 +146,35 @@ impl Store {
     /// `next_check_after` has passed. An `error` DI is thus not retried on a timer, but a
     /// change such as a revoked token still reaches its cluster: when that pass fails
     /// transiently, [`Store::work_release_to_retry`] has it tried again.
-    /// `SKIP LOCKED` keeps concurrent claimers apart; an expired lease is free to take.
+    /// `SKIP LOCKED` keeps concurrent claimers apart; an expired lease is free to take. The
+    /// leases are known by no session of their holder: they are free when they run out.
     pub async fn work_claim(
         &self,
         worker_id: &str,
         lease: Duration,
         limit: i64,
     ) -> Result<Vec<Claim>> {
-        let rows: Vec<(Uuid, Uuid, i64, bool, Option<String>)> = sqlx::query_as(
+        self.work_claim_in_session(worker_id, None, lease, limit)
+            .await
+    }
+
+    /// As [`Store::work_claim`], the leases held in the name of `session`: besides when they
+    /// run out, they are free once that session has ended (its worker died), and a lease whose
+    /// holder's session has ended is free to take too.
+    pub async fn work_claim_in_session(
+        &self,
+        worker_id: &str,
+        session: Option<HolderSession>,
+        lease: Duration,
+        limit: i64,
+    ) -> Result<Vec<Claim>> {
+        let rows: Vec<(Uuid, Uuid, i64, bool, Option<String>)> = sqlx::query_as(&format!(
             "WITH due AS (
                  SELECT w.di_id, coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id), 0) AS seq,
                         w.expires_at IS NOT NULL AS lease_expired
                  FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
                  WHERE d.gone_at IS NULL
-                   AND (w.expires_at IS NULL OR w.expires_at <= now())
+                   AND {LEASE_FREE}
                    AND (((d.status <> 'error' OR w.retrying) AND w.next_check_after <= now())
                         OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)
                  ORDER BY w.next_check_after
@@ -140,13 +183,16 @@ impl Store {
              )
              UPDATE work_items w
              SET holder = $1, lease_token = gen_random_uuid(),
-                 expires_at = now() + $2 * interval '1 millisecond'
+                 expires_at = now() + $2 * interval '1 millisecond',
+                 holder_pid = $4, holder_session_start = $5
              FROM due WHERE w.di_id = due.di_id
-             RETURNING w.di_id, w.lease_token, due.seq, due.lease_expired, w.traceparent",
-        )
+             RETURNING w.di_id, w.lease_token, due.seq, due.lease_expired, w.traceparent"
+        ))
         .bind(worker_id)
         .bind(millis(lease) as f64)
         .bind(limit)
+        .bind(session.map(|s| s.pid))
+        .bind(session.map(|s| s.started))
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
@@ -167,16 +213,16 @@ impl Store {
     /// the same conditions as [`Store::work_claim`]. One pass over `work_items` (a row per live
     /// DI) with an index lookup in `outbox` per row, so cheap enough to sample every few seconds.
     pub async fn work_depth(&self) -> Result<WorkDepth> {
-        let (ready, leased): (i64, i64) = sqlx::query_as(
+        let (ready, leased): (i64, i64) = sqlx::query_as(&format!(
             "SELECT
                  count(*) FILTER (
-                     WHERE (w.expires_at IS NULL OR w.expires_at <= now())
+                     WHERE {LEASE_FREE}
                        AND (((d.status <> 'error' OR w.retrying) AND w.next_check_after <= now())
                             OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)),
-                 count(*) FILTER (WHERE w.expires_at > now())
+                 count(*) FILTER (WHERE NOT {LEASE_FREE})
              FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
-             WHERE d.gone_at IS NULL",
-        )
+             WHERE d.gone_at IS NULL"
+        ))
         .fetch_one(&self.pool)
         .await?;
         Ok(WorkDepth { ready, leased })
@@ -237,6 +283,7 @@ impl Store {
     ) -> Result<bool> {
         let done = sqlx::query(
             "UPDATE work_items SET holder = NULL, lease_token = NULL, expires_at = NULL,
+                 holder_pid = NULL, holder_session_start = NULL,
                  next_check_after = now() + $4 * interval '1 millisecond',
                  seen_seq = greatest(seen_seq, $3), checked_at = now(), retrying = $5
              WHERE di_id = $1 AND lease_token = $2",
@@ -251,7 +298,8 @@ impl Store {
         Ok(done.rows_affected() == 1)
     }
 
-    /// Records the DI's current progress fingerprint (what it waits for, in which phase) and
+    /// Records the DI's current progress fingerprint (under a lease, only while it is held: the
+    /// statement carries its token) (what it waits for, in which phase) and
     /// says how long it has been unchanged. [`PROGRESS_IDLE`] (nothing moving) is not timed:
     /// writing it again is skipped, so a resync of a converged DI does not rewrite the row.
     pub async fn work_progress(&self, di_id: Uuid, key: &str) -> Result<Stall> {
@@ -264,12 +312,14 @@ impl Store {
                  progress_key = $2
              FROM old
              WHERE w.di_id = $1 AND (w.progress_key IS DISTINCT FROM $2 OR $2 <> $3)
+               AND ($4::uuid IS NULL OR w.lease_token = $4)
              RETURNING (extract(epoch FROM now() - w.progress_since) * 1000)::float8, w.stall_reported,
                        old.progress_key",
         )
         .bind(di_id)
         .bind(key)
         .bind(PROGRESS_IDLE)
+        .bind(self.lease_token())
         .fetch_optional(&self.pool)
         .await?
         .unwrap_or((0.0, false, None));
@@ -282,9 +332,12 @@ impl Store {
 
     /// Notes that the stall of the current fingerprint has been reported as an event.
     pub async fn work_stall_reported(&self, di_id: Uuid) -> Result<()> {
-        sqlx::query("UPDATE work_items SET stall_reported = true WHERE di_id = $1")
-            .bind(di_id)
-            .execute(&self.pool)
+        sqlx::query(
+            "UPDATE work_items SET stall_reported = true WHERE di_id = $1 AND ($2::uuid IS NULL OR lease_token = $2)",
+        )
+        .bind(di_id)
+        .bind(self.lease_token())
+        .execute(&self.pool)
             .await?;
         Ok(())
     }
@@ -302,6 +355,8 @@ impl Store {
         scope: &str,
         external_id: Option<&str>,
     ) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        self.fence(&mut tx, di_id).await?;
         sqlx::query(
             "INSERT INTO teardown_ledger (di_id, kind, name, scope, external_id) VALUES ($1, $2, $3, $4, $5)
              ON CONFLICT (di_id, kind, name) DO UPDATE
@@ -314,8 +369,9 @@ impl Store {
         .bind(name)
         .bind(scope)
         .bind(external_id)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
+        tx.commit().await?;
         Ok(())
     }
 
@@ -383,6 +439,7 @@ impl Store {
     ) -> Result<()> {
         let mut tx = self.pool.begin().await?;
         let row = crate::lock_live(&mut tx, di_id, None).await?;
+        self.fence(&mut tx, di_id).await?;
         let before = replicas_on(&mut *tx, di_id).await?;
         let visible = |r: &[DeploymentReplicas]| {
             let mut v: Vec<(Uuid, u32, u32)> =
@@ -425,12 +482,15 @@ impl Store {
 
     /// Forgets a resource that is gone.
     pub async fn ledger_remove(&self, di_id: Uuid, kind: &str, name: &str) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        self.fence(&mut tx, di_id).await?;
         sqlx::query("DELETE FROM teardown_ledger WHERE di_id = $1 AND kind = $2 AND name = $3")
             .bind(di_id)
             .bind(kind)
             .bind(name)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(())
     }
 
@@ -446,6 +506,7 @@ impl Store {
     ) -> Result<bool> {
         let mut tx = self.pool.begin().await?;
         lock_cluster(&mut tx, name).await?;
+        self.fence(&mut tx, di_id).await?;
         let retiring: Option<i32> = sqlx::query_scalar(
             "SELECT 1 FROM teardown_ledger WHERE kind = 'cluster' AND name = $1 AND external_id = $2 AND retiring LIMIT 1",
         )
@@ -484,6 +545,7 @@ impl Store {
     ) -> Result<ClusterRelease> {
         let mut tx = self.pool.begin().await?;
         lock_cluster(&mut tx, name).await?;
+        self.fence(&mut tx, di_id).await?;
         let other: Option<Uuid> = sqlx::query_scalar(
             "SELECT l.di_id FROM teardown_ledger l JOIN dedicated_inferences d ON d.id = l.di_id
              WHERE l.kind = 'cluster' AND l.name = $1 AND l.di_id <> $2 AND d.gone_at IS NULL

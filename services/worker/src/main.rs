@@ -37,10 +37,11 @@ struct Args {
     /// Reconcile passes running at once.
     #[arg(long, env = "WORKER_CONCURRENCY", default_value_t = 8)]
     concurrency: usize,
-    /// How long a DI stays claimed by a worker that stopped renewing it (renewed every third of
-    /// it): what a killed worker's DIs wait before another takes them over, a revoked token
-    /// included. Short, so that takeover fits within seconds.
-    #[arg(long, env = "WORKER_LEASE_SECS", default_value_t = 3)]
+    /// How long a DI stays claimed by a worker that stopped renewing it (renewed every quarter
+    /// of it). Long enough to ride out a stall of the database; a worker that dies does not
+    /// keep its DIs that long, since its database session ends with it and its leases with the
+    /// session.
+    #[arg(long, env = "WORKER_LEASE_SECS", default_value_t = 10)]
     lease_secs: u64,
     #[arg(long, env = "WORKER_TICK_MS", default_value_t = 5000)]
     tick_ms: u64,

@@ -82,6 +82,8 @@ pub enum Outcome {
     Retry,
     /// A permanent failure: the DI goes to `error`.
     Error,
+    /// The pass's lease ran out or was taken: it stopped without writing.
+    LeaseLost,
 }
 
 impl Outcome {
@@ -91,6 +93,7 @@ impl Outcome {
             Outcome::Progress => "progress",
             Outcome::Retry => "retry",
             Outcome::Error => "error",
+            Outcome::LeaseLost => "lease_lost",
         }
     }
 }

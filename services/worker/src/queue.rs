@@ -2,13 +2,15 @@
 //! keeping the lease alive while a pass runs, giving it back with the time of the next look,
 //! and waking up when a customer changes a DI (`LISTEN di_work`).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::Rng;
-use region_store::{Claim, Store};
+use region_store::{Claim, HolderSession, Store};
 use sqlx::postgres::PgListener;
+use sqlx::Connection;
 use tokio::sync::{watch, Notify};
+use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::metrics;
@@ -22,6 +24,9 @@ pub struct Queue {
     store: Store,
     worker_id: String,
     lease: Duration,
+    /// The database session that stands for this worker while it lives (see [`keep_session`]):
+    /// leases claimed in its name are free as soon as it ends.
+    session: Arc<Mutex<Option<HolderSession>>>,
 }
 
 impl Queue {
@@ -30,6 +35,7 @@ impl Queue {
             store,
             worker_id: worker_id.to_string(),
             lease,
+            session: Arc::new(Mutex::new(None)),
         }
     }
 
@@ -46,9 +52,10 @@ impl Queue {
         if limit == 0 {
             return Ok(Vec::new());
         }
+        let session = *self.session.lock().expect("session");
         let claims = self
             .store
-            .work_claim(&self.worker_id, self.lease, limit as i64)
+            .work_claim_in_session(&self.worker_id, session, self.lease, limit as i64)
             .await?;
         let expired = claims.iter().filter(|c| c.lease_expired).count();
         if expired > 0 {
@@ -82,28 +89,86 @@ impl Queue {
             .await
     }
 
-    /// Renews `claim` every third of the lease until the returned guard is dropped; `lost` is
-    /// notified if the lease could not be renewed (another worker may now hold the DI, so the
-    /// pass must stop).
+    /// Renews `claim` every quarter of the lease until the returned guard is dropped; `lost`
+    /// is notified, and the renewals stop, as soon as the lease may no longer be this
+    /// worker's: a renewal that the database refuses (another worker holds the DI) or that
+    /// fails, or one that has not succeeded by the time the lease could have run out. The pass
+    /// must then stop: its store writes would be refused anyway (they are fenced by the lease),
+    /// but its calls to the cloud would not.
     pub fn keep_alive(&self, claim: Claim, lost: Arc<Notify>) -> KeepAlive {
         let queue = self.clone();
-        let every = (self.lease / 3).max(Duration::from_millis(50));
+        let lease = self.lease;
+        let every = (lease / 4).max(Duration::from_millis(50));
         let task = tokio::spawn(async move {
+            // The database starts a lease no earlier than the request that took or renewed it
+            // was sent; the claim's own sending time is not known here, so the first stretch
+            // counts half a lease.
+            let mut valid_until = Instant::now() + lease / 2;
             loop {
                 tokio::time::sleep(every).await;
-                match queue.renew(&claim).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        tracing::warn!(di = %claim.di_id, "lease lost");
-                        lost.notify_one();
-                        return;
+                let sent = Instant::now();
+                let why = match tokio::time::timeout_at(valid_until, queue.renew(&claim)).await {
+                    Ok(Ok(true)) => {
+                        valid_until = sent + lease;
+                        continue;
                     }
-                    // A database hiccup: try again at the next tick, the lease has slack.
-                    Err(e) => tracing::warn!(di = %claim.di_id, error = %e, "lease renewal failed"),
-                }
+                    Ok(Ok(false)) => "another worker holds it".to_string(),
+                    Ok(Err(e)) => format!("its renewal failed: {e}"),
+                    Err(_) => "it could not be renewed before it ran out".to_string(),
+                };
+                tracing::warn!(di = %claim.di_id, reason = %why, "lease lost; the pass stops");
+                lost.notify_one();
+                return;
             }
         });
         KeepAlive { task }
+    }
+
+    /// Keeps a database session of this worker's own open until `stop` turns true, and claims
+    /// in its name while it is open (see [`Queue::claim`]): when the worker dies, the session
+    /// ends with its connections and other workers take its DIs at once, whatever time their
+    /// leases have left. Checked every few seconds; a lost session is opened again (leases
+    /// claimed in the old one's name are then free to others, and the passes holding them stop
+    /// when their renewal finds the lease taken).
+    pub async fn keep_session(&self, database_url: String, mut stop: watch::Receiver<bool>) {
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            let opened = async {
+                let mut conn = sqlx::PgConnection::connect(&database_url).await?;
+                let session = HolderSession::of(&mut conn).await?;
+                Ok::<_, region_store::StoreError>((conn, session))
+            }
+            .await;
+            match opened {
+                Ok((mut conn, session)) => {
+                    *self.session.lock().expect("session") = Some(session);
+                    tracing::debug!(pid = session.pid, "worker session open");
+                    loop {
+                        tokio::select! {
+                            _ = tokio::time::sleep(Duration::from_secs(3)) => {}
+                            _ = stop.changed() => return,
+                        }
+                        let alive = tokio::time::timeout(Duration::from_secs(5), conn.ping()).await;
+                        if !matches!(alive, Ok(Ok(()))) {
+                            tracing::warn!(
+                                "the worker's database session was lost; opening another"
+                            );
+                            break;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "opening the worker's database session failed")
+                }
+            }
+            *self.session.lock().expect("session") = None;
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = stop.changed() => return,
+            }
+        }
     }
 }
 

@@ -125,6 +125,10 @@ pub enum ReconcileError {
     /// retries a transient failure.
     #[error("cluster credentials refused: {0}")]
     CredentialsRefused(String),
+    /// The pass's lease on the DI is no longer held (it ran out, or another worker took the
+    /// DI): the pass stops and writes nothing more; the lease's holder carries on.
+    #[error("the lease was lost")]
+    LeaseLost,
     #[error("{reason}: {message}")]
     Permanent {
         reason: String,
@@ -215,7 +219,10 @@ impl From<KubeError> for ReconcileError {
 
 impl From<StoreError> for ReconcileError {
     fn from(e: StoreError) -> Self {
-        ReconcileError::Transient(format!("store: {e}"))
+        match e {
+            StoreError::LeaseLost => ReconcileError::LeaseLost,
+            e => ReconcileError::Transient(format!("store: {e}")),
+        }
     }
 }
 
@@ -269,9 +276,16 @@ impl Pass {
     }
 }
 
-/// Reconciles DIs of one region. Cheap to share: one per worker, used by every concurrent pass.
+/// Reconciles DIs of one region. Cheap to share: one per worker, used by every concurrent pass;
+/// each pass of the worker's runs on a copy whose store writes under that pass's lease (see
+/// [`Reconciler::under_lease`]).
 pub struct Reconciler {
     store: Store,
+    shared: Arc<Clients>,
+}
+
+/// What every pass of a worker shares: its clients and what they learned.
+pub struct Clients {
     cloud: DoClient,
     settings: Settings,
     /// A client per cluster, renewed before its credentials expire.
@@ -279,6 +293,13 @@ pub struct Reconciler {
     /// Cluster ids by name, so that a pass reads its one cluster instead of listing them all.
     cluster_ids: Mutex<HashMap<String, String>>,
     kube_writes_total: AtomicU64,
+}
+
+impl std::ops::Deref for Reconciler {
+    type Target = Clients;
+    fn deref(&self) -> &Clients {
+        &self.shared
+    }
 }
 
 type Result<T> = std::result::Result<T, ReconcileError>;
@@ -480,18 +501,33 @@ impl Reconciler {
     pub fn new(store: Store, cloud: DoClient, settings: Settings) -> Self {
         Reconciler {
             store,
-            cloud,
-            kube: ClusterClients::new(&settings.field_manager, KubeClientOptions::default()),
-            cluster_ids: Mutex::new(HashMap::new()),
-            kube_writes_total: AtomicU64::new(0),
-            settings,
+            shared: Arc::new(Clients {
+                cloud,
+                kube: ClusterClients::new(&settings.field_manager, KubeClientOptions::default()),
+                cluster_ids: Mutex::new(HashMap::new()),
+                kube_writes_total: AtomicU64::new(0),
+                settings,
+            }),
+        }
+    }
+
+    /// This reconciler for one pass over DI `claim.di_id` under `claim`'s lease: every store
+    /// write the pass makes is fenced by it (see [`Store::under_lease`]), so that a pass that
+    /// outlived its lease writes nothing. The clients are shared.
+    pub fn under_lease(&self, claim: &region_store::Claim) -> Reconciler {
+        Reconciler {
+            store: self.store.under_lease(claim.di_id, claim.lease_token),
+            shared: self.shared.clone(),
         }
     }
 
     /// The same reconciler, making its cluster clients with `options` (the DigitalOcean client
     /// comes configured; tests that drive passes one by one want few or quick retries).
     pub fn with_kube_options(mut self, options: KubeClientOptions) -> Self {
-        self.kube.set_options(options);
+        Arc::get_mut(&mut self.shared)
+            .expect("options are set before the reconciler is shared")
+            .kube
+            .set_options(options);
         self
     }
 
@@ -537,6 +573,7 @@ impl Reconciler {
             Err(ReconcileError::Transient(_) | ReconcileError::CredentialsRefused(_)) => {
                 Outcome::Retry
             }
+            Err(ReconcileError::LeaseLost) => Outcome::LeaseLost,
             Err(ReconcileError::Permanent { .. }) => Outcome::Error,
         };
         metrics::pass(phase, outcome, started.elapsed());

@@ -99,7 +99,7 @@ impl Config {
             do_token: do_token.to_string(),
             settings: Settings::new(region),
             concurrency: 8,
-            lease: Duration::from_secs(3),
+            lease: Duration::from_secs(10),
             tick: Duration::from_secs(5),
             poll_min: Duration::from_millis(50),
             backoff_base: Duration::from_secs(1),
@@ -148,6 +148,8 @@ pub struct WorkerHandle {
     stop: watch::Sender<bool>,
     main: tokio::task::JoinHandle<()>,
     listener: tokio::task::JoinHandle<()>,
+    /// Keeps the database session that stands for this worker (see [`Queue::keep_session`]).
+    session: tokio::task::JoinHandle<()>,
     sampler: tokio::task::JoinHandle<()>,
     /// The metrics server stops last, so that it can be scraped while passes finish.
     metrics_stop: oneshot::Sender<()>,
@@ -202,6 +204,12 @@ impl Worker {
         let (stop, stop_rx) = watch::channel(false);
         let running = Arc::new(AtomicBool::new(true));
         let listener = tokio::spawn(queue::listen(pool, shared.wake.clone(), stop_rx.clone()));
+        let session = tokio::spawn({
+            let queue = shared.queue.clone();
+            let url = shared.config.database_url.clone();
+            let stop = stop_rx.clone();
+            async move { queue.keep_session(url, stop).await }
+        });
         let sampler = tokio::spawn(sample_queue_depth(shared.clone(), stop_rx.clone()));
         let main = tokio::spawn(run(shared.clone(), stop_rx, running.clone()));
         let (metrics_stop, metrics_stop_rx) = oneshot::channel();
@@ -212,6 +220,7 @@ impl Worker {
             stop,
             main,
             listener,
+            session,
             sampler,
             metrics_stop,
             metrics_server,
@@ -246,16 +255,19 @@ impl WorkerHandle {
         let _ = self.stop.send(true);
         let _ = self.main.await;
         let _ = self.listener.await;
+        let _ = self.session.await;
         let _ = self.sampler.await;
         let _ = self.metrics_stop.send(());
         let _ = self.metrics_server.await;
         tracing::info!(worker = %self.shared.config.worker_id, "worker stopped");
     }
 
-    /// Stops at once without releasing anything, as a killed process would: its leases expire.
+    /// Stops at once without releasing anything, as a killed process would: its database
+    /// session closes, so other workers take its leases at once.
     pub fn kill(self) {
         self.main.abort();
         self.listener.abort();
+        self.session.abort();
         self.sampler.abort();
         self.metrics_server.abort();
     }
@@ -365,8 +377,11 @@ async fn run_pass(shared: &Shared, claim: Claim) {
     let lost = Arc::new(Notify::new());
     let keep = shared.queue.keep_alive(claim.clone(), lost.clone());
     let deadline = shared.config.pass_timeout;
+    // Everything the pass and its bookkeeping write is fenced by the lease.
+    let reconciler = shared.reconciler.under_lease(&claim);
+    let store = reconciler.store().clone();
     let outcome = tokio::select! {
-        r = tokio::time::timeout(deadline, shared.reconciler.reconcile(id)) => Some(r.unwrap_or_else(|_| {
+        r = tokio::time::timeout(deadline, reconciler.reconcile(id)) => Some(r.unwrap_or_else(|_| {
             Err(ReconcileError::Transient(format!("the pass took longer than {deadline:?}")))
         })),
         _ = lost.notified() => None,
@@ -375,9 +390,14 @@ async fn run_pass(shared: &Shared, claim: Claim) {
     let cfg = &shared.config;
     let retry = matches!(&outcome, Some(Err(e)) if e.is_transient());
     let next = match outcome {
-        None => {
+        // The renewal said the lease is gone, or a write was refused for want of it: the
+        // pass stopped, and the lease's holder (if any) carries on.
+        None | Some(Err(ReconcileError::LeaseLost)) => {
             shared.stats.lock().expect("stats").leases_lost += 1;
             metrics::lease_lost(1);
+            // If the lease is still ours after all (a renewal that failed on a database that
+            // has come back), give it back so that the DI is not left until it runs out.
+            let _ = shared.queue.release_to_retry(&claim, Duration::ZERO).await;
             return;
         }
         Some(Ok(pass)) => {
@@ -385,7 +405,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
             shared.stats.lock().expect("stats").passes += 1;
             tracing::debug!(di = %id, status = ?pass.status, waiting = ?pass.waiting,
                 do_writes = pass.do_writes, kube_writes = pass.kube_writes, "pass");
-            let unchanged_for = watch_progress(shared, id, &pass).await;
+            let unchanged_for = watch_progress(shared, &store, id, &pass).await;
             match (&pass.waiting, unchanged_for) {
                 (Some(_), Some(unchanged)) => poll_delay(unchanged, cfg.poll_min, pass.next_check),
                 _ => pass.next_check,
@@ -417,7 +437,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
                 do_writes: 0,
                 kube_writes: 0,
             };
-            watch_progress(shared, id, &pass).await;
+            watch_progress(shared, &store, id, &pass).await;
             queue::backoff(attempt, cfg.backoff_base, cfg.backoff_max)
         }
         Some(Err(ReconcileError::Permanent {
@@ -428,7 +448,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
             shared.attempts.lock().expect("attempts").remove(&id);
             shared.stats.lock().expect("stats").permanent_failures += 1;
             tracing::warn!(di = %id, %reason, %message, "permanent failure");
-            if let Err(e) = shared.store.error_set(id, version, &reason, &message).await {
+            if let Err(e) = store.error_set(id, version, &reason, &message).await {
                 tracing::warn!(di = %id, error = %e, "recording the error failed");
             }
             cfg.settings.resync
@@ -477,7 +497,12 @@ const RETRYING: &str = "retrying after transient failures";
 ///
 /// Returns how long the fingerprint of a moving or repairing DI has been unchanged (None
 /// otherwise, or when it could not be recorded).
-async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Duration> {
+async fn watch_progress(
+    shared: &Shared,
+    store: &region_store::Store,
+    id: Uuid,
+    pass: &Pass,
+) -> Option<Duration> {
     let moving = matches!(
         pass.status,
         Some(Status::New | Status::Provisioning | Status::Updating | Status::Deleting)
@@ -488,7 +513,7 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
         (Some(w), Some(status)) if moving || repairing => progress_key(status, w),
         _ => region_store::PROGRESS_IDLE.to_string(),
     };
-    let stall = match shared.store.work_progress(id, &key).await {
+    let stall = match store.work_progress(id, &key).await {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(di = %id, error = %e, "recording progress failed");
@@ -499,10 +524,10 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
     let waiting = pass.waiting.as_deref().unwrap_or("");
     if repairing && !was_repairing {
         let msg = format!("Out of step with its spec; repairing: {waiting}");
-        let _ = shared.store.event_append(id, "Repairing", &msg).await;
+        let _ = store.event_append(id, "Repairing", &msg).await;
     } else if was_repairing && pass.status == Some(Status::Active) && pass.waiting.is_none() {
         let msg = "Back in step with its spec.";
-        let _ = shared.store.event_append(id, "Repaired", msg).await;
+        let _ = store.event_append(id, "Repaired", msg).await;
     }
     if key == region_store::PROGRESS_IDLE {
         return None;
@@ -518,11 +543,7 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
             pass.status.map_or("gone", Status::as_str)
         );
         // The stall is about the spec the pass worked towards: one accepted since is tried.
-        if let Err(e) = shared
-            .store
-            .error_set(id, pass.version, "Stalled", &msg)
-            .await
-        {
+        if let Err(e) = store.error_set(id, pass.version, "Stalled", &msg).await {
             tracing::warn!(di = %id, error = %e, "recording the stall failed");
         }
     } else if stall.unchanged_for >= timeout / 2 && !stall.reported {
@@ -530,8 +551,8 @@ async fn watch_progress(shared: &Shared, id: Uuid, pass: &Pass) -> Option<Durati
             "No progress for {}s: {waiting}",
             stall.unchanged_for.as_secs()
         );
-        if shared.store.event_append(id, "Slow", &msg).await.is_ok() {
-            let _ = shared.store.work_stall_reported(id).await;
+        if store.event_append(id, "Slow", &msg).await.is_ok() {
+            let _ = store.work_stall_reported(id).await;
         }
     }
     Some(stall.unchanged_for)

@@ -346,3 +346,135 @@ async fn ledger_and_stall_tracking(pool: PgPool) {
     );
     assert_eq!(s.work_progress(a, idle).await.unwrap().previous, None);
 }
+
+/// A worker that stalled past its lease (another worker has the DI now) writes nothing: its
+/// store refuses every write about the DI with `LeaseLost`, while the new holder's go through.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_write_under_a_lost_lease_is_refused_and_writes_nothing(pool: PgPool) {
+    let s = store(pool.clone());
+    let id = create(&s, Uuid::new_v4()).await;
+    let stale = s
+        .work_claim("stalled", Duration::from_millis(100), 10)
+        .await
+        .unwrap()
+        .remove(0);
+    let stalled = s.under_lease(id, stale.lease_token);
+    // While it is held, its writes go through.
+    stalled.event_append(id, "Still", "held").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Run out: refused even before anyone else takes it.
+    assert!(matches!(
+        stalled.event_append(id, "Late", "run out").await,
+        Err(region_store::StoreError::LeaseLost)
+    ));
+    let taken = s.work_claim("next", LEASE, 10).await.unwrap().remove(0);
+    let holder = s.under_lease(id, taken.lease_token);
+    let events = |pool: PgPool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM events WHERE di_id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = events(pool.clone()).await;
+    let lost = |r: region_store::Result<_>| matches!(r, Err(region_store::StoreError::LeaseLost));
+    assert!(lost(stalled.provisioning_begin(id).await.map(|_| ())));
+    assert!(lost(
+        stalled.ledger_record(id, "node_pool", "p", "c", None).await
+    ));
+    assert!(lost(stalled.ledger_remove(id, "node_pool", "p").await));
+    assert!(lost(
+        stalled
+            .error_set(id, None, "Stalled", "m")
+            .await
+            .map(|_| ())
+    ));
+    assert!(lost(stalled.replicas_record(id, &[], &[]).await));
+    assert_eq!(events(pool.clone()).await, before, "nothing written");
+    assert_eq!(
+        s.dedicated_inference_any(id).await.unwrap().status.as_str(),
+        "new"
+    );
+    assert!(s.ledger_entries(id).await.unwrap().is_empty());
+    // The holder's writes go through, and a lease held for another DI fences nothing of it.
+    holder.provisioning_begin(id).await.unwrap();
+    holder
+        .ledger_record(id, "node_pool", "p", "c", None)
+        .await
+        .unwrap();
+    let other = create(&s, Uuid::new_v4()).await;
+    assert!(lost(holder.event_append(other, "Wrong", "lease").await));
+}
+
+/// A worker's leases are free as soon as its database session ends (it died: its connections
+/// closed with it), however long they had left; a live session keeps them.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_dead_workers_leases_are_free_when_its_session_ends(pool: PgPool) {
+    let s = store(pool.clone());
+    let id = create(&s, Uuid::new_v4()).await;
+    let mut conn = pool.acquire().await.unwrap().detach();
+    let session = region_store::HolderSession::of(&mut conn).await.unwrap();
+    let long = Duration::from_secs(600);
+    let held = s
+        .work_claim_in_session("dying", Some(session), long, 10)
+        .await
+        .unwrap();
+    assert_eq!(held.len(), 1);
+    // Alive: nobody else may take it.
+    assert!(s.work_claim("b", LEASE, 10).await.unwrap().is_empty());
+    assert_eq!(s.work_depth().await.unwrap().leased, 1);
+    use sqlx::Connection;
+    conn.close().await.unwrap();
+    // The session ends with the connection (the server notices the close at once).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let taken = loop {
+        let got = s.work_claim("b", LEASE, 10).await.unwrap();
+        if !got.is_empty() {
+            break got;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dead worker's lease was not freed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(taken[0].di_id, id);
+    assert!(taken[0].lease_expired, "taken over from the dead worker");
+    assert!(!s.work_renew(id, held[0].lease_token, long).await.unwrap());
+}
+
+/// A renewal that the database refuses or that fails stops the pass at once (its lease may be
+/// someone else's now).
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_failed_renewal_stops_the_pass(pool: PgPool) {
+    use std::sync::Arc;
+    let s = store(pool.clone());
+    create(&s, Uuid::new_v4()).await;
+    let lease = Duration::from_secs(2);
+    let queue = worker::queue::Queue::new(s.clone(), "w", lease);
+    let mut claim = queue.claim(1).await.unwrap().remove(0);
+    // Held: the renewals go on.
+    let lost = Arc::new(tokio::sync::Notify::new());
+    let keep = queue.keep_alive(claim.clone(), lost.clone());
+    assert!(
+        tokio::time::timeout(lease * 2, lost.notified())
+            .await
+            .is_err(),
+        "a held lease is kept"
+    );
+    drop(keep);
+    // Refused: another token.
+    claim.lease_token = Uuid::new_v4();
+    let lost = Arc::new(tokio::sync::Notify::new());
+    let _keep = queue.keep_alive(claim.clone(), lost.clone());
+    tokio::time::timeout(lease * 4, lost.notified())
+        .await
+        .expect("a refused renewal stops the pass");
+    // Failed: the database is gone.
+    let lost = Arc::new(tokio::sync::Notify::new());
+    let _keep = queue.keep_alive(claim, lost.clone());
+    pool.close().await;
+    tokio::time::timeout(lease * 4, lost.notified())
+        .await
+        .expect("a failed renewal stops the pass");
+}

@@ -187,3 +187,38 @@ async fn a_scale_down_mid_move_keeps_the_node_a_waiting_pod_lands_on() {
     env.wait_gone(rec.id).await;
     env.sim.shutdown().await;
 }
+
+/// A pass that outlived its lease (a stall; another worker has the DI now) writes nothing to
+/// the store: the first write it tries is refused, and the pass stops there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_that_lost_its_lease_writes_nothing() {
+    let env = env_with(None).await;
+    let (rec, _token) = env.create(1).await;
+    let claim = env
+        .store
+        .work_claim("stalled", Duration::from_millis(100), 1)
+        .await
+        .unwrap()
+        .remove(0);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let taken = env
+        .store
+        .work_claim("next", Duration::from_secs(30), 1)
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1, "the next worker holds the DI");
+    let stalled = env.reconciler(single_attempt()).under_lease(&claim);
+    let pass = stalled.reconcile(rec.id).await;
+    assert!(
+        matches!(pass, Err(worker::reconcile::ReconcileError::LeaseLost)),
+        "{pass:?}"
+    );
+    let after = env.store.dedicated_inference_any(rec.id).await.unwrap();
+    assert_eq!(
+        after.status,
+        Status::New,
+        "not moved on by the stalled pass"
+    );
+    assert!(env.store.ledger_entries(rec.id).await.unwrap().is_empty());
+    env.sim.shutdown().await;
+}
