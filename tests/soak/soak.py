@@ -846,7 +846,15 @@ class Chaos(threading.Thread):
         return None
 
     def set_faults(self, region, faults):
-        httpx.put(f"{self.soak.sim(region)}/_sim/faults", json=faults, timeout=10).raise_for_status()
+        """Sets the simulator's faults on top of the DigitalOcean API's everyday latency (what
+        the real API takes; tests/soak/run starts the simulators with it too): the time between
+        a pass's look at the cloud and what it does is where the world moves under a decision."""
+        merged = {"do": {"latency_ms": self.soak.args.do_latency_ms}}
+        for api, f in faults.items():
+            merged[api] = {**merged.get(api, {}), **f}
+            if api == "do":
+                merged[api]["latency_ms"] = max(f.get("latency_ms", 0), self.soak.args.do_latency_ms)
+        httpx.put(f"{self.soak.sim(region)}/_sim/faults", json=merged, timeout=10).raise_for_status()
 
     def run(self):
         while not self.soak.stop.wait(self.rng.uniform(4, 10)):
@@ -1105,6 +1113,8 @@ def main():
     p.add_argument("--dis-per-customer", type=int, default=2)
     p.add_argument("--settle", type=float, default=240, help="seconds allowed to converge, and to tear down")
     p.add_argument("--no-chaos", action="store_true")
+    p.add_argument("--do-latency-ms", type=int, default=int(os.environ.get("REGION_SIM_DO_LATENCY_MS", "0")),
+                   help="the DigitalOcean API's everyday latency, kept under every fault")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
     args.sims = dict(s.split("=", 1) for s in args.sim)
