@@ -289,6 +289,7 @@ fn region_config(
     regional::Config {
         region: name.into(),
         listen: "127.0.0.1:0".parse().unwrap(),
+        metrics_listen: "127.0.0.1:0".parse().unwrap(),
         database_url: database_url.into(),
         region_secret: secret.into(),
         region_secret_next: None,
@@ -407,6 +408,7 @@ impl System {
         };
         let central_config = central::Config {
             listen: "127.0.0.1:0".parse().unwrap(),
+            metrics_listen: "127.0.0.1:0".parse().unwrap(),
             database_url: fresh_database("central").await,
             seal_key: common::seal::Sealer::generate_key(),
             regions: regions

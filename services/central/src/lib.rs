@@ -33,8 +33,12 @@ pub use handlers::ApiDoc;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Config {
+    /// The public API.
     #[arg(long, env = "LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
+    /// `GET /metrics` (Prometheus), for operators only: never the public API's address.
+    #[arg(long, env = "METRICS_LISTEN", default_value = "127.0.0.1:9090")]
+    pub metrics_listen: SocketAddr,
     /// Postgres URL of central's database.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
@@ -171,7 +175,6 @@ pub fn router(app: App) -> axum::Router {
             auth::layer,
         ))
         .route("/healthz", axum::routing::get(|| async { "ok" }))
-        .route("/metrics", axum::routing::get(common::metrics::handler))
         .layer(axum::middleware::from_fn(common::metrics::layer))
         .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn_with_state(
@@ -184,6 +187,8 @@ pub fn router(app: App) -> axum::Router {
 /// A running central API.
 pub struct Server {
     pub addr: SocketAddr,
+    /// Where `/metrics` is served.
+    pub metrics_addr: SocketAddr,
     pub app: App,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -201,19 +206,29 @@ impl Server {
         let app = App::new(&config).await?;
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
+        let metrics_listener = tokio::net::TcpListener::bind(config.metrics_listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("metrics listener on {}: {e}", config.metrics_listen))?;
+        let metrics_addr = metrics_listener.local_addr()?;
         let mut tasks = if config.background {
             feed::spawn(app.clone())
         } else {
             Vec::new()
         };
         tasks.push(tokio::spawn(app.store.watch_read_cache()));
+        tasks.push(tokio::spawn(common::metrics::serve(metrics_listener)));
         let router = router(app.clone());
         tasks.push(tokio::spawn(async move {
             if let Err(error) = axum::serve(common::listener::no_delay(listener), router).await {
                 tracing::error!(%error, "central server stopped");
             }
         }));
-        Ok(Server { addr, app, tasks })
+        Ok(Server {
+            addr,
+            metrics_addr,
+            app,
+            tasks,
+        })
     }
 }
 

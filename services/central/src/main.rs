@@ -43,7 +43,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(config) => {
             let _telemetry = common::telemetry::init("central");
             let server = central::Server::start(config).await?;
-            tracing::info!(addr = %server.addr, "central API listening");
+            tracing::info!(addr = %server.addr, metrics = %server.metrics_addr, "central API listening");
             common::telemetry::shutdown_signal().await;
             tracing::info!("shutting down");
         }
