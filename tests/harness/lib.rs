@@ -423,6 +423,8 @@ impl System {
             public_url: None,
             catalog: None,
             auth_cache_ttl_ms: 200,
+            auth_failures_per_minute: 10,
+            client_ip_header: None,
             rate_limit_per_hour: options.rate_limit_per_hour,
             region_timeout_ms: options.region_timeout.as_millis() as u64,
             db_max_connections: 8,
