@@ -1,12 +1,13 @@
 //! Central at its public edge, through real HTTP on a real Postgres: what anonymous traffic
 //! costs (made-up tokens refused without a database query, failed authentications budgeted per
 //! client address, metric series that made-up methods and paths cannot grow, `/metrics` only
-//! on the internal listener).
+//! on the internal listener), and the operator commands that list and revoke API tokens.
 //!
 //! The tests run one at a time ([`SERIAL`]): one counts the process's metric series and
 //! another the database's transactions, and neither may see the others' traffic.
 
 use std::net::SocketAddr;
+use std::process::Command;
 use std::time::Duration;
 
 use reqwest::{Method, StatusCode};
@@ -347,4 +348,120 @@ async fn the_failure_budget_refuses_guesses_not_customers() {
         .await
         .unwrap();
     assert_error(anonymous, StatusCode::UNAUTHORIZED, "unauthorized").await;
+}
+
+fn central(args: &[&str], database_url: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_central"))
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("the central binary runs")
+}
+
+/// An operator mints a token, lists the team's tokens (never a value) and revokes one; two
+/// central replicas that had the token cached both refuse it. Nothing tells a replica of the
+/// revoke: the TTL of its cache (at most 5 s, `the_auth_cache_lives_at_most_five_seconds`) is
+/// the whole delay, so that bound holds however many replicas run.
+#[tokio::test]
+async fn an_operator_lists_and_revokes_tokens_and_every_replica_refuses_a_revoked_one() {
+    let _serial = SERIAL.lock().await;
+    let (_, url) = fresh_database().await;
+    let replicas = [start(&url, 1000).await, start(&url, 1000).await];
+    let team = Uuid::new_v4().to_string();
+    let mint = |name: &str| {
+        let out = central(
+            &[
+                "mint-token",
+                "--team",
+                &team,
+                "--name",
+                name,
+                "--scopes",
+                "dedicated_inference:read",
+            ],
+            &url,
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    let (doomed, kept) = (mint("doomed"), mint("kept"));
+    assert!(common::tokens::well_formed(
+        common::tokens::API_TOKEN_PREFIX,
+        &doomed
+    ));
+    let http = reqwest::Client::new();
+    for replica in &replicas {
+        for token in [&doomed, &kept] {
+            assert_eq!(get(&http, replica, token).await.status(), 200);
+        }
+    }
+
+    let list = |url: &str| {
+        let out = central(&["list-tokens", "--team", &team], url);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let listed = list(&url);
+    let rows: Vec<Vec<&str>> = listed
+        .lines()
+        .skip(1)
+        .map(|l| l.split('\t').collect())
+        .collect();
+    assert_eq!(
+        listed.lines().next(),
+        Some("ID\tNAME\tSCOPES\tCREATED\tREVOKED")
+    );
+    assert_eq!(rows.len(), 2, "{listed}");
+    assert_eq!(
+        (rows[0][1], rows[0][2], rows[0][4]),
+        ("doomed", "dedicated_inference:read", "-")
+    );
+    assert!(
+        !listed.contains(&doomed[7..20]) && !listed.contains(&kept[7..20]),
+        "{listed}"
+    );
+    let doomed_id = rows[0][0].to_string();
+
+    let out = central(&["revoke-token", &doomed_id], &url);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for replica in &replicas {
+        // Only a guard against hanging: the bound is the TTL's, checked where it is set.
+        let mut tries = 0;
+        loop {
+            let status = get(&http, replica, &doomed).await.status();
+            if status == 401 {
+                break;
+            }
+            assert_eq!(status, 200);
+            tries += 1;
+            assert!(
+                tries < 1200,
+                "a revoked token still works on a replica a minute later"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(get(&http, replica, &kept).await.status(), 200);
+    }
+    let listed = list(&url);
+    let row = listed.lines().find(|l| l.starts_with(&doomed_id)).unwrap();
+    assert!(!row.ends_with("\t-"), "{row}");
+    // Revoked already, or no such token: said, and a failure.
+    for id in [doomed_id, Uuid::new_v4().to_string()] {
+        let out = central(&["revoke-token", &id], &url);
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stderr).contains(&id));
+    }
 }
