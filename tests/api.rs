@@ -612,8 +612,11 @@ async fn regional_services_demand_their_shared_secret() {
     assert_eq!(other.status(), 401);
 }
 
+/// `/metrics` is served on each service's metrics listener, never on its API port (where it is
+/// an unknown path like any other), and its labels take values from small fixed sets: made-up
+/// methods and paths, which anyone can send, do not become series.
 #[tokio::test]
-async fn metrics_are_served_by_central_and_regions() {
+async fn metrics_are_served_on_an_internal_listener_with_bounded_labels() {
     let sys = System::start().await;
     let token = sys.token(Uuid::new_v4(), &[]).await;
     assert_eq!(
@@ -622,15 +625,36 @@ async fn metrics_are_served_by_central_and_regions() {
             .status,
         200
     );
-    let text = sys
-        .http
-        .get(sys.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let region = &sys.regions[0];
+    let region_api = format!("http://{}", region.proxy.addr);
+    for i in 0..50 {
+        let method =
+            Method::from_bytes(format!("X{}", Uuid::new_v4().simple()).as_bytes()).unwrap();
+        let path = format!("/made-up-{i}/{}", Uuid::new_v4().simple());
+        for base in [&sys.base, &region_api] {
+            let status = sys
+                .http
+                .request(method.clone(), format!("{base}{path}"))
+                .send()
+                .await
+                .unwrap()
+                .status();
+            assert_eq!(status, 401, "{method} {base}{path}");
+        }
+    }
+    let scrape = |addr: std::net::SocketAddr| {
+        let http = sys.http.clone();
+        async move {
+            let response = http
+                .get(format!("http://{addr}/metrics"))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+            response.text().await.unwrap()
+        }
+    };
+    let text = scrape(sys.central.metrics_addr).await;
     assert!(
         text.contains("# TYPE http_request_duration_seconds histogram"),
         "{text}"
@@ -639,13 +663,43 @@ async fn metrics_are_served_by_central_and_regions() {
         text.contains("route=\"/v2/dedicated-inferences\",method=\"GET\",status=\"200\""),
         "{text}"
     );
-    let region = sys
-        .http
-        .get(format!("http://{}/metrics", sys.regions[0].proxy.addr))
-        .send()
+    let region_metrics = region.server.as_ref().unwrap().metrics_addr;
+    for text in [text, scrape(region_metrics).await] {
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with("http_request_duration_seconds_count"))
+        {
+            let method = line
+                .split("method=\"")
+                .nth(1)
+                .and_then(|m| m.split('"').next());
+            assert!(
+                matches!(
+                    method,
+                    Some(
+                        "GET" | "HEAD" | "POST" | "PUT" | "PATCH" | "DELETE" | "OPTIONS" | "other"
+                    )
+                ),
+                "{line}"
+            );
+            assert!(!line.contains("made-up"), "{line}");
+        }
+    }
+    // The API ports: `/metrics` is nothing there.
+    sys.call(Method::GET, "/metrics", &token, None)
         .await
-        .unwrap();
-    assert_eq!(region.status(), 200, "metrics need no region secret");
+        .assert_error(404, "not_found");
+    for path in ["/metrics", "/made-up"] {
+        let status = sys
+            .http
+            .get(format!("{region_api}{path}"))
+            .header("x-region-secret", &region.secret)
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status, 404, "{path}");
+    }
 }
 
 /// While the central ↔ region secret is rotated, the regional service accepts the current and
@@ -655,6 +709,7 @@ async fn a_region_accepts_a_second_secret_while_it_is_rotated() {
     let config = regional::Config {
         region: "atl1".into(),
         listen: "127.0.0.1:0".parse().unwrap(),
+        metrics_listen: "127.0.0.1:0".parse().unwrap(),
         database_url: system_tests::fresh_database("region_rotation").await,
         region_secret: "rs_current".into(),
         region_secret_next: Some("rs_next".into()),

@@ -289,6 +289,7 @@ fn region_config(
     regional::Config {
         region: name.into(),
         listen: "127.0.0.1:0".parse().unwrap(),
+        metrics_listen: "127.0.0.1:0".parse().unwrap(),
         database_url: database_url.into(),
         region_secret: secret.into(),
         region_secret_next: None,
@@ -407,6 +408,7 @@ impl System {
         };
         let central_config = central::Config {
             listen: "127.0.0.1:0".parse().unwrap(),
+            metrics_listen: "127.0.0.1:0".parse().unwrap(),
             database_url: fresh_database("central").await,
             seal_key: common::seal::Sealer::generate_key(),
             regions: regions
@@ -421,6 +423,8 @@ impl System {
             public_url: None,
             catalog: None,
             auth_cache_ttl_ms: 200,
+            auth_failures_per_minute: 10,
+            client_ip_header: None,
             rate_limit_per_hour: options.rate_limit_per_hour,
             region_timeout_ms: options.region_timeout.as_millis() as u64,
             db_max_connections: 8,

@@ -8,7 +8,8 @@ that give up mid-request), patch them (scale, GPU size, model, name, a deploymen
 removed, with and without model ids), create and revoke tokens, and delete them. A probe calls
 every DI that has served, throughout its updates. Chaos: DigitalOcean and Kubernetes 5xx, 429
 and latency; SIGKILLed workers (two per region, restarted by their supervisor); a regional
-service stalled (SIGSTOP) and resumed; central killed and restarted.
+service stalled (SIGSTOP) and resumed; central killed and restarted; a flood of made-up bearer
+tokens against central from the customers' own address.
 
 Seeded: each actor draws its choices from its own generator, so a seed replays the same choices
 (their timing, and so their interleaving, still varies). Run it through `tests/soak/run`.
@@ -22,12 +23,14 @@ import os
 import random
 import signal
 import ssl
+import string
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
+import zlib
 
 import httpx
 
@@ -49,6 +52,34 @@ FAILURE_REASONS = {"CapacityExhausted", "InvalidSpec", "CloudRejected", "Kuberne
 
 def now():
     return time.monotonic()
+
+
+BASE62 = string.digits + string.ascii_uppercase + string.ascii_lowercase
+
+
+def base62(n, width):
+    digits = ""
+    for _ in range(width):
+        n, d = divmod(n, 62)
+        digits = BASE62[d] + digits
+    return digits
+
+
+def made_up_token(rng):
+    """A bearer token nobody was given, of one of the kinds a flood sends: junk, the legacy API
+    token shape (`dia_v1_` + 40 base62), the current format (`dia_v2_` + 40 base62 + the CRC32 of
+    those 40 in 6 base62, services/common/src/tokens.rs) with a wrong checksum, and with a valid
+    one, which anyone can compute."""
+    random_part = "".join(rng.choice(BASE62) for _ in range(40))
+    checksum = base62(zlib.crc32(random_part.encode()), 6)
+    kind = rng.randrange(4)
+    if kind == 0:
+        return f"{rng.getrandbits(160):040x}"
+    if kind == 1:
+        return "dia_v1_" + random_part
+    if kind == 2:
+        return "dia_v2_" + random_part + ("000000" if checksum != "000000" else "000001")
+    return "dia_v2_" + random_part + checksum
 
 
 class Soak:
@@ -198,6 +229,10 @@ class Soak:
             return None
         self.count(f"{what or method} -> {resp.status_code}")
         self.check_5xx(resp, region, t0, f"{what or method} {path}", cloud)
+        if resp.status_code in (401, 429):
+            # Every request through here carries a customer's valid API token, far below its
+            # rate limit: refused, it was caught up in what a flood of made-up tokens did.
+            self.violate("valid-tokens-accepted", f"{what or method} {path}: {resp.status_code} {resp.text[:200]}")
         return resp
 
     def retry_after(self, resp):
@@ -859,7 +894,7 @@ class Chaos(threading.Thread):
     def run(self):
         while not self.soak.stop.wait(self.rng.uniform(4, 10)):
             kind = self.rng.choice(["do", "kube", "do-429", "kube-429", "latency", "latency", "kill-worker", "kill-worker",
-                                    "stall-region", "restart-central"])
+                                    "stall-region", "restart-central", "token-flood"])
             region = self.rng.choice(REGIONS)
             self.soak.faults[kind] += 1
             self.soak.log(f"chaos: {kind} in {region}")
@@ -903,6 +938,8 @@ class Chaos(threading.Thread):
                 finally:
                     os.kill(pid, signal.SIGCONT)
                     self.soak.outage_end(outage)
+        elif kind == "token-flood":
+            self.token_flood()
         elif kind == "restart-central":
             pids = self.pids("central")
             if pids:
@@ -916,6 +953,39 @@ class Chaos(threading.Thread):
                         pass
                     time.sleep(0.2)
                 self.soak.outage_end(outage)
+
+    def token_flood(self):
+        """For 5 to 10 s, four threads send made-up bearer tokens to central as fast as it answers,
+        from 127.0.0.1 like every customer (one address, as customers behind an attacker's NAT).
+        Each must be refused: 401, or 429 with Retry-After once the address's failure budget is
+        spent. The customers' requests meanwhile must keep succeeding (`valid-tokens-accepted`):
+        central budgets failures, not successes, and tokens it knows keep working."""
+        deadline = now() + self.rng.uniform(5, 10)
+        answers = []
+
+        def flood(seed):
+            rng, seen = random.Random(seed), collections.Counter()
+            with httpx.Client(timeout=10) as client:
+                while now() < deadline and not self.soak.stop.is_set():
+                    try:
+                        r = client.get(self.soak.api + "/v2/dedicated-inferences",
+                                       headers={"Authorization": f"Bearer {made_up_token(rng)}"})
+                    except httpx.HTTPError:
+                        seen["no answer"] += 1
+                        continue
+                    seen[r.status_code] += 1
+                    if r.status_code not in (401, 429) or (r.status_code == 429 and not r.headers.get("retry-after")):
+                        self.soak.violate("made-up-tokens-refused", f"{r.status_code} {r.text[:200]}")
+            answers.append(seen)
+
+        threads = [threading.Thread(target=flood, args=(self.rng.random(),), daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for status, n in sum(answers, collections.Counter()).items():
+            with self.soak.lock:
+                self.soak.counts[f"made-up token -> {status}"] += n
 
     def heal(self):
         for region in REGIONS:
@@ -1164,6 +1234,7 @@ def main():
     by_invariant = collections.Counter(v[1] for v in soak.violations)
     invariants = ["converges", "lifecycle", "bad-input-refused", "one-effect-per-2xx", "retries-find-their-create", "keys-finish", "no-one-sided-di",
                   "central-equals-region", "revocation-within-5s", "serving-through-updates",
+                  "made-up-tokens-refused", "valid-tokens-accepted",
                   "no-unexpected-5xx", "no-unexpected-4xx", "no-secret-in-logs", "nothing-left", "soak-driver"]
     outcomes = collections.Counter(d.get("outcome", "deleted" if d["deleted"] else "?") for d in soak.dis.values())
     print()

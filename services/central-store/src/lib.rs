@@ -38,6 +38,16 @@ pub struct ApiToken {
     pub revoked: bool,
 }
 
+/// An API token as operators list it: never its value or its hash.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ApiTokenListing {
+    pub id: Uuid,
+    pub name: String,
+    pub scopes: Vec<String>,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
 /// A dedicated inference as central knows it.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Owned {
@@ -203,6 +213,17 @@ impl CentralStore {
         .await?)
     }
 
+    /// A team's API tokens, revoked ones included, oldest first.
+    pub async fn api_tokens_of_team(&self, team_id: Uuid) -> Result<Vec<ApiTokenListing>> {
+        Ok(sqlx::query_as(
+            "SELECT id, name, scopes, created_at, revoked_at FROM api_tokens WHERE team_id = $1 ORDER BY created_at, id",
+        )
+        .bind(team_id)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// `NotFound` when no token has this id or it is revoked already.
     pub async fn api_token_revoke(&self, id: Uuid) -> Result<()> {
         let done = sqlx::query(
             "UPDATE api_tokens SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL",

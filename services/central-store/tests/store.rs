@@ -367,7 +367,20 @@ async fn api_tokens(pool: PgPool) {
         ),
         (id, team, Some(10), false)
     );
+    let listed = store.api_tokens_of_team(team).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!((listed[0].id, listed[0].name.as_str()), (id, "t"));
+    assert_eq!(listed[0].scopes, ["dedicated_inference:read"]);
+    assert!(listed[0].revoked_at.is_none());
+    assert!(store
+        .api_tokens_of_team(Uuid::new_v4())
+        .await
+        .unwrap()
+        .is_empty());
     store.api_token_revoke(id).await.unwrap();
+    assert!(store.api_tokens_of_team(team).await.unwrap()[0]
+        .revoked_at
+        .is_some());
     assert!(
         store
             .api_token_by_hash(&[1u8; 32])

@@ -1,19 +1,34 @@
-//! Bearer-token authentication and per-token rate limiting.
+//! Bearer-token authentication, a budget of failed authentications per client address, and
+//! per-token rate limiting.
 //!
-//! API tokens are stored hashed in central's database and map to a team and a set of scopes.
-//! Lookups are cached briefly (`auth_cache_ttl`) so that a hot GET costs one query, not two; a
-//! revoked token therefore stops working within that TTL. Rate limits are per token, counted in
-//! this process over fixed one-hour windows, and reported with DigitalOcean's `ratelimit-*` headers.
+//! API tokens are stored hashed in central's database and map to a team and a set of scopes. A
+//! presented value is looked up only if it can be a token: the current format with a valid
+//! checksum ([`common::tokens`]), or exactly the shape of the tokens minted before it. Anything
+//! else is refused without a query. Tokens found (revoked ones too) are cached for
+//! `auth_cache_ttl`, so that a hot GET costs one query, not two; the TTL is at most
+//! [`MAX_AUTH_CACHE_TTL`], so a revoked token stops working within 5 s on every replica. Only
+//! tokens that exist are cached: values nobody was given cannot push real ones out.
+//!
+//! Failed authentications are budgeted per client address ([`FailureBudget`]): beyond the
+//! budget they are answered 429, and a value this process has never seen is not looked up at
+//! all. Successes cost nothing, and tokens this process knows keep working from an address over
+//! its budget, so customers who share an address with an attacker (one NAT) keep working with
+//! the tokens they use; a token new to this replica waits for the budget (`Retry-After`).
+//!
+//! Rate limits are per token, counted in this process over fixed one-hour windows, and reported
+//! with DigitalOcean's `ratelimit-*` headers.
 
 use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::extract::{Request, State};
-use axum::http::HeaderValue;
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{HeaderName, HeaderValue};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use central_store::ApiToken;
+use common::tokens;
 use uuid::Uuid;
 
 use crate::error::ApiError;
@@ -59,10 +74,18 @@ impl Principal {
     }
 }
 
+/// How stale a cached token may be: a revoked token must be refused within 5 s everywhere, and
+/// each replica caches on its own.
+pub const MAX_AUTH_CACHE_TTL: Duration = Duration::from_secs(5);
+
 pub struct Authenticator {
     ttl: Duration,
     default_limit: u32,
-    cache: Mutex<HashMap<[u8; 32], (Option<Grant>, Instant)>>,
+    /// Tokens that exist (revoked ones included) by hash, with when they were read.
+    cache: Mutex<HashMap<[u8; 32], Cached>>,
+    failures: Mutex<FailureBudget>,
+    /// Where the client's address comes from when a proxy stands in front (`CLIENT_IP_HEADER`).
+    client_ip_header: Option<HeaderName>,
     windows: Mutex<HashMap<Uuid, Window>>,
 }
 
@@ -73,31 +96,107 @@ struct Grant {
     scopes: Arc<[String]>,
 }
 
+struct Cached {
+    grant: Grant,
+    read_at: Instant,
+}
+
 struct Window {
     hour: u64,
     used: u32,
 }
 
 const WINDOW_SECS: u64 = 3600;
+/// Only real tokens are cached, so reaching this means many tokens in use on one replica.
 const CACHE_CAP: usize = 100_000;
+/// A cached token not read for this long may make room for another.
+const CACHE_IDLE: Duration = Duration::from_secs(3600);
 
 impl Authenticator {
-    pub fn new(ttl: Duration, default_limit: u32) -> Authenticator {
-        Authenticator {
+    pub fn new(
+        ttl: Duration,
+        default_limit: u32,
+        failures_per_minute: u32,
+        client_ip_header: Option<&str>,
+    ) -> anyhow::Result<Authenticator> {
+        anyhow::ensure!(
+            ttl <= MAX_AUTH_CACHE_TTL,
+            "AUTH_CACHE_TTL_MS is at most {} ms: a revoked token must be refused within that",
+            MAX_AUTH_CACHE_TTL.as_millis()
+        );
+        anyhow::ensure!(
+            failures_per_minute > 0,
+            "AUTH_FAILURES_PER_MINUTE must be at least 1"
+        );
+        let client_ip_header = client_ip_header
+            .filter(|h| !h.trim().is_empty())
+            .map(|h| HeaderName::try_from(h.trim()))
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("CLIENT_IP_HEADER: {e}"))?;
+        Ok(Authenticator {
             ttl,
             default_limit,
             cache: Mutex::new(HashMap::new()),
+            failures: Mutex::new(FailureBudget::new(failures_per_minute)),
+            client_ip_header,
             windows: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The token `value` stands for, or why the request is refused.
+    async fn authenticate(
+        &self,
+        app: &App,
+        value: &str,
+        client: IpAddr,
+    ) -> Result<Grant, ApiError> {
+        let now = Instant::now();
+        if !(tokens::well_formed(tokens::API_TOKEN_PREFIX, value)
+            || tokens::legacy_api_token_shape(value))
+        {
+            return Err(self.failed(client, now));
+        }
+        let hash = tokens::sha256(value);
+        let cached = self.cache.lock().unwrap().get(&hash).map(|c| {
+            (
+                c.grant.clone(),
+                now.saturating_duration_since(c.read_at) < self.ttl,
+            )
+        });
+        let grant = match cached {
+            Some((grant, true)) => Some(grant),
+            // A token that exists: reading it again is what the TTL costs, budget or not.
+            Some((_, false)) => self.lookup(app, hash).await?,
+            None => {
+                // Never seen here, so perhaps made up: charged before the lookup, and refunded
+                // if it is a token, so that concurrent forgeries cannot overrun the budget.
+                let charge = self.failures.lock().unwrap().charge(client, now);
+                if let Err(retry_after) = charge {
+                    return Err(too_many_failures(retry_after));
+                }
+                let found = self.lookup(app, hash).await;
+                return match found {
+                    Ok(Some(grant)) if !grant.token.revoked => {
+                        self.failures.lock().unwrap().refund(client);
+                        Ok(grant)
+                    }
+                    Ok(_) => Err(ApiError::Unauthorized),
+                    Err(e) => {
+                        self.failures.lock().unwrap().refund(client);
+                        Err(e)
+                    }
+                };
+            }
+        };
+        match grant {
+            Some(grant) if !grant.token.revoked => Ok(grant),
+            _ => Err(self.failed(client, now)),
         }
     }
 
-    async fn token(&self, app: &App, hash: [u8; 32]) -> Result<Option<Grant>, ApiError> {
-        if let Some((token, at)) = self.cache.lock().unwrap().get(&hash) {
-            if at.elapsed() < self.ttl {
-                return Ok(token.clone());
-            }
-        }
-        let token = app
+    /// Reads the token with this hash and caches it if it exists.
+    async fn lookup(&self, app: &App, hash: [u8; 32]) -> Result<Option<Grant>, ApiError> {
+        let grant = app
             .store
             .api_token_by_hash(&hash)
             .await
@@ -107,12 +206,57 @@ impl Authenticator {
                 scopes: std::mem::take(&mut token.scopes).into(),
                 token,
             });
+        let now = Instant::now();
         let mut cache = self.cache.lock().unwrap();
-        if cache.len() >= CACHE_CAP {
-            cache.clear();
+        match &grant {
+            None => {
+                cache.remove(&hash);
+            }
+            Some(grant) => {
+                if cache.len() >= CACHE_CAP && !cache.contains_key(&hash) {
+                    cache.retain(|_, c| now.saturating_duration_since(c.read_at) < CACHE_IDLE);
+                }
+                // Still full: this one is read every time instead (and charged while new).
+                if cache.len() < CACHE_CAP || cache.contains_key(&hash) {
+                    let grant = grant.clone();
+                    cache.insert(
+                        hash,
+                        Cached {
+                            grant,
+                            read_at: now,
+                        },
+                    );
+                }
+            }
         }
-        cache.insert(hash, (token.clone(), Instant::now()));
-        Ok(token)
+        Ok(grant)
+    }
+
+    /// Charges a failed authentication to `client`: 401 within the budget, 429 beyond it.
+    fn failed(&self, client: IpAddr, now: Instant) -> ApiError {
+        match self.failures.lock().unwrap().charge(client, now) {
+            Ok(()) => ApiError::Unauthorized,
+            Err(retry_after) => too_many_failures(retry_after),
+        }
+    }
+
+    /// The client's address: the TCP peer, or the last address in `CLIENT_IP_HEADER` (the one
+    /// the proxy in front of central appended) when that is configured and present.
+    fn client(&self, req: &Request) -> IpAddr {
+        let forwarded = self
+            .client_ip_header
+            .as_ref()
+            .and_then(|h| req.headers().get(h))
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.rsplit(',').next())
+            .and_then(|v| v.trim().parse::<IpAddr>().ok());
+        let peer = req
+            .extensions()
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|c| c.0.ip());
+        forwarded
+            .or(peer)
+            .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED))
     }
 
     /// Counts one request against the token's window: (limit, remaining, reset epoch, allowed).
@@ -152,23 +296,24 @@ pub async fn layer(State(app): State<App>, mut req: Request, next: Next) -> Resp
                 .or_else(|| v.strip_prefix("bearer "))
         })
         .map(str::trim)
-        .filter(|t| !t.is_empty() && t.len() <= 256);
-    let token = match presented {
-        None => None,
-        Some(value) => match auth.token(&app, common::tokens::sha256(value)).await {
-            Ok(grant) => grant.filter(|g| !g.token.revoked),
-            Err(e) => return e.into_response(),
-        },
+        .filter(|t| !t.is_empty());
+    let grant = match presented {
+        // Nothing presented: nothing to look up, no guess to budget.
+        None => Err(ApiError::Unauthorized),
+        Some(value) => auth.authenticate(&app, value, auth.client(&req)).await,
     };
-    let Some(Grant { token, scopes }) = token else {
-        let mut response = ApiError::Unauthorized.into_response();
-        headers(
-            &mut response,
-            auth.default_limit,
-            auth.default_limit,
-            next_reset(),
-        );
-        return response;
+    let Grant { token, scopes } = match grant {
+        Ok(grant) => grant,
+        Err(error) => {
+            let mut response = error.into_response();
+            headers(
+                &mut response,
+                auth.default_limit,
+                auth.default_limit,
+                next_reset(),
+            );
+            return response;
+        }
     };
     let (limit, remaining, reset, allowed) = auth.count(&token);
     let mut response = if allowed {
@@ -190,6 +335,88 @@ pub async fn layer(State(app): State<App>, mut req: Request, next: Next) -> Resp
     };
     headers(&mut response, limit, remaining, reset);
     response
+}
+
+fn too_many_failures(retry_after: Duration) -> ApiError {
+    ApiError::TooManyFailedAuthentications {
+        retry_after_secs: retry_after.as_secs_f64().ceil().max(1.0) as u64,
+    }
+}
+
+/// Failed authentications per client address, as a token bucket: `per_minute` may fail at
+/// once, and the budget refills evenly over a minute. An IPv6 client counts per /64 (what one
+/// customer's host or network commonly holds), an IPv4 client per address.
+struct FailureBudget {
+    per_minute: u32,
+    buckets: HashMap<IpAddr, Bucket>,
+}
+
+struct Bucket {
+    left: f64,
+    at: Instant,
+}
+
+/// Addresses followed at once. Beyond it, those whose budget is whole again are forgotten (they
+/// are no different from new ones), then, if that is not enough, all of them: an attacker with
+/// this many addresses gets fresh budgets rather than central's memory.
+const BUDGET_ADDRESSES: usize = 100_000;
+
+impl FailureBudget {
+    fn new(per_minute: u32) -> FailureBudget {
+        FailureBudget {
+            per_minute,
+            buckets: HashMap::new(),
+        }
+    }
+
+    fn per_second(&self) -> f64 {
+        f64::from(self.per_minute) / 60.0
+    }
+
+    /// Takes one failure from `client`'s budget, or says how long until there is one.
+    fn charge(&mut self, client: IpAddr, now: Instant) -> Result<(), Duration> {
+        let client = budget_key(client);
+        let (full, rate) = (f64::from(self.per_minute), self.per_second());
+        let refilled = |b: &Bucket| {
+            (b.left + rate * now.saturating_duration_since(b.at).as_secs_f64()).min(full)
+        };
+        if self.buckets.len() >= BUDGET_ADDRESSES && !self.buckets.contains_key(&client) {
+            self.buckets.retain(|_, b| refilled(b) < full);
+            if self.buckets.len() >= BUDGET_ADDRESSES {
+                self.buckets.clear();
+            }
+        }
+        let bucket = self.buckets.entry(client).or_insert(Bucket {
+            left: full,
+            at: now,
+        });
+        bucket.left = refilled(bucket);
+        bucket.at = bucket.at.max(now);
+        if bucket.left >= 1.0 {
+            bucket.left -= 1.0;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64((1.0 - bucket.left) / rate))
+        }
+    }
+
+    /// Gives back a charge for what turned out not to be a failure.
+    fn refund(&mut self, client: IpAddr) {
+        let full = f64::from(self.per_minute);
+        if let Some(bucket) = self.buckets.get_mut(&budget_key(client)) {
+            bucket.left = (bucket.left + 1.0).min(full);
+        }
+    }
+}
+
+fn budget_key(client: IpAddr) -> IpAddr {
+    match client.to_canonical() {
+        IpAddr::V6(v6) => {
+            let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(Ipv6Addr::from(prefix))
+        }
+        v4 => v4,
+    }
 }
 
 fn next_reset() -> u64 {
@@ -244,7 +471,7 @@ mod tests {
 
     #[test]
     fn the_window_runs_out_and_reports_remaining() {
-        let auth = Authenticator::new(Duration::from_secs(1), 2);
+        let auth = Authenticator::new(Duration::from_secs(1), 2, 10, None).unwrap();
         let token = ApiToken {
             id: Uuid::new_v4(),
             team_id: Uuid::nil(),
@@ -257,5 +484,82 @@ mod tests {
         let (_, remaining, _, allowed) = auth.count(&token);
         assert!(!allowed);
         assert_eq!(remaining, 0);
+    }
+
+    #[test]
+    fn failures_are_budgeted_per_address_and_refill_over_a_minute() {
+        // Six a minute: one more every ten seconds.
+        let mut budget = FailureBudget::new(6);
+        let t0 = Instant::now();
+        let at = |secs| t0 + Duration::from_secs(secs);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let b: IpAddr = "192.0.2.2".parse().unwrap();
+        for _ in 0..6 {
+            assert!(budget.charge(a, t0).is_ok());
+        }
+        let wait = budget.charge(a, t0).unwrap_err();
+        assert!((wait.as_secs_f64() - 10.0).abs() < 1e-6, "{wait:?}");
+        assert!(budget.charge(b, t0).is_ok(), "each address has its own");
+        assert!(budget.charge(a, at(10)).is_ok());
+        assert!(budget.charge(a, at(10)).is_err());
+        budget.refund(a);
+        assert!(budget.charge(a, at(10)).is_ok(), "a refund gives one back");
+        // A minute later the budget is whole again, and no more than whole.
+        for _ in 0..6 {
+            assert!(budget.charge(a, at(300)).is_ok());
+        }
+        assert!(budget.charge(a, at(300)).is_err());
+    }
+
+    #[test]
+    fn an_ipv6_client_is_budgeted_per_64_and_a_mapped_ipv4_one_as_ipv4() {
+        let mut budget = FailureBudget::new(1);
+        let now = Instant::now();
+        let charge = |budget: &mut FailureBudget, ip: &str| budget.charge(ip.parse().unwrap(), now);
+        assert!(charge(&mut budget, "2001:db8::1").is_ok());
+        assert!(charge(&mut budget, "2001:db8::ffff:1").is_err(), "same /64");
+        assert!(
+            charge(&mut budget, "2001:db8:0:1::1").is_ok(),
+            "another /64"
+        );
+        assert!(charge(&mut budget, "192.0.2.7").is_ok());
+        assert!(
+            charge(&mut budget, "::ffff:192.0.2.7").is_err(),
+            "the same IPv4 client"
+        );
+    }
+
+    #[test]
+    fn the_auth_cache_lives_at_most_five_seconds() {
+        assert!(Authenticator::new(MAX_AUTH_CACHE_TTL, 1, 1, None).is_ok());
+        let longer = MAX_AUTH_CACHE_TTL + Duration::from_millis(1);
+        assert!(Authenticator::new(longer, 1, 1, None).is_err());
+    }
+
+    #[test]
+    fn the_client_is_the_peer_unless_a_proxy_header_is_configured_and_present() {
+        let peer: SocketAddr = "198.51.100.4:5555".parse().unwrap();
+        let request = |forwarded: Option<&str>| {
+            let mut builder = Request::builder().extension(ConnectInfo(peer));
+            if let Some(f) = forwarded {
+                builder = builder.header("x-forwarded-for", f);
+            }
+            builder.body(axum::body::Body::empty()).unwrap()
+        };
+        let direct = Authenticator::new(Duration::ZERO, 1, 1, None).unwrap();
+        let proxied = Authenticator::new(Duration::ZERO, 1, 1, Some("X-Forwarded-For")).unwrap();
+        let forwarded = request(Some("203.0.113.9, 192.0.2.200"));
+        assert_eq!(
+            direct.client(&forwarded),
+            peer.ip(),
+            "the header is not trusted"
+        );
+        // The last entry is the one the proxy in front of central appended.
+        assert_eq!(
+            proxied.client(&forwarded),
+            "192.0.2.200".parse::<IpAddr>().unwrap()
+        );
+        assert_eq!(proxied.client(&request(None)), peer.ip());
+        assert_eq!(proxied.client(&request(Some("nonsense"))), peer.ip());
     }
 }

@@ -28,6 +28,8 @@ pub enum ApiError {
     PayloadTooLarge,
     #[error("too many requests")]
     TooManyRequests { retry_after_secs: u64 },
+    #[error("too many failed authentications")]
+    TooManyFailedAuthentications { retry_after_secs: u64 },
     #[error("region unavailable")]
     ServiceUnavailable { retry_after_secs: u64 },
     #[error("internal: {0}")]
@@ -78,6 +80,11 @@ impl ApiError {
                 "too_many_requests",
                 "API rate limit exceeded.".into(),
             ),
+            ApiError::TooManyFailedAuthentications { .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_requests",
+                "Too many failed authentications from your address; retry later.".into(),
+            ),
             ApiError::ServiceUnavailable { .. } => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
@@ -110,6 +117,7 @@ impl IntoResponse for ApiError {
             .into_response();
         let retry_after = match self {
             ApiError::TooManyRequests { retry_after_secs }
+            | ApiError::TooManyFailedAuthentications { retry_after_secs }
             | ApiError::ServiceUnavailable { retry_after_secs } => Some(retry_after_secs),
             _ => None,
         };

@@ -33,8 +33,12 @@ pub use handlers::ApiDoc;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Config {
+    /// The public API.
     #[arg(long, env = "LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
+    /// `GET /metrics` (Prometheus), for operators only: never the public API's address.
+    #[arg(long, env = "METRICS_LISTEN", default_value = "127.0.0.1:9090")]
+    pub metrics_listen: SocketAddr,
     /// Postgres URL of central's database.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
@@ -62,8 +66,20 @@ pub struct Config {
     /// A catalog file replacing the one built in.
     #[arg(long, env = "CATALOG")]
     pub catalog: Option<std::path::PathBuf>,
+    /// How long a token read from the database is trusted without reading it again: how long
+    /// a revoked token may still work. At most 5000.
     #[arg(long, env = "AUTH_CACHE_TTL_MS", default_value_t = 1000)]
     pub auth_cache_ttl_ms: u64,
+    /// Failed authentications per client address per minute (also how many may fail at once);
+    /// beyond, 429 and no database lookup for tokens this replica has not seen.
+    #[arg(long, env = "AUTH_FAILURES_PER_MINUTE", default_value_t = 10)]
+    pub auth_failures_per_minute: u32,
+    /// A header holding the client's address, set by the proxy in front of central (e.g.
+    /// `X-Forwarded-For`; the last address in it counts). Only when every request comes through
+    /// that proxy: a client reaching central directly could claim any address. Unset: the TCP
+    /// peer's address.
+    #[arg(long, env = "CLIENT_IP_HEADER")]
+    pub client_ip_header: Option<String>,
     /// Requests per token per hour unless the token has its own limit.
     #[arg(long, env = "RATE_LIMIT_PER_HOUR", default_value_t = 5000)]
     pub rate_limit_per_hour: u32,
@@ -151,7 +167,9 @@ impl App {
             auth: Authenticator::new(
                 Duration::from_millis(config.auth_cache_ttl_ms),
                 config.rate_limit_per_hour,
-            ),
+                config.auth_failures_per_minute,
+                config.client_ip_header.as_deref(),
+            )?,
             public_url: config
                 .public_url
                 .clone()
@@ -171,7 +189,6 @@ pub fn router(app: App) -> axum::Router {
             auth::layer,
         ))
         .route("/healthz", axum::routing::get(|| async { "ok" }))
-        .route("/metrics", axum::routing::get(common::metrics::handler))
         .layer(axum::middleware::from_fn(common::metrics::layer))
         .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn_with_state(
@@ -184,6 +201,8 @@ pub fn router(app: App) -> axum::Router {
 /// A running central API.
 pub struct Server {
     pub addr: SocketAddr,
+    /// Where `/metrics` is served.
+    pub metrics_addr: SocketAddr,
     pub app: App,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -201,19 +220,30 @@ impl Server {
         let app = App::new(&config).await?;
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
+        let metrics_listener = tokio::net::TcpListener::bind(config.metrics_listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("metrics listener on {}: {e}", config.metrics_listen))?;
+        let metrics_addr = metrics_listener.local_addr()?;
         let mut tasks = if config.background {
             feed::spawn(app.clone())
         } else {
             Vec::new()
         };
         tasks.push(tokio::spawn(app.store.watch_read_cache()));
-        let router = router(app.clone());
+        tasks.push(tokio::spawn(common::metrics::serve(metrics_listener)));
+        // The peer's address is the client's (failed authentications are budgeted by it).
+        let router = router(app.clone()).into_make_service_with_connect_info::<SocketAddr>();
         tasks.push(tokio::spawn(async move {
             if let Err(error) = axum::serve(common::listener::no_delay(listener), router).await {
                 tracing::error!(%error, "central server stopped");
             }
         }));
-        Ok(Server { addr, app, tasks })
+        Ok(Server {
+            addr,
+            metrics_addr,
+            app,
+            tasks,
+        })
     }
 }
 

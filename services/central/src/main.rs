@@ -28,6 +28,21 @@ enum Command {
         #[arg(long)]
         rate_limit_per_hour: Option<i32>,
     },
+    /// List a team's API tokens: id, name, scopes, when created and revoked (never a value).
+    ListTokens {
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        #[arg(long)]
+        team: Uuid,
+    },
+    /// Revoke an API token by id. Every central replica refuses it within 5 s (the longest
+    /// AUTH_CACHE_TTL_MS).
+    RevokeToken {
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        /// The token's id, as `list-tokens` shows it.
+        id: Uuid,
+    },
     /// Apply the embedded migrations to DATABASE_URL and exit.
     Migrate {
         #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
@@ -43,7 +58,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(config) => {
             let _telemetry = common::telemetry::init("central");
             let server = central::Server::start(config).await?;
-            tracing::info!(addr = %server.addr, "central API listening");
+            tracing::info!(addr = %server.addr, metrics = %server.metrics_addr, "central API listening");
             common::telemetry::shutdown_signal().await;
             tracing::info!("shutting down");
         }
@@ -78,6 +93,32 @@ async fn main() -> anyhow::Result<()> {
                 .await?;
             eprintln!("team {team}, scopes {}", scopes.join(","));
             println!("{value}");
+        }
+        Command::ListTokens { database_url, team } => {
+            let store =
+                central_store::CentralStore::new(sqlx::PgPool::connect(&database_url).await?);
+            println!("ID\tNAME\tSCOPES\tCREATED\tREVOKED");
+            for t in store.api_tokens_of_team(team).await? {
+                let revoked = t.revoked_at.map_or("-".to_string(), |at| at.to_rfc3339());
+                println!(
+                    "{}\t{}\t{}\t{}\t{revoked}",
+                    t.id,
+                    t.name,
+                    t.scopes.join(","),
+                    t.created_at.to_rfc3339()
+                );
+            }
+        }
+        Command::RevokeToken { database_url, id } => {
+            let store =
+                central_store::CentralStore::new(sqlx::PgPool::connect(&database_url).await?);
+            match store.api_token_revoke(id).await {
+                Ok(()) => eprintln!("revoked {id}; refused everywhere within 5 s"),
+                Err(central_store::StoreError::NotFound) => {
+                    anyhow::bail!("no API token {id}, or it is revoked already")
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         Command::Migrate { database_url } => {
             let _telemetry = common::telemetry::init("central");

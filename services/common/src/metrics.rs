@@ -1,6 +1,9 @@
 //! A small Prometheus registry: counters, gauges and latency histograms with labels, rendered in
 //! the text exposition format on `GET /metrics`. One process-wide registry; label sets are few
 //! (routes, statuses, phases), so a mutex-guarded map is plenty and keeps dependencies at zero.
+//! A series is never dropped, so every label takes its value from a small fixed set, never from
+//! what a request says; and `/metrics` is served on an internal listener ([`serve`]), never on
+//! a public port.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -8,6 +11,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
 use axum::extract::{MatchedPath, Request};
+use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::Response;
 
@@ -138,14 +142,16 @@ pub fn render() -> String {
     out
 }
 
-/// Records `http_request_duration_seconds` by route template, method and status.
+/// Records `http_request_duration_seconds` by route template, method and status. A path no
+/// route matched is `unmatched` and a method outside the standard ones is `other`: anyone can
+/// send any path and method, and each distinct value would be a series kept forever.
 pub async fn layer(req: Request, next: Next) -> Response {
     let route = req
         .extensions()
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_owned())
         .unwrap_or_else(|| "unmatched".into());
-    let method = req.method().to_string();
+    let method = method_label(req.method()).to_string();
     let started = Instant::now();
     let response = next.run(req).await;
     observe(
@@ -159,6 +165,28 @@ pub async fn layer(req: Request, next: Next) -> Response {
         started.elapsed().as_secs_f64(),
     );
     response
+}
+
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::PATCH => "PATCH",
+        Method::DELETE => "DELETE",
+        Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until the task is dropped. The listener is the
+/// operators' (`METRICS_LISTEN`, loopback unless deployed otherwise), not the API's.
+pub async fn serve(listener: tokio::net::TcpListener) {
+    let app = axum::Router::new().route("/metrics", axum::routing::get(handler));
+    if let Err(error) = axum::serve(listener, app).await {
+        tracing::error!(%error, "metrics server stopped");
+    }
 }
 
 /// `GET /metrics`.
@@ -199,6 +227,16 @@ mod tests {
         assert!(text.contains("test_latency_seconds_count{route=\"/x\"} 2"));
         assert!(text.contains("test_total{outcome=\"ok\"} 2"));
         assert!(text.contains("test_depth 7"));
+    }
+
+    #[test]
+    fn methods_outside_the_standard_ones_share_one_label() {
+        assert_eq!(method_label(&Method::PATCH), "PATCH");
+        assert_eq!(method_label(&Method::TRACE), "other");
+        assert_eq!(
+            method_label(&Method::from_bytes(b"XJ3KQ").unwrap()),
+            "other"
+        );
     }
 
     #[test]

@@ -38,8 +38,12 @@ pub struct Config {
     /// Region this service owns.
     #[arg(long, env = "REGION", default_value = "atl1")]
     pub region: String,
+    /// The internal API for central.
     #[arg(long, env = "LISTEN", default_value = "127.0.0.1:8101")]
     pub listen: SocketAddr,
+    /// `GET /metrics` (Prometheus), for operators only: not the API's address.
+    #[arg(long, env = "METRICS_LISTEN", default_value = "127.0.0.1:9090")]
+    pub metrics_listen: SocketAddr,
     /// Postgres URL of the regional database.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
@@ -85,6 +89,8 @@ pub struct AppState {
 
 pub struct Server {
     pub addr: SocketAddr,
+    /// Where `/metrics` is served.
+    pub metrics_addr: SocketAddr,
     pub store: Store,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -133,10 +139,23 @@ impl Server {
         };
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
+        let metrics_listener = tokio::net::TcpListener::bind(config.metrics_listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("metrics listener on {}: {e}", config.metrics_listen))?;
+        let metrics_addr = metrics_listener.local_addr()?;
         let app = router(state);
         let mut tasks = tls::serve(listener, app, tls)?;
-        tasks.extend([listener_task, purge_task]);
-        Ok(Server { addr, store, tasks })
+        tasks.extend([
+            listener_task,
+            purge_task,
+            tokio::spawn(common::metrics::serve(metrics_listener)),
+        ]);
+        Ok(Server {
+            addr,
+            metrics_addr,
+            store,
+            tasks,
+        })
     }
 }
 
@@ -160,7 +179,6 @@ pub fn router(state: AppState) -> axum::Router {
             require_secret,
         ))
         .route("/healthz", axum::routing::get(|| async { "ok" }))
-        .route("/metrics", axum::routing::get(common::metrics::handler))
         .layer(axum::middleware::from_fn(common::metrics::layer))
         .layer(axum::middleware::from_fn_with_state(
             "regional",

@@ -20,7 +20,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let config = regional::Config::parse();
     let server = regional::Server::start(config).await?;
-    tracing::info!(addr = %server.addr, "regional service listening");
+    tracing::info!(addr = %server.addr, metrics = %server.metrics_addr, "regional service listening");
     common::telemetry::shutdown_signal().await;
     tracing::info!("shutting down");
     Ok(())
