@@ -3,8 +3,8 @@
 //!
 //! It owns the lifecycle rules that must hold under concurrency — versions, immutable fields, which
 //! status may follow which — and makes every state change one transaction that also appends an
-//! event and an outbox entry. It seals secrets before they reach a table. It knows nothing about
-//! HTTP, the catalog, or the cloud.
+//! event and an outbox entry. It seals secrets before they reach a table and erases a DI's when the
+//! DI is gone. It knows nothing about HTTP, the catalog, or the cloud.
 
 mod records;
 mod work;
@@ -824,10 +824,14 @@ impl Store {
         .bind(id)
         .execute(&mut *tx)
         .await?;
-        // The probe credential goes with the DI's other tokens.
-        sqlx::query("DELETE FROM provider_secrets WHERE di_id = $1 AND kind = $2")
+        // Its secrets go with it: the Hugging Face token, the probe credential, the CA keys
+        // (teardown, now finished, was the last thing that could need them). The record stays.
+        sqlx::query("DELETE FROM provider_secrets WHERE di_id = $1")
             .bind(id)
-            .bind(PROBE_TOKEN)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM certificate_authorities WHERE di_id = $1")
+            .bind(id)
             .execute(&mut *tx)
             .await?;
         final_change(
@@ -916,17 +920,12 @@ impl Store {
         if let Some(token) = self.secret_on(conn, id, PROBE_TOKEN).await? {
             return Ok(token);
         }
-        let live: Option<bool> =
-            sqlx::query_scalar("SELECT gone_at IS NULL FROM dedicated_inferences WHERE id = $1")
-                .bind(id)
-                .fetch_optional(&mut *conn)
-                .await?;
-        if live != Some(true) {
-            return Err(StoreError::NotFound);
-        }
         let minted = common::tokens::mint("di_");
+        // Only for a live DI, and never behind the back of [`Store::gone`], which erases the
+        // DI's secrets: the lock waits for a concurrent `gone` and then sees the DI gone.
         sqlx::query(
-            "INSERT INTO provider_secrets (di_id, kind, sealed) VALUES ($1, $2, $3)
+            "INSERT INTO provider_secrets (di_id, kind, sealed)
+             SELECT id, $2, $3 FROM dedicated_inferences WHERE id = $1 AND gone_at IS NULL FOR KEY SHARE
              ON CONFLICT (di_id, kind) DO NOTHING",
         )
         .bind(id)

@@ -608,3 +608,54 @@ async fn probe_tokens_are_per_di_sealed_rotated_and_deleted_with_the_di(pool: Pg
         .unwrap();
     assert_eq!(left, 0);
 }
+
+/// Every sealed value of DI `id` in the regional database: its provider secrets (Hugging Face
+/// token, probe token) and its CA keys.
+async fn sealed_values_of(pool: &PgPool, id: Uuid) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM provider_secrets WHERE di_id = $1)
+              + (SELECT count(*) FROM certificate_authorities WHERE di_id = $1)",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_gone_di_leaves_no_secret_behind(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let (a, b) = (
+        create_request(team, Some("hf_secret_value")),
+        create_request(team, Some("hf_other_value")),
+    );
+    for req in [&a, &b] {
+        store.dedicated_inference_create(req, &ca()).await.unwrap();
+        store.probe_token(req.id).await.unwrap();
+    }
+    assert_eq!(
+        sealed_values_of(&pool, a.id).await,
+        3,
+        "HF token, probe token, CA key"
+    );
+
+    // Being deleted, it keeps what teardown may need.
+    store.dedicated_inference_delete(a.id, team).await.unwrap();
+    assert_eq!(sealed_values_of(&pool, a.id).await, 3);
+    assert_eq!(
+        store.hugging_face_token(a.id).await.unwrap().as_deref(),
+        Some("hf_secret_value")
+    );
+
+    store.gone(a.id).await.unwrap();
+    assert_eq!(sealed_values_of(&pool, a.id).await, 0, "erased with the DI");
+    assert_eq!(store.hugging_face_token(a.id).await.unwrap(), None);
+    assert!(matches!(
+        store.certificate_authority(a.id).await,
+        Err(StoreError::NotFound)
+    ));
+    // The record stays, as a tombstone, and the other DI keeps its secrets.
+    assert!(store.dedicated_inference_any(a.id).await.unwrap().gone);
+    assert_eq!(sealed_values_of(&pool, b.id).await, 3);
+}
