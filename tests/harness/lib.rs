@@ -299,6 +299,7 @@ fn region_config(
         hf_endpoint: hub_url.into(),
         catalog: None,
         tls,
+        ca: Default::default(),
     }
 }
 

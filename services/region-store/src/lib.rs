@@ -6,8 +6,11 @@
 //! event and an outbox entry. It seals secrets before they reach a table and erases a DI's when the
 //! DI is gone. It knows nothing about HTTP, the catalog, or the cloud.
 
+mod authorities;
 mod records;
 mod work;
+
+pub use authorities::NewCa;
 
 pub use work::{
     Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, LedgerEntry, PassInputs, Stall,
@@ -67,12 +70,6 @@ pub struct Endpoints {
 pub struct ChangedBatch {
     pub ids: Vec<Uuid>,
     pub last_seq: i64,
-}
-
-/// The CA generated for a new dedicated inference (PEM); the key is sealed before storage.
-pub struct NewCa {
-    pub cert_pem: String,
-    pub key_pem: String,
 }
 
 #[derive(Clone)]
@@ -167,17 +164,8 @@ impl Store {
         if let Some(hf) = &req.hugging_face_token {
             self.put_secret(&mut tx, req.id, HF_TOKEN, hf).await?;
         }
-        sqlx::query(
-            "INSERT INTO certificate_authorities (di_id, cert_pem, key_sealed) VALUES ($1, $2, $3)",
-        )
-        .bind(req.id)
-        .bind(&ca.cert_pem)
-        .bind(
-            self.sealer
-                .seal(ca.key_pem.as_bytes(), ca_aad(req.id).as_bytes()),
-        )
-        .execute(&mut *tx)
-        .await?;
+        self.certificate_authority_insert(&mut tx, req.id, ca)
+            .await?;
         requested_change(
             &mut tx,
             req.id,
@@ -449,15 +437,6 @@ impl Store {
         .fetch_optional(&self.pool)
         .await?;
         row.map(Into::into).ok_or(StoreError::NotFound)
-    }
-
-    pub async fn ca_certificate(&self, id: Uuid, team_id: Uuid) -> Result<String> {
-        self.ensure_visible(id, team_id).await?;
-        sqlx::query_scalar("SELECT cert_pem FROM certificate_authorities WHERE di_id = $1")
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or(StoreError::NotFound)
     }
 
     pub async fn tokens_list(
@@ -894,12 +873,6 @@ impl Store {
         self.hugging_face_token_on(&mut conn, id).await
     }
 
-    /// The CA certificate and its unsealed private key (PEM), for issuing endpoint certificates.
-    pub async fn certificate_authority(&self, id: Uuid) -> Result<NewCa> {
-        let mut conn = self.pool.acquire().await?;
-        self.certificate_authority_on(&mut conn, id).await
-    }
-
     /// Hashes (hex) of the DI's live access tokens, keyed by token id: what the gateway checks.
     pub async fn token_hashes(&self, id: Uuid) -> Result<Vec<(Uuid, String)>> {
         let mut conn = self.pool.acquire().await?;
@@ -999,28 +972,6 @@ impl Store {
         self.secret_on(conn, id, HF_TOKEN).await
     }
 
-    pub(crate) async fn certificate_authority_on(
-        &self,
-        conn: &mut PgConnection,
-        id: Uuid,
-    ) -> Result<NewCa> {
-        let (cert_pem, key_sealed): (String, Vec<u8>) = sqlx::query_as(
-            "SELECT cert_pem, key_sealed FROM certificate_authorities WHERE di_id = $1",
-        )
-        .bind(id)
-        .fetch_optional(&mut *conn)
-        .await?
-        .ok_or(StoreError::NotFound)?;
-        let key = self
-            .sealer
-            .open(&key_sealed, ca_aad(id).as_bytes())
-            .map_err(|_| StoreError::Seal)?;
-        Ok(NewCa {
-            cert_pem,
-            key_pem: String::from_utf8(key).map_err(|_| StoreError::Seal)?,
-        })
-    }
-
     /// Any DI, including gone ones, for internal consumers (central's recovery, workers).
     pub async fn dedicated_inference_any(&self, id: Uuid) -> Result<Record> {
         self.record(id, None, true).await
@@ -1052,7 +1003,7 @@ impl Store {
         self.record(id, None, true).await
     }
 
-    async fn ensure_visible(&self, id: Uuid, team_id: Uuid) -> Result<()> {
+    pub(crate) async fn ensure_visible(&self, id: Uuid, team_id: Uuid) -> Result<()> {
         let found: Option<i32> = sqlx::query_scalar(
             "SELECT 1 FROM dedicated_inferences WHERE id = $1 AND team_id = $2 AND gone_at IS NULL",
         )
@@ -1110,7 +1061,7 @@ fn secret_aad(id: Uuid, kind: &str) -> String {
     format!("provider_secret:{id}:{kind}")
 }
 
-fn ca_aad(id: Uuid) -> String {
+pub(crate) fn ca_aad(id: Uuid) -> String {
     format!("ca_key:{id}")
 }
 

@@ -50,9 +50,15 @@ fn create_request(team: Uuid, hf: Option<&str>) -> CreateRequest {
 }
 
 fn ca() -> NewCa {
+    ca_until("MIIB", 1095)
+}
+
+/// A stand-in CA whose certificate reads `cert` and that the control plane uses for `days`.
+fn ca_until(cert: &str, days: i64) -> NewCa {
     NewCa {
-        cert_pem: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
+        cert_pem: format!("-----BEGIN CERTIFICATE-----\n{cert}\n-----END CERTIFICATE-----\n"),
         key_pem: "-----BEGIN PRIVATE KEY-----\nsecret-key\n-----END PRIVATE KEY-----\n".into(),
+        not_after: chrono::Utc::now() + chrono::Duration::days(days),
     }
 }
 
@@ -658,4 +664,117 @@ async fn a_gone_di_leaves_no_secret_behind(pool: PgPool) {
     // The record stays, as a tombstone, and the other DI keeps its secrets.
     assert!(store.dedicated_inference_any(a.id).await.unwrap().gone);
     assert_eq!(sealed_values_of(&pool, b.id).await, 3);
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_ca_is_renewed_before_it_expires_and_retired_after(pool: PgPool) {
+    const WINDOW: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let (expiring, fresh) = (create_request(team, None), create_request(team, None));
+    let old = ca_until("OLD", 100);
+    store
+        .dedicated_inference_create(&expiring, &old)
+        .await
+        .unwrap();
+    store
+        .dedicated_inference_create(&fresh, &ca_until("FRESH", 1000))
+        .await
+        .unwrap();
+    let due = store
+        .certificate_authorities_due(WINDOW, 100)
+        .await
+        .unwrap();
+    assert_eq!(due, [expiring.id], "only the CA within the window is due");
+
+    let new = ca_until("NEW", 1095);
+    assert!(store
+        .certificate_authority_renew(expiring.id, &new, WINDOW)
+        .await
+        .unwrap());
+    assert!(
+        !store
+            .certificate_authority_renew(expiring.id, &ca_until("THIRD", 1095), WINDOW)
+            .await
+            .unwrap(),
+        "a second renewal (another replica's) finds it done"
+    );
+    assert!(store
+        .certificate_authorities_due(WINDOW, 100)
+        .await
+        .unwrap()
+        .is_empty());
+    // During the overlap customers get both, the old one first, and the worker chooses from both.
+    assert_eq!(
+        store.ca_certificate(expiring.id, team).await.unwrap(),
+        format!("{}{}", old.cert_pem, new.cert_pem)
+    );
+    let inputs = store.pass_inputs(expiring.id).await.unwrap();
+    let certs: Vec<&str> = inputs.cas.iter().map(|c| c.cert_pem.as_str()).collect();
+    assert_eq!(certs, [old.cert_pem.as_str(), new.cert_pem.as_str()]);
+    assert_eq!(
+        store
+            .certificate_authority(expiring.id)
+            .await
+            .unwrap()
+            .cert_pem,
+        new.cert_pem
+    );
+    let events = store.events_list(expiring.id, team, 1, 50).await.unwrap();
+    assert!(
+        events
+            .items
+            .iter()
+            .any(|e| e.reason == "CertificateAuthorityRenewed" && e.message.contains("/ca")),
+        "the customer is told to fetch the new CA: {:?}",
+        events.items
+    );
+
+    // Once the old one has expired (moved into the past here rather than waited for) it is no
+    // longer published, and retiring deletes it with its key.
+    sqlx::query("UPDATE certificate_authorities SET not_after = now() - interval '1 second' WHERE cert_pem = $1")
+        .bind(&old.cert_pem)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.ca_certificate(expiring.id, team).await.unwrap(),
+        new.cert_pem
+    );
+    assert_eq!(store.certificate_authorities_retire().await.unwrap(), 1);
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM certificate_authorities WHERE di_id = $1")
+            .bind(expiring.id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(left, 1);
+    // A CA without a successor is never retired, even expired.
+    sqlx::query("UPDATE certificate_authorities SET not_after = now() - interval '1 second'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(store.certificate_authorities_retire().await.unwrap(), 0);
+    assert_eq!(
+        store.ca_certificate(fresh.id, team).await.unwrap(),
+        ca_until("FRESH", 0).cert_pem
+    );
+
+    // A DI being deleted gets no new CA.
+    store
+        .dedicated_inference_delete(fresh.id, team)
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .certificate_authorities_due(WINDOW, 100)
+            .await
+            .unwrap(),
+        [expiring.id],
+        "(whose CAs all expired just now)"
+    );
+    assert!(!store
+        .certificate_authority_renew(fresh.id, &ca_until("LATE", 1095), WINDOW)
+        .await
+        .unwrap());
 }

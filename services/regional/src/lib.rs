@@ -70,6 +70,9 @@ pub struct Config {
     /// HTTPS: `TLS_CERT_FILE`, `TLS_KEY_FILE`, `TLS_RELOAD_SECS`.
     #[command(flatten)]
     pub tls: tls::TlsArgs,
+    /// The DIs' CAs: `CA_VALIDITY_DAYS`, `CA_RENEW_BEFORE_DAYS`, `CA_PERMITTED_NAMES`.
+    #[command(flatten)]
+    pub ca: ca::CaPolicy,
 }
 
 #[derive(Clone)]
@@ -77,6 +80,8 @@ pub struct AppState {
     pub store: Store,
     pub vpcs: vpcs::Vpcs,
     pub models: models::Models,
+    /// How the DIs' CAs are made.
+    pub ca: ca::CaPolicy,
     /// Digests of the accepted shared secrets (two while one is rotated).
     secret_hashes: Vec<[u8; 32]>,
     /// Woken whenever the outbox grows (Postgres NOTIFY), for long-polling change feeds.
@@ -104,6 +109,7 @@ impl Server {
     /// Connects, migrates, binds and serves in the background.
     pub async fn start(config: Config) -> anyhow::Result<Server> {
         let tls = tls::Tls::load(&config.tls)?;
+        config.ca.check()?;
         let pool = PgPoolOptions::new()
             .max_connections(config.db_max_connections)
             .acquire_timeout(Duration::from_secs(5))
@@ -121,10 +127,15 @@ impl Server {
         let changed = Arc::new(Notify::new());
         let listener_task = tokio::spawn(listen_for_changes(store.pool().clone(), changed.clone()));
         let purge_task = tokio::spawn(purge_applied_operations(store.clone()));
+        let renewal_task = tokio::spawn(renew_certificate_authorities(
+            store.clone(),
+            config.ca.clone(),
+        ));
         let state = AppState {
             store: store.clone(),
             vpcs: vpcs::Vpcs::new(&config.region, &config.do_api_url, &config.do_token)?,
             models: models::Models::new(&config.region, &config.hf_endpoint, catalog)?,
+            ca: config.ca.clone(),
             secret_hashes: std::iter::once(&config.region_secret)
                 .chain(config.region_secret_next.iter().filter(|s| !s.is_empty()))
                 .map(|s| Sha256::digest(s.as_bytes()).into())
@@ -135,7 +146,7 @@ impl Server {
         let addr = listener.local_addr()?;
         let app = router(state);
         let mut tasks = tls::serve(listener, app, tls)?;
-        tasks.extend([listener_task, purge_task]);
+        tasks.extend([listener_task, purge_task, renewal_task]);
         Ok(Server { addr, store, tasks })
     }
 }
@@ -213,6 +224,20 @@ async fn purge_applied_operations(store: Store) {
             .await
         {
             tracing::warn!(%error, "purging applied operations failed");
+        }
+    }
+}
+
+/// Renews the DIs' CAs that near their end, at start and hourly (a window of months needs no
+/// more); every replica may, the store lets only one renewal per DI through.
+async fn renew_certificate_authorities(store: Store, policy: ca::CaPolicy) {
+    let mut hourly = tokio::time::interval(Duration::from_secs(3600));
+    loop {
+        hourly.tick().await;
+        match ca::renew_due(&store, &policy).await {
+            Ok(0) => {}
+            Ok(renewed) => tracing::info!(renewed, "certificate authorities renewed"),
+            Err(error) => tracing::warn!(%error, "renewing certificate authorities failed"),
         }
     }
 }
