@@ -659,6 +659,7 @@ async fn a_region_accepts_a_second_secret_while_it_is_rotated() {
         region_secret: "rs_current".into(),
         region_secret_next: Some("rs_next".into()),
         seal_key: common::seal::Sealer::generate_key(),
+        seal_open_keys: Vec::new(),
         db_max_connections: 2,
         // Not asked: no create is sent.
         do_api_url: "http://127.0.0.1:9".into(),

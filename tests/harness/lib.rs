@@ -293,6 +293,7 @@ fn region_config(
         region_secret: secret.into(),
         region_secret_next: None,
         seal_key: seal_key.into(),
+        seal_open_keys: Vec::new(),
         db_max_connections: 4,
         do_api_url: sim_url.into(),
         do_token: SIM_TOKEN.into(),

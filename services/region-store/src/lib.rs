@@ -8,9 +8,11 @@
 
 mod authorities;
 mod records;
+mod reseal;
 mod work;
 
 pub use authorities::NewCa;
+pub use reseal::ResealReport;
 
 pub use work::{
     Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, LedgerEntry, PassInputs, Stall,
@@ -1057,7 +1059,7 @@ pub(crate) async fn token_hashes_on(
         .collect())
 }
 
-fn secret_aad(id: Uuid, kind: &str) -> String {
+pub(crate) fn secret_aad(id: Uuid, kind: &str) -> String {
     format!("provider_secret:{id}:{kind}")
 }
 

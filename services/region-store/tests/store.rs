@@ -4,7 +4,7 @@ use api_types::lifecycle::Status;
 use api_types::regional::{CreateRequest, NewToken};
 use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
 use common::seal::Sealer;
-use region_store::{Endpoints, NewCa, ObservedAccelerator, Store, StoreError};
+use region_store::{Endpoints, NewCa, ObservedAccelerator, ResealReport, Store, StoreError};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -777,4 +777,57 @@ async fn a_ca_is_renewed_before_it_expires_and_retired_after(pool: PgPool) {
         .certificate_authority_renew(fresh.id, &ca_until("LATE", 1095), WINDOW)
         .await
         .unwrap());
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_rotation_reseals_everything_and_then_the_old_key_can_go(pool: PgPool) {
+    let (old_key, new_key) = (Sealer::generate_key(), Sealer::generate_key());
+    let old = Store::new(pool.clone(), Sealer::from_base64(&old_key).unwrap());
+    let team = Uuid::new_v4();
+    let reqs: Vec<CreateRequest> = (0..5)
+        .map(|i| create_request(team, Some(&format!("hf_{i}"))))
+        .collect();
+    for req in &reqs {
+        old.dedicated_inference_create(req, &ca()).await.unwrap();
+        old.probe_token(req.id).await.unwrap();
+    }
+    let probe = old.probe_token(reqs[0].id).await.unwrap();
+
+    // The new key seals, the old one still opens: everything reads as before, in small batches.
+    let rotating = Store::new(
+        pool.clone(),
+        Sealer::from_keys(&new_key, &[old_key]).unwrap(),
+    );
+    let report = rotating.reseal(2).await.unwrap();
+    assert_eq!(
+        report.resealed, 15,
+        "5 HF tokens, 5 probe tokens, 5 CA keys"
+    );
+    assert!(report.unreadable.is_empty());
+    assert_eq!(
+        rotating.reseal(2).await.unwrap(),
+        ResealReport::default(),
+        "a second run finds nothing left"
+    );
+
+    // The old key removed: every value opens with the new key alone.
+    let rotated = Store::new(pool.clone(), Sealer::from_base64(&new_key).unwrap());
+    for (i, req) in reqs.iter().enumerate() {
+        assert_eq!(
+            rotated.hugging_face_token(req.id).await.unwrap(),
+            Some(format!("hf_{i}"))
+        );
+        assert!(rotated
+            .certificate_authority(req.id)
+            .await
+            .unwrap()
+            .key_pem
+            .contains("secret-key"));
+    }
+    assert_eq!(rotated.probe_token(reqs[0].id).await.unwrap(), probe);
+    // A value no configured key opens is reported, not rewritten.
+    let stranger = Store::new(pool, Sealer::from_base64(&Sealer::generate_key()).unwrap());
+    let report = stranger.reseal(100).await.unwrap();
+    assert_eq!(report.resealed, 0);
+    assert_eq!(report.unreadable.len(), 15);
 }

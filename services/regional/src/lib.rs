@@ -53,6 +53,16 @@ pub struct Config {
     /// Base64 of the 32-byte key sealing secrets at rest.
     #[arg(long, env = "SEAL_KEY", hide_env_values = true)]
     pub seal_key: String,
+    /// More keys that open sealed values but never seal, comma-separated: the previous
+    /// `SEAL_KEY` while a rotation re-seals (`regional reseal`), or the next one while it reaches
+    /// every service before it becomes `SEAL_KEY`.
+    #[arg(
+        long,
+        env = "SEAL_OPEN_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub seal_open_keys: Vec<String>,
     #[arg(long, env = "DB_MAX_CONNECTIONS", default_value_t = 16)]
     pub db_max_connections: u32,
     /// The region's DigitalOcean API, asked which VPCs a team owns.
@@ -118,7 +128,10 @@ impl Server {
             .test_before_acquire(false)
             .connect(&config.database_url)
             .await?;
-        let store = Store::new(pool, Sealer::from_base64(&config.seal_key)?);
+        let store = Store::new(
+            pool,
+            Sealer::from_keys(&config.seal_key, &config.seal_open_keys)?,
+        );
         store.migrate().await?;
         let catalog = match &config.catalog {
             Some(path) => Catalog::parse(&std::fs::read_to_string(path)?)?,
