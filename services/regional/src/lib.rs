@@ -5,7 +5,8 @@
 //! secrets. Before it stores a change it asks two questions: of the cloud, which VPC a create
 //! lands in ([`vpcs`]: a team's own, or its default); of the Hugging Face Hub, whether a
 //! customer's own model can be served as declared ([`models`]). Everything else in the cloud is
-//! the workers' business.
+//! the workers' business. It makes each DI's certificate authority and, in the background,
+//! renews those nearing their end ([`ca`]).
 
 pub mod ca;
 mod handlers;
