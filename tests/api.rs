@@ -714,6 +714,7 @@ async fn a_region_accepts_a_second_secret_while_it_is_rotated() {
         region_secret: "rs_current".into(),
         region_secret_next: Some("rs_next".into()),
         seal_key: common::seal::Sealer::generate_key(),
+        seal_open_keys: Vec::new(),
         db_max_connections: 2,
         // Not asked: no create is sent.
         do_api_url: "http://127.0.0.1:9".into(),
@@ -721,6 +722,7 @@ async fn a_region_accepts_a_second_secret_while_it_is_rotated() {
         hf_endpoint: "http://127.0.0.1:9".into(),
         catalog: None,
         tls: Default::default(),
+        ca: Default::default(),
     };
     let server = regional::Server::start(config)
         .await

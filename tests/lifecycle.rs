@@ -413,13 +413,16 @@ fn assert_in_order(events: &[(String, String)], expected: &[(&str, &str)]) {
 // ---------------------------------------------------------------------------------------------
 // The data plane
 
-/// A client that trusts only the DI's CA, as the docs tell customers to do.
+/// A client that trusts only the DI's CAs (every certificate of `GET …/ca`: two while a renewal
+/// overlaps), as the docs tell customers to do.
 pub(crate) fn ca_client(ca_pem: &str) -> reqwest::Client {
-    reqwest::Client::builder()
+    let cas = reqwest::Certificate::from_pem_bundle(ca_pem.as_bytes())
+        .expect("the CA bundle is PEM certificates");
+    cas.into_iter()
+        .fold(reqwest::Client::builder(), |b, ca| {
+            b.add_root_certificate(ca)
+        })
         .tls_built_in_root_certs(false)
-        .add_root_certificate(
-            reqwest::Certificate::from_pem(ca_pem.as_bytes()).expect("the CA is a PEM certificate"),
-        )
         .timeout(Duration::from_secs(5))
         .no_proxy()
         .build()

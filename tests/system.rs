@@ -13,6 +13,7 @@ mod pydo_compat;
 mod region_tls;
 mod resilience;
 mod revocation;
+mod secrets;
 mod shared_vpc;
 mod supervise;
 mod tenancy;

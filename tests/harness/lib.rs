@@ -45,6 +45,9 @@ pub struct RegionHandle {
     pub database_url: String,
     pub secret: String,
     pub seal_key: String,
+    /// Keys the region's services and workers open sealed values with besides `seal_key` (a
+    /// sealing key rotation).
+    pub seal_open_keys: Vec<String>,
     pub server: Option<regional::Server>,
     pub proxy: proxy::Proxy,
     /// The region's simulated cloud, and its workers with [`Options::cloud`].
@@ -172,7 +175,13 @@ impl Cloud {
             .expect("the team has a default VPC")
     }
 
-    async fn start_worker(&mut self, region: &str, database_url: &str, seal_key: &str) -> usize {
+    async fn start_worker(
+        &mut self,
+        region: &str,
+        database_url: &str,
+        seal_key: &str,
+        seal_open_keys: &[String],
+    ) -> usize {
         let mut c = worker::runtime::Config::new(
             region,
             database_url,
@@ -180,6 +189,7 @@ impl Cloud {
             &self.sim.base_url(),
             SIM_TOKEN,
         );
+        c.seal_open_keys = seal_open_keys.to_vec();
         c.concurrency = 4;
         c.lease = self.options.lease;
         c.tick = Duration::from_millis(200);
@@ -240,7 +250,9 @@ impl RegionHandle {
     pub async fn start_worker(&mut self) -> usize {
         let (db, key) = (self.database_url.clone(), self.seal_key.clone());
         let name = self.name.clone();
-        self.cloud.start_worker(&name, &db, &key).await
+        self.cloud
+            .start_worker(&name, &db, &key, &self.seal_open_keys)
+            .await
     }
 
     pub fn kill_worker(&mut self, index: usize) {
@@ -266,6 +278,7 @@ impl RegionHandle {
             &self.database_url,
             &self.secret,
             &self.seal_key,
+            &self.seal_open_keys,
             &self.cloud.sim.base_url(),
             &self.cloud.hub_url,
             self.tls.clone(),
@@ -282,6 +295,7 @@ fn region_config(
     database_url: &str,
     secret: &str,
     seal_key: &str,
+    seal_open_keys: &[String],
     sim_url: &str,
     hub_url: &str,
     tls: regional::tls::TlsArgs,
@@ -294,12 +308,14 @@ fn region_config(
         region_secret: secret.into(),
         region_secret_next: None,
         seal_key: seal_key.into(),
+        seal_open_keys: seal_open_keys.to_vec(),
         db_max_connections: 4,
         do_api_url: sim_url.into(),
         do_token: SIM_TOKEN.into(),
         hf_endpoint: hub_url.into(),
         catalog: None,
         tls,
+        ca: Default::default(),
     }
 }
 
@@ -378,6 +394,7 @@ impl System {
                 &database_url,
                 &secret,
                 &seal_key,
+                &[],
                 &cloud.sim.base_url(),
                 &hub.url(),
                 tls.clone(),
@@ -388,13 +405,16 @@ impl System {
             // Workers only with a cloud: without, nothing reconciles.
             let workers = options.cloud.as_ref().map_or(0, |o| o.workers);
             for _ in 0..workers {
-                cloud.start_worker(name, &database_url, &seal_key).await;
+                cloud
+                    .start_worker(name, &database_url, &seal_key, &[])
+                    .await;
             }
             regions.push(RegionHandle {
                 name: name.to_string(),
                 database_url,
                 secret,
                 seal_key,
+                seal_open_keys: Vec::new(),
                 server: Some(server),
                 proxy,
                 cloud,
@@ -411,6 +431,7 @@ impl System {
             metrics_listen: "127.0.0.1:0".parse().unwrap(),
             database_url: fresh_database("central").await,
             seal_key: common::seal::Sealer::generate_key(),
+            seal_open_keys: Vec::new(),
             regions: regions
                 .iter()
                 .map(|r| format!("{}={}://{}", r.name, scheme, r.proxy.addr))

@@ -247,7 +247,8 @@ pub struct TokenList {
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct CaResponse {
-    /// Base64 of the PEM-encoded CA certificate.
+    /// Base64 of the PEM-encoded CA certificates to trust: the DI's CA, and while it is renewed
+    /// also its successor (the current one first).
     pub cert: String,
 }
 

@@ -3,7 +3,8 @@
 //! regions' change feeds, the pending creates that make a create exactly-once across central and
 //! region (and each create's first response, for identical retries), idempotency records with the
 //! keyed operations behind them, and the feed cursors. Sealing and policy are the caller's: rows
-//! hold what they are given. Ownership rows are also cached in process ([`read_cache`]), kept
+//! hold what they are given, until the DI they are about is gone, when every sealed value about
+//! it is erased. Ownership rows are also cached in process ([`read_cache`]), kept
 //! coherent across replicas by Postgres notifications while [`CentralStore::watch_read_cache`] runs.
 
 mod read_cache;
@@ -80,6 +81,16 @@ pub enum IdempotencyState {
         status_code: u16,
         sealed_body: Vec<u8>,
     },
+    /// Answered once, but the DI it was about is gone and its response with it (it could hold
+    /// the DI's secrets); `di_id` when the request was the DI's create.
+    Erased { di_id: Option<Uuid> },
+}
+
+/// A write to an existing DI under an Idempotency-Key, as the caller sealed it.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyedOperation<'a> {
+    pub di_id: Uuid,
+    pub sealed: &'a [u8],
 }
 
 /// Where a create stands.
@@ -143,6 +154,44 @@ pub struct ReadModelUpdate<'a> {
     pub body: Option<&'a serde_json::Value>,
     pub gone: bool,
     pub seq: i64,
+}
+
+/// Where central keeps a sealed value; what it names is what the value was sealed for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SealedAt {
+    /// A pending create's intent.
+    CreateIntent { di_id: Uuid },
+    /// A create's first response, kept for identical retries.
+    CreateResponse { di_id: Uuid, team_id: Uuid },
+    /// The response an idempotency key replays.
+    KeyResponse { team_id: Uuid, key: String },
+    /// The operation an unfinished idempotency key re-drives.
+    KeyOperation { team_id: Uuid, key: String },
+}
+
+impl SealedAt {
+    /// Where a walk over each kind of sealed value starts (before the first of its kind).
+    pub fn starts() -> [SealedAt; 4] {
+        let (nil, key) = (Uuid::nil(), String::new());
+        [
+            SealedAt::CreateIntent { di_id: nil },
+            SealedAt::CreateResponse {
+                di_id: nil,
+                team_id: nil,
+            },
+            SealedAt::KeyResponse {
+                team_id: nil,
+                key: key.clone(),
+            },
+            SealedAt::KeyOperation { team_id: nil, key },
+        ]
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SealedValue {
+    pub at: SealedAt,
+    pub sealed: Vec<u8>,
 }
 
 #[derive(Clone)]
@@ -562,15 +611,17 @@ impl CentralStore {
         team_id: Uuid,
         key: &str,
         fingerprint: &[u8],
-        sealed_operation: Option<&[u8]>,
+        operation: Option<KeyedOperation<'_>>,
     ) -> Result<IdempotencyState> {
         let claimed = sqlx::query(
-            "INSERT INTO idempotency_keys (team_id, key, fingerprint, sealed_operation) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+            "INSERT INTO idempotency_keys (team_id, key, fingerprint, sealed_operation, target_di_id) VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT DO NOTHING",
         )
         .bind(team_id)
         .bind(key)
         .bind(fingerprint)
-        .bind(sealed_operation)
+        .bind(operation.map(|o| o.sealed))
+        .bind(operation.map(|o| o.di_id))
         .execute(&self.pool)
         .await?;
         if claimed.rows_affected() == 1 {
@@ -607,6 +658,7 @@ impl CentralStore {
                 status_code: code as u16,
                 sealed_body: body,
             },
+            Some((_, di_id, Some(_), None, _)) => IdempotencyState::Erased { di_id },
             Some((_, di_id, _, _, sealed_operation)) => IdempotencyState::Unfinished {
                 di_id,
                 sealed_operation,
@@ -659,7 +711,8 @@ impl CentralStore {
         Ok(())
     }
 
-    /// Stores the response for `key`; a response stored first (by a concurrent retry) stays.
+    /// Stores the response for `key`; a response stored first (by a concurrent retry) stays. The
+    /// operation is dropped: only a key without a response needs it, and it may hold a secret.
     pub async fn idempotency_complete(
         &self,
         team_id: Uuid,
@@ -667,7 +720,8 @@ impl CentralStore {
         status_code: u16,
         sealed_body: &[u8],
     ) -> Result<()> {
-        sqlx::query("UPDATE idempotency_keys SET status_code = $3, sealed_body = $4 WHERE team_id = $1 AND key = $2 AND status_code IS NULL")
+        sqlx::query("UPDATE idempotency_keys SET status_code = $3, sealed_body = $4, sealed_operation = NULL
+                     WHERE team_id = $1 AND key = $2 AND status_code IS NULL")
             .bind(team_id)
             .bind(key)
             .bind(status_code as i32)
@@ -685,6 +739,114 @@ impl CentralStore {
             .execute(&self.pool)
             .await?;
         Ok(())
+    }
+
+    /// Up to `limit` sealed values of the kind of `after` that come after it (in a fixed order)
+    /// and do not begin with `prefix`: those a key rotation still has to re-seal.
+    pub async fn sealed_values_after(
+        &self,
+        after: &SealedAt,
+        prefix: &[u8],
+        limit: i64,
+    ) -> Result<Vec<SealedValue>> {
+        let len = prefix.len() as i32;
+        Ok(match after {
+            SealedAt::CreateIntent { di_id } | SealedAt::CreateResponse { di_id, .. } => {
+                let intent = matches!(after, SealedAt::CreateIntent { .. });
+                let (from, id, column) = if intent {
+                    (
+                        "pending_creates p JOIN dedicated_inferences d ON d.id = p.di_id",
+                        "p.di_id",
+                        "p.sealed",
+                    )
+                } else {
+                    ("dedicated_inferences d", "d.id", "d.create_response")
+                };
+                sqlx::query_as::<_, (Uuid, Uuid, Vec<u8>)>(&format!(
+                    "SELECT {id}, d.team_id, {column} FROM {from}
+                     WHERE {column} IS NOT NULL AND {id} > $1 AND substring({column} from 1 for $2) <> $3
+                     ORDER BY {id} LIMIT $4"
+                ))
+                .bind(di_id)
+                .bind(len)
+                .bind(prefix)
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await?
+                .into_iter()
+                .map(|(di_id, team_id, sealed)| SealedValue {
+                    at: if intent {
+                        SealedAt::CreateIntent { di_id }
+                    } else {
+                        SealedAt::CreateResponse { di_id, team_id }
+                    },
+                    sealed,
+                })
+                .collect()
+            }
+            SealedAt::KeyResponse { team_id, key } | SealedAt::KeyOperation { team_id, key } => {
+                let operation = matches!(after, SealedAt::KeyOperation { .. });
+                let column = if operation {
+                    "sealed_operation"
+                } else {
+                    "sealed_body"
+                };
+                sqlx::query_as::<_, (Uuid, String, Vec<u8>)>(&format!(
+                    "SELECT team_id, key, {column} FROM idempotency_keys
+                     WHERE {column} IS NOT NULL AND (team_id, key) > ($1, $2)
+                       AND substring({column} from 1 for $3) <> $4
+                     ORDER BY team_id, key LIMIT $5"
+                ))
+                .bind(team_id)
+                .bind(key)
+                .bind(len)
+                .bind(prefix)
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await?
+                .into_iter()
+                .map(|(team_id, key, sealed)| SealedValue {
+                    at: if operation {
+                        SealedAt::KeyOperation { team_id, key }
+                    } else {
+                        SealedAt::KeyResponse { team_id, key }
+                    },
+                    sealed,
+                })
+                .collect()
+            }
+        })
+    }
+
+    /// Puts `resealed` in place of `value`, unless the value changed meanwhile (false then).
+    pub async fn sealed_value_replace(&self, value: &SealedValue, resealed: &[u8]) -> Result<bool> {
+        let query = match &value.at {
+            SealedAt::CreateIntent { di_id } => {
+                sqlx::query("UPDATE pending_creates SET sealed = $3 WHERE di_id = $1 AND sealed = $2")
+                    .bind(di_id)
+            }
+            SealedAt::CreateResponse { di_id, .. } => sqlx::query(
+                "UPDATE dedicated_inferences SET create_response = $3 WHERE id = $1 AND create_response = $2",
+            )
+            .bind(di_id),
+            SealedAt::KeyResponse { team_id, key } => sqlx::query(
+                "UPDATE idempotency_keys SET sealed_body = $4 WHERE team_id = $1 AND key = $2 AND sealed_body = $3",
+            )
+            .bind(team_id)
+            .bind(key),
+            SealedAt::KeyOperation { team_id, key } => sqlx::query(
+                "UPDATE idempotency_keys SET sealed_operation = $4 WHERE team_id = $1 AND key = $2 AND sealed_operation = $3",
+            )
+            .bind(team_id)
+            .bind(key),
+        };
+        Ok(query
+            .bind(&value.sealed)
+            .bind(resealed)
+            .execute(&self.pool)
+            .await?
+            .rows_affected()
+            == 1)
     }
 
     /// Drops keys, and the responses kept for identical creates, older than `age` (replays are
@@ -739,11 +901,45 @@ async fn apply(
     sqlx::query("RELEASE SAVEPOINT read_model_apply")
         .execute(&mut **tx)
         .await?;
+    if u.gone {
+        erase_secrets(tx, u.id).await?;
+    }
     if !applied {
         // A DI central has never seen, under a name another of the team's DIs holds here: its
         // row waits for the feed's next view of either DI.
         tracing::warn!(id = %u.id, "read model name clash; view deferred");
     }
+    Ok(())
+}
+
+/// What central keeps sealed about a DI goes when the DI does: the create's intent and its
+/// first response (both hold the managed token's value, the intent the Hugging Face token), and
+/// the responses and operations of its idempotency keys (minted tokens, Hugging Face tokens).
+/// The keys stay, answered, so that none of their requests runs again; a keyed operation
+/// still in flight is over (the region would refuse it now) and its key goes.
+async fn erase_secrets(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, id: Uuid) -> Result<()> {
+    sqlx::query("DELETE FROM pending_creates WHERE di_id = $1")
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(
+        "UPDATE dedicated_inferences SET create_fingerprint = NULL, create_status_code = NULL, create_response = NULL
+         WHERE id = $1 AND create_response IS NOT NULL",
+    )
+    .bind(id)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query("DELETE FROM idempotency_keys WHERE target_di_id = $1 AND status_code IS NULL")
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(
+        "UPDATE idempotency_keys SET sealed_body = NULL, sealed_operation = NULL
+         WHERE (di_id = $1 OR target_di_id = $1) AND (sealed_body IS NOT NULL OR sealed_operation IS NOT NULL)",
+    )
+    .bind(id)
+    .execute(&mut **tx)
+    .await?;
     Ok(())
 }
 

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use central_store::{
-    CentralStore, CreateBegin, CreateState, DueCreate, DueOperation, IdempotencyState, NewCreate,
-    ReadModelUpdate, StoreError,
+    CentralStore, CreateBegin, CreateState, DueCreate, DueOperation, IdempotencyState,
+    KeyedOperation, NewCreate, ReadModelUpdate, StoreError,
 };
 use serde_json::json;
 use sqlx::PgPool;
@@ -256,7 +256,15 @@ async fn recovery_backs_off_per_create_and_per_operation(pool: PgPool) {
         .unwrap();
     assert!(matches!(
         store
-            .idempotency_begin(team, "op", b"fp", Some(b"sealed-op"))
+            .idempotency_begin(
+                team,
+                "op",
+                b"fp",
+                Some(KeyedOperation {
+                    di_id: id,
+                    sealed: b"sealed-op",
+                }),
+            )
             .await
             .unwrap(),
         IdempotencyState::Fresh
@@ -291,7 +299,7 @@ async fn recovery_backs_off_per_create_and_per_operation(pool: PgPool) {
     );
     // A retry finds the operation it has to re-drive.
     assert!(matches!(
-        store.idempotency_begin(team, "op", b"fp", Some(b"another")).await.unwrap(),
+        store.idempotency_begin(team, "op", b"fp", Some(KeyedOperation { di_id: id, sealed: b"another" })).await.unwrap(),
         IdempotencyState::Unfinished { di_id: None, sealed_operation: Some(op) } if op == b"sealed-op"
     ));
 
@@ -571,4 +579,107 @@ async fn a_lagging_name_never_blocks_the_view(pool: PgPool) {
         (confirmed.state.as_str(), confirmed.name.as_str()),
         ("live", "c")
     );
+}
+
+/// Every sealed value central keeps for DI `id`: its create's intent and first response, and
+/// the responses and operations of idempotency keys about it.
+async fn sealed_values_of(pool: &PgPool, id: Uuid) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM pending_creates WHERE di_id = $1)
+              + (SELECT count(*) FROM dedicated_inferences WHERE id = $1 AND create_response IS NOT NULL)
+              + (SELECT count(sealed_body) + count(sealed_operation) FROM idempotency_keys
+                 WHERE di_id = $1 OR target_di_id = $1)",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn a_gone_di_leaves_no_sealed_value(pool: PgPool) {
+    let store = CentralStore::new(pool.clone());
+    let team = Uuid::new_v4();
+    let (id, other) = (Uuid::new_v4(), Uuid::new_v4());
+    for (di, name, key) in [(id, "a", "create-a"), (other, "b", "create-b")] {
+        store
+            .create_begin(&new_create(di, team, name, Some(key)))
+            .await
+            .unwrap();
+        let body = json!({"id": di, "status": "new"});
+        store
+            .create_confirm(
+                &update(di, team, name, "new", &body, 1),
+                202,
+                b"sealed-token",
+            )
+            .await
+            .unwrap();
+        // A keyed token create, finished: its operation is no longer kept, its response is.
+        let minted = KeyedOperation {
+            di_id: di,
+            sealed: b"sealed-op-with-token",
+        };
+        let token_key = format!("token-{name}");
+        store
+            .idempotency_begin(team, &token_key, b"fp", Some(minted))
+            .await
+            .unwrap();
+        store
+            .idempotency_complete(team, &token_key, 202, b"sealed-token-response")
+            .await
+            .unwrap();
+        let kept: Option<Vec<u8>> = sqlx::query_scalar(
+            "SELECT sealed_operation FROM idempotency_keys WHERE team_id = $1 AND key = $2",
+        )
+        .bind(team)
+        .bind(&token_key)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(kept, None, "a finished operation is not kept");
+        // A keyed patch still in flight.
+        let patch = KeyedOperation {
+            di_id: di,
+            sealed: b"sealed-op-with-hf-token",
+        };
+        store
+            .idempotency_begin(team, &format!("patch-{name}"), b"fp", Some(patch))
+            .await
+            .unwrap();
+    }
+    assert_eq!(sealed_values_of(&pool, id).await, 4);
+
+    let gone = json!({"id": id, "status": "deleting"});
+    store
+        .read_model_apply(&ReadModelUpdate {
+            gone: true,
+            ..update(id, team, "a", "deleting", &gone, 9)
+        })
+        .await
+        .unwrap();
+    assert_eq!(sealed_values_of(&pool, id).await, 0, "erased with the DI");
+    // Its keys still stand for their requests, so that none runs again, but replay nothing.
+    assert!(matches!(
+        store.idempotency_state(team, "create-a", b"fp").await.unwrap(),
+        IdempotencyState::Erased { di_id: Some(d) } if d == id
+    ));
+    assert!(matches!(
+        store
+            .idempotency_state(team, "token-a", b"fp")
+            .await
+            .unwrap(),
+        IdempotencyState::Erased { di_id: None }
+    ));
+    // The one in flight is over: the region would refuse it now.
+    assert!(matches!(
+        store
+            .idempotency_state(team, "patch-a", b"fp")
+            .await
+            .unwrap(),
+        IdempotencyState::Fresh
+    ));
+    assert_eq!(store.create_state(id).await.unwrap(), None);
+    // The other DI keeps everything.
+    assert_eq!(sealed_values_of(&pool, other).await, 4);
 }

@@ -18,7 +18,8 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use central_store::{
-    CreateBegin, CreateState, IdempotencyState, NewCreate, ReadModelUpdate, StoreError,
+    CreateBegin, CreateState, IdempotencyState, KeyedOperation, NewCreate, ReadModelUpdate,
+    SealedAt, StoreError,
 };
 use reqwest::Method;
 use serde::de::DeserializeOwned;
@@ -333,6 +334,11 @@ impl App {
                     sealed_body,
                 } => self.replay(p.team_id, status_code, &sealed_body),
                 IdempotencyState::Mismatch => Err(key_mismatch()),
+                IdempotencyState::Erased { .. } => Err(ApiError::Conflict(
+                    "The dedicated inference this request created has been deleted since; send \
+                     a new request to create another."
+                        .into(),
+                )),
                 IdempotencyState::Unfinished {
                     di_id: Some(id), ..
                 } => self.drive_create(id, p.team_id).await,
@@ -487,7 +493,15 @@ impl App {
         );
         let sealed = match self
             .store
-            .idempotency_begin(team_id, key, &fp, Some(&sealed))
+            .idempotency_begin(
+                team_id,
+                key,
+                &fp,
+                Some(KeyedOperation {
+                    di_id: operation.di_id,
+                    sealed: &sealed,
+                }),
+            )
             .await
             .map_err(store_error)?
         {
@@ -501,6 +515,8 @@ impl App {
                 sealed_body,
             } => return self.replay(team_id, status_code, &sealed_body),
             IdempotencyState::Mismatch => return Err(key_mismatch()),
+            // The DI is gone: what this request would get now.
+            IdempotencyState::Erased { .. } => return Err(ApiError::NotFound),
             IdempotencyState::Unfinished {
                 sealed_operation: None,
                 ..
@@ -1093,6 +1109,17 @@ impl App {
             pages.insert("next".to_string(), url(paging.page + 1));
         }
         Links { pages }
+    }
+}
+
+/// What a value stored at `at` was sealed for (its associated data).
+pub(crate) fn sealed_aad(at: &SealedAt) -> String {
+    match at {
+        SealedAt::CreateIntent { di_id } => intent_aad(*di_id),
+        SealedAt::CreateResponse { team_id, .. } | SealedAt::KeyResponse { team_id, .. } => {
+            response_aad(*team_id)
+        }
+        SealedAt::KeyOperation { team_id, key } => operation_aad(*team_id, key),
     }
 }
 

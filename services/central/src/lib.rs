@@ -11,6 +11,7 @@ pub mod error;
 pub mod feed;
 pub mod handlers;
 pub mod regions;
+pub mod reseal;
 pub mod validate;
 
 use std::net::SocketAddr;
@@ -45,6 +46,16 @@ pub struct Config {
     /// Base64 of the 32-byte key sealing secrets at rest (pending creates, replayable responses).
     #[arg(long, env = "SEAL_KEY", hide_env_values = true)]
     pub seal_key: String,
+    /// More keys that open sealed values but never seal, comma-separated: the previous
+    /// `SEAL_KEY` while a rotation re-seals (`central reseal`), or the next one while it reaches
+    /// every replica before it becomes `SEAL_KEY`.
+    #[arg(
+        long,
+        env = "SEAL_OPEN_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub seal_open_keys: Vec<String>,
     /// Regional services, `name=base_url`, comma-separated.
     #[arg(long, env = "REGIONS", value_delimiter = ',')]
     pub regions: Vec<String>,
@@ -163,7 +174,7 @@ impl App {
             store,
             regions,
             catalog,
-            sealer: Sealer::from_base64(&config.seal_key)?,
+            sealer: Sealer::from_keys(&config.seal_key, &config.seal_open_keys)?,
             auth: Authenticator::new(
                 Duration::from_millis(config.auth_cache_ttl_ms),
                 config.rate_limit_per_hour,

@@ -43,6 +43,25 @@ enum Command {
         /// The token's id, as `list-tokens` shows it.
         id: Uuid,
     },
+    /// Seal everything central keeps sealed again under SEAL_KEY, opening the old values with
+    /// SEAL_OPEN_KEYS, in batches, while the replicas serve. Once it reports nothing unreadable,
+    /// the old key can be dropped from SEAL_OPEN_KEYS everywhere. It can run again.
+    Reseal {
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        #[arg(long, env = "SEAL_KEY", hide_env_values = true)]
+        seal_key: String,
+        #[arg(
+            long,
+            env = "SEAL_OPEN_KEYS",
+            value_delimiter = ',',
+            hide_env_values = true
+        )]
+        seal_open_keys: Vec<String>,
+        /// Rows read per query.
+        #[arg(long, default_value_t = 500)]
+        batch: i64,
+    },
     /// Apply the embedded migrations to DATABASE_URL and exit.
     Migrate {
         #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
@@ -118,6 +137,30 @@ async fn main() -> anyhow::Result<()> {
                     anyhow::bail!("no API token {id}, or it is revoked already")
                 }
                 Err(e) => return Err(e.into()),
+            }
+        }
+        Command::Reseal {
+            database_url,
+            seal_key,
+            seal_open_keys,
+            batch,
+        } => {
+            let sealer = common::seal::Sealer::from_keys(&seal_key, &seal_open_keys)?;
+            let pool = sqlx::PgPool::connect(&database_url).await?;
+            let store = central_store::CentralStore::new(pool);
+            store.migrate().await?;
+            let report = central::reseal::reseal(&store, &sealer, batch.max(1)).await?;
+            println!(
+                "re-sealed {} values under key {}",
+                report.resealed,
+                sealer.key_id()
+            );
+            if !report.unreadable.is_empty() {
+                anyhow::bail!(
+                    "{} values no configured key opens ({:?}): keep the old key",
+                    report.unreadable.len(),
+                    report.unreadable
+                );
             }
         }
         Command::Migrate { database_url } => {

@@ -43,6 +43,7 @@ async fn start(database_url: &str, auth_cache_ttl_ms: u64) -> central::Server {
         metrics_listen: "127.0.0.1:0".parse().unwrap(),
         database_url: database_url.into(),
         seal_key: common::seal::Sealer::generate_key(),
+        seal_open_keys: vec![],
         // No region: these tests stay at central's edge.
         regions: vec![],
         region_secrets: vec![],

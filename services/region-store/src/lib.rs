@@ -3,11 +3,16 @@
 //!
 //! It owns the lifecycle rules that must hold under concurrency — versions, immutable fields, which
 //! status may follow which — and makes every state change one transaction that also appends an
-//! event and an outbox entry. It seals secrets before they reach a table. It knows nothing about
-//! HTTP, the catalog, or the cloud.
+//! event and an outbox entry. It seals secrets before they reach a table and erases a DI's when the
+//! DI is gone. It knows nothing about HTTP, the catalog, or the cloud.
 
+mod authorities;
 mod records;
+mod reseal;
 mod work;
+
+pub use authorities::NewCa;
+pub use reseal::ResealReport;
 
 pub use work::{
     Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, HolderSession, LedgerEntry,
@@ -71,12 +76,6 @@ pub struct Endpoints {
 pub struct ChangedBatch {
     pub ids: Vec<Uuid>,
     pub last_seq: i64,
-}
-
-/// The CA generated for a new dedicated inference (PEM); the key is sealed before storage.
-pub struct NewCa {
-    pub cert_pem: String,
-    pub key_pem: String,
 }
 
 #[derive(Clone)]
@@ -223,17 +222,8 @@ impl Store {
         if let Some(hf) = &req.hugging_face_token {
             self.put_secret(&mut tx, req.id, HF_TOKEN, hf).await?;
         }
-        sqlx::query(
-            "INSERT INTO certificate_authorities (di_id, cert_pem, key_sealed) VALUES ($1, $2, $3)",
-        )
-        .bind(req.id)
-        .bind(&ca.cert_pem)
-        .bind(
-            self.sealer
-                .seal(ca.key_pem.as_bytes(), ca_aad(req.id).as_bytes()),
-        )
-        .execute(&mut *tx)
-        .await?;
+        self.certificate_authority_insert(&mut tx, req.id, ca)
+            .await?;
         requested_change(
             &mut tx,
             req.id,
@@ -505,15 +495,6 @@ impl Store {
         .fetch_optional(&self.pool)
         .await?;
         row.map(Into::into).ok_or(StoreError::NotFound)
-    }
-
-    pub async fn ca_certificate(&self, id: Uuid, team_id: Uuid) -> Result<String> {
-        self.ensure_visible(id, team_id).await?;
-        sqlx::query_scalar("SELECT cert_pem FROM certificate_authorities WHERE di_id = $1")
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or(StoreError::NotFound)
     }
 
     pub async fn tokens_list(
@@ -884,10 +865,14 @@ impl Store {
         .bind(id)
         .execute(&mut *tx)
         .await?;
-        // The probe credential goes with the DI's other tokens.
-        sqlx::query("DELETE FROM provider_secrets WHERE di_id = $1 AND kind = $2")
+        // Its secrets go with it: the Hugging Face token, the probe credential, the CA keys
+        // (teardown, now finished, was the last thing that could need them). The record stays.
+        sqlx::query("DELETE FROM provider_secrets WHERE di_id = $1")
             .bind(id)
-            .bind(PROBE_TOKEN)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM certificate_authorities WHERE di_id = $1")
+            .bind(id)
             .execute(&mut *tx)
             .await?;
         final_change(
@@ -952,12 +937,6 @@ impl Store {
         self.hugging_face_token_on(&mut conn, id).await
     }
 
-    /// The CA certificate and its unsealed private key (PEM), for issuing endpoint certificates.
-    pub async fn certificate_authority(&self, id: Uuid) -> Result<NewCa> {
-        let mut conn = self.pool.acquire().await?;
-        self.certificate_authority_on(&mut conn, id).await
-    }
-
     /// Hashes (hex) of the DI's live access tokens, keyed by token id: what the gateway checks.
     pub async fn token_hashes(&self, id: Uuid) -> Result<Vec<(Uuid, String)>> {
         let mut conn = self.pool.acquire().await?;
@@ -978,17 +957,12 @@ impl Store {
         if let Some(token) = self.secret_on(conn, id, PROBE_TOKEN).await? {
             return Ok(token);
         }
-        let live: Option<bool> =
-            sqlx::query_scalar("SELECT gone_at IS NULL FROM dedicated_inferences WHERE id = $1")
-                .bind(id)
-                .fetch_optional(&mut *conn)
-                .await?;
-        if live != Some(true) {
-            return Err(StoreError::NotFound);
-        }
         let minted = common::tokens::mint("di_");
+        // Only for a live DI, and never behind the back of [`Store::gone`], which erases the
+        // DI's secrets: the lock waits for a concurrent `gone` and then sees the DI gone.
         sqlx::query(
-            "INSERT INTO provider_secrets (di_id, kind, sealed) VALUES ($1, $2, $3)
+            "INSERT INTO provider_secrets (di_id, kind, sealed)
+             SELECT id, $2, $3 FROM dedicated_inferences WHERE id = $1 AND gone_at IS NULL FOR KEY SHARE
              ON CONFLICT (di_id, kind) DO NOTHING",
         )
         .bind(id)
@@ -1062,28 +1036,6 @@ impl Store {
         self.secret_on(conn, id, HF_TOKEN).await
     }
 
-    pub(crate) async fn certificate_authority_on(
-        &self,
-        conn: &mut PgConnection,
-        id: Uuid,
-    ) -> Result<NewCa> {
-        let (cert_pem, key_sealed): (String, Vec<u8>) = sqlx::query_as(
-            "SELECT cert_pem, key_sealed FROM certificate_authorities WHERE di_id = $1",
-        )
-        .bind(id)
-        .fetch_optional(&mut *conn)
-        .await?
-        .ok_or(StoreError::NotFound)?;
-        let key = self
-            .sealer
-            .open(&key_sealed, ca_aad(id).as_bytes())
-            .map_err(|_| StoreError::Seal)?;
-        Ok(NewCa {
-            cert_pem,
-            key_pem: String::from_utf8(key).map_err(|_| StoreError::Seal)?,
-        })
-    }
-
     /// Any DI, including gone ones, for internal consumers (central's recovery, workers).
     pub async fn dedicated_inference_any(&self, id: Uuid) -> Result<Record> {
         self.record(id, None, true).await
@@ -1116,7 +1068,7 @@ impl Store {
         self.record(id, None, true).await
     }
 
-    async fn ensure_visible(&self, id: Uuid, team_id: Uuid) -> Result<()> {
+    pub(crate) async fn ensure_visible(&self, id: Uuid, team_id: Uuid) -> Result<()> {
         let found: Option<i32> = sqlx::query_scalar(
             "SELECT 1 FROM dedicated_inferences WHERE id = $1 AND team_id = $2 AND gone_at IS NULL",
         )
@@ -1170,11 +1122,11 @@ pub(crate) async fn token_hashes_on(
         .collect())
 }
 
-fn secret_aad(id: Uuid, kind: &str) -> String {
+pub(crate) fn secret_aad(id: Uuid, kind: &str) -> String {
     format!("provider_secret:{id}:{kind}")
 }
 
-fn ca_aad(id: Uuid) -> String {
+pub(crate) fn ca_aad(id: Uuid) -> String {
     format!("ca_key:{id}")
 }
 

@@ -99,7 +99,9 @@ pub struct PassInputs {
     pub ledger: Vec<LedgerEntry>,
     /// The accelerators as last recorded, by name.
     pub accelerators: Vec<ObservedAccelerator>,
-    pub ca: NewCa,
+    /// The DI's CAs in use, the one that expires first first (one, or two while a renewal
+    /// overlaps).
+    pub cas: Vec<NewCa>,
     /// Live access-token hashes (hex) by token id.
     pub token_hashes: Vec<(Uuid, String)>,
     pub hugging_face_token: Option<String>,
@@ -392,7 +394,7 @@ impl Store {
         .bind(di_id)
         .fetch_all(&mut *conn)
         .await?;
-        let ca = self.certificate_authority_on(&mut conn, di_id).await?;
+        let cas = self.certificate_authorities_on(&mut conn, di_id).await?;
         let token_hashes = crate::token_hashes_on(&mut conn, di_id).await?;
         let hugging_face_token = self.hugging_face_token_on(&mut conn, di_id).await?;
         let probe_token = self.probe_token_on(&mut conn, di_id).await?;
@@ -421,7 +423,7 @@ impl Store {
                     status,
                 })
                 .collect(),
-            ca,
+            cas,
             token_hashes,
             hugging_face_token,
             probe_token,

@@ -4,7 +4,7 @@ use api_types::lifecycle::Status;
 use api_types::regional::{CreateRequest, NewToken};
 use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
 use common::seal::Sealer;
-use region_store::{Endpoints, NewCa, ObservedAccelerator, Store, StoreError};
+use region_store::{Endpoints, NewCa, ObservedAccelerator, ResealReport, Store, StoreError};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -50,9 +50,15 @@ fn create_request(team: Uuid, hf: Option<&str>) -> CreateRequest {
 }
 
 fn ca() -> NewCa {
+    ca_until("MIIB", 1095)
+}
+
+/// A stand-in CA whose certificate reads `cert` and that the control plane uses for `days`.
+fn ca_until(cert: &str, days: i64) -> NewCa {
     NewCa {
-        cert_pem: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
+        cert_pem: format!("-----BEGIN CERTIFICATE-----\n{cert}\n-----END CERTIFICATE-----\n"),
         key_pem: "-----BEGIN PRIVATE KEY-----\nsecret-key\n-----END PRIVATE KEY-----\n".into(),
+        not_after: chrono::Utc::now() + chrono::Duration::days(days),
     }
 }
 
@@ -607,4 +613,221 @@ async fn probe_tokens_are_per_di_sealed_rotated_and_deleted_with_the_di(pool: Pg
         .await
         .unwrap();
     assert_eq!(left, 0);
+}
+
+/// Every sealed value of DI `id` in the regional database: its provider secrets (Hugging Face
+/// token, probe token) and its CA keys.
+async fn sealed_values_of(pool: &PgPool, id: Uuid) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM provider_secrets WHERE di_id = $1)
+              + (SELECT count(*) FROM certificate_authorities WHERE di_id = $1)",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_gone_di_leaves_no_secret_behind(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let (a, b) = (
+        create_request(team, Some("hf_secret_value")),
+        create_request(team, Some("hf_other_value")),
+    );
+    for req in [&a, &b] {
+        store.dedicated_inference_create(req, &ca()).await.unwrap();
+        store.probe_token(req.id).await.unwrap();
+    }
+    assert_eq!(
+        sealed_values_of(&pool, a.id).await,
+        3,
+        "HF token, probe token, CA key"
+    );
+
+    // Being deleted, it keeps what teardown may need.
+    store.dedicated_inference_delete(a.id, team).await.unwrap();
+    assert_eq!(sealed_values_of(&pool, a.id).await, 3);
+    assert_eq!(
+        store.hugging_face_token(a.id).await.unwrap().as_deref(),
+        Some("hf_secret_value")
+    );
+
+    store.gone(a.id).await.unwrap();
+    assert_eq!(sealed_values_of(&pool, a.id).await, 0, "erased with the DI");
+    assert_eq!(store.hugging_face_token(a.id).await.unwrap(), None);
+    assert!(matches!(
+        store.certificate_authority(a.id).await,
+        Err(StoreError::NotFound)
+    ));
+    // The record stays, as a tombstone, and the other DI keeps its secrets.
+    assert!(store.dedicated_inference_any(a.id).await.unwrap().gone);
+    assert_eq!(sealed_values_of(&pool, b.id).await, 3);
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_ca_is_renewed_before_it_expires_and_retired_after(pool: PgPool) {
+    const WINDOW: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let (expiring, fresh) = (create_request(team, None), create_request(team, None));
+    let old = ca_until("OLD", 100);
+    store
+        .dedicated_inference_create(&expiring, &old)
+        .await
+        .unwrap();
+    store
+        .dedicated_inference_create(&fresh, &ca_until("FRESH", 1000))
+        .await
+        .unwrap();
+    let due = store
+        .certificate_authorities_due(WINDOW, 100)
+        .await
+        .unwrap();
+    assert_eq!(due, [expiring.id], "only the CA within the window is due");
+
+    let new = ca_until("NEW", 1095);
+    assert!(store
+        .certificate_authority_renew(expiring.id, &new, WINDOW)
+        .await
+        .unwrap());
+    assert!(
+        !store
+            .certificate_authority_renew(expiring.id, &ca_until("THIRD", 1095), WINDOW)
+            .await
+            .unwrap(),
+        "a second renewal (another replica's) finds it done"
+    );
+    assert!(store
+        .certificate_authorities_due(WINDOW, 100)
+        .await
+        .unwrap()
+        .is_empty());
+    // During the overlap customers get both, the old one first, and the worker chooses from both.
+    assert_eq!(
+        store.ca_certificate(expiring.id, team).await.unwrap(),
+        format!("{}{}", old.cert_pem, new.cert_pem)
+    );
+    let inputs = store.pass_inputs(expiring.id).await.unwrap();
+    let certs: Vec<&str> = inputs.cas.iter().map(|c| c.cert_pem.as_str()).collect();
+    assert_eq!(certs, [old.cert_pem.as_str(), new.cert_pem.as_str()]);
+    assert_eq!(
+        store
+            .certificate_authority(expiring.id)
+            .await
+            .unwrap()
+            .cert_pem,
+        new.cert_pem
+    );
+    let events = store.events_list(expiring.id, team, 1, 50).await.unwrap();
+    assert!(
+        events
+            .items
+            .iter()
+            .any(|e| e.reason == "CertificateAuthorityRenewed" && e.message.contains("/ca")),
+        "the customer is told to fetch the new CA: {:?}",
+        events.items
+    );
+
+    // Once the old one has expired (moved into the past here rather than waited for) it is no
+    // longer published, and retiring deletes it with its key.
+    sqlx::query("UPDATE certificate_authorities SET not_after = now() - interval '1 second' WHERE cert_pem = $1")
+        .bind(&old.cert_pem)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.ca_certificate(expiring.id, team).await.unwrap(),
+        new.cert_pem
+    );
+    assert_eq!(store.certificate_authorities_retire().await.unwrap(), 1);
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM certificate_authorities WHERE di_id = $1")
+            .bind(expiring.id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(left, 1);
+    // A CA without a successor is never retired, even expired.
+    sqlx::query("UPDATE certificate_authorities SET not_after = now() - interval '1 second'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(store.certificate_authorities_retire().await.unwrap(), 0);
+    assert_eq!(
+        store.ca_certificate(fresh.id, team).await.unwrap(),
+        ca_until("FRESH", 0).cert_pem
+    );
+
+    // A DI being deleted gets no new CA.
+    store
+        .dedicated_inference_delete(fresh.id, team)
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .certificate_authorities_due(WINDOW, 100)
+            .await
+            .unwrap(),
+        [expiring.id],
+        "(whose CAs all expired just now)"
+    );
+    assert!(!store
+        .certificate_authority_renew(fresh.id, &ca_until("LATE", 1095), WINDOW)
+        .await
+        .unwrap());
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_rotation_reseals_everything_and_then_the_old_key_can_go(pool: PgPool) {
+    let (old_key, new_key) = (Sealer::generate_key(), Sealer::generate_key());
+    let old = Store::new(pool.clone(), Sealer::from_base64(&old_key).unwrap());
+    let team = Uuid::new_v4();
+    let reqs: Vec<CreateRequest> = (0..5)
+        .map(|i| create_request(team, Some(&format!("hf_{i}"))))
+        .collect();
+    for req in &reqs {
+        old.dedicated_inference_create(req, &ca()).await.unwrap();
+        old.probe_token(req.id).await.unwrap();
+    }
+    let probe = old.probe_token(reqs[0].id).await.unwrap();
+
+    // The new key seals, the old one still opens: everything reads as before, in small batches.
+    let rotating = Store::new(
+        pool.clone(),
+        Sealer::from_keys(&new_key, &[old_key]).unwrap(),
+    );
+    let report = rotating.reseal(2).await.unwrap();
+    assert_eq!(
+        report.resealed, 15,
+        "5 HF tokens, 5 probe tokens, 5 CA keys"
+    );
+    assert!(report.unreadable.is_empty());
+    assert_eq!(
+        rotating.reseal(2).await.unwrap(),
+        ResealReport::default(),
+        "a second run finds nothing left"
+    );
+
+    // The old key removed: every value opens with the new key alone.
+    let rotated = Store::new(pool.clone(), Sealer::from_base64(&new_key).unwrap());
+    for (i, req) in reqs.iter().enumerate() {
+        assert_eq!(
+            rotated.hugging_face_token(req.id).await.unwrap(),
+            Some(format!("hf_{i}"))
+        );
+        assert!(rotated
+            .certificate_authority(req.id)
+            .await
+            .unwrap()
+            .key_pem
+            .contains("secret-key"));
+    }
+    assert_eq!(rotated.probe_token(reqs[0].id).await.unwrap(), probe);
+    // A value no configured key opens is reported, not rewritten.
+    let stranger = Store::new(pool, Sealer::from_base64(&Sealer::generate_key()).unwrap());
+    let report = stranger.reseal(100).await.unwrap();
+    assert_eq!(report.resealed, 0);
+    assert_eq!(report.unreadable.len(), 15);
 }

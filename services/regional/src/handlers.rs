@@ -134,8 +134,8 @@ async fn create(
         ),
     )?;
     req.spec.vpc_uuid = Some(vpc);
-    let authority =
-        ca::generate(req.id).map_err(|e| ApiError::Internal(format!("CA generation: {e}")))?;
+    let authority = ca::generate_with(req.id, &state.ca, std::time::SystemTime::now())
+        .map_err(|e| ApiError::Internal(format!("CA generation: {e}")))?;
     let record = state
         .store
         .dedicated_inference_create(&req, &authority)

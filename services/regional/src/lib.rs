@@ -5,7 +5,8 @@
 //! secrets. Before it stores a change it asks two questions: of the cloud, which VPC a create
 //! lands in ([`vpcs`]: a team's own, or its default); of the Hugging Face Hub, whether a
 //! customer's own model can be served as declared ([`models`]). Everything else in the cloud is
-//! the workers' business.
+//! the workers' business. It makes each DI's certificate authority and, in the background,
+//! renews those nearing their end ([`ca`]).
 
 pub mod ca;
 mod handlers;
@@ -57,6 +58,16 @@ pub struct Config {
     /// Base64 of the 32-byte key sealing secrets at rest.
     #[arg(long, env = "SEAL_KEY", hide_env_values = true)]
     pub seal_key: String,
+    /// More keys that open sealed values but never seal, comma-separated: the previous
+    /// `SEAL_KEY` while a rotation re-seals (`regional reseal`), or the next one while it reaches
+    /// every service before it becomes `SEAL_KEY`.
+    #[arg(
+        long,
+        env = "SEAL_OPEN_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub seal_open_keys: Vec<String>,
     #[arg(long, env = "DB_MAX_CONNECTIONS", default_value_t = 16)]
     pub db_max_connections: u32,
     /// The region's DigitalOcean API, asked which VPCs a team owns.
@@ -74,6 +85,9 @@ pub struct Config {
     /// HTTPS: `TLS_CERT_FILE`, `TLS_KEY_FILE`, `TLS_RELOAD_SECS`.
     #[command(flatten)]
     pub tls: tls::TlsArgs,
+    /// The DIs' CAs: `CA_VALIDITY_DAYS`, `CA_RENEW_BEFORE_DAYS`, `CA_PERMITTED_NAMES`.
+    #[command(flatten)]
+    pub ca: ca::CaPolicy,
 }
 
 #[derive(Clone)]
@@ -81,6 +95,8 @@ pub struct AppState {
     pub store: Store,
     pub vpcs: vpcs::Vpcs,
     pub models: models::Models,
+    /// How the DIs' CAs are made.
+    pub ca: ca::CaPolicy,
     /// Digests of the accepted shared secrets (two while one is rotated).
     secret_hashes: Vec<[u8; 32]>,
     /// Woken whenever the outbox grows (Postgres NOTIFY), for long-polling change feeds.
@@ -110,6 +126,7 @@ impl Server {
     /// Connects, migrates, binds and serves in the background.
     pub async fn start(config: Config) -> anyhow::Result<Server> {
         let tls = tls::Tls::load(&config.tls)?;
+        config.ca.check()?;
         let pool = PgPoolOptions::new()
             .max_connections(config.db_max_connections)
             .acquire_timeout(Duration::from_secs(5))
@@ -118,7 +135,10 @@ impl Server {
             .test_before_acquire(false)
             .connect(&config.database_url)
             .await?;
-        let store = Store::new(pool, Sealer::from_base64(&config.seal_key)?);
+        let store = Store::new(
+            pool,
+            Sealer::from_keys(&config.seal_key, &config.seal_open_keys)?,
+        );
         store.migrate().await?;
         let catalog = match &config.catalog {
             Some(path) => Catalog::parse(&std::fs::read_to_string(path)?)?,
@@ -127,10 +147,15 @@ impl Server {
         let changed = Arc::new(Notify::new());
         let listener_task = tokio::spawn(listen_for_changes(store.pool().clone(), changed.clone()));
         let purge_task = tokio::spawn(purge_applied_operations(store.clone()));
+        let renewal_task = tokio::spawn(renew_certificate_authorities(
+            store.clone(),
+            config.ca.clone(),
+        ));
         let state = AppState {
             store: store.clone(),
             vpcs: vpcs::Vpcs::new(&config.region, &config.do_api_url, &config.do_token)?,
             models: models::Models::new(&config.region, &config.hf_endpoint, catalog)?,
+            ca: config.ca.clone(),
             secret_hashes: std::iter::once(&config.region_secret)
                 .chain(config.region_secret_next.iter().filter(|s| !s.is_empty()))
                 .map(|s| Sha256::digest(s.as_bytes()).into())
@@ -148,6 +173,7 @@ impl Server {
         tasks.extend([
             listener_task,
             purge_task,
+            renewal_task,
             tokio::spawn(common::metrics::serve(metrics_listener)),
         ]);
         Ok(Server {
@@ -231,6 +257,20 @@ async fn purge_applied_operations(store: Store) {
             .await
         {
             tracing::warn!(%error, "purging applied operations failed");
+        }
+    }
+}
+
+/// Renews the DIs' CAs that near their end, at start and hourly (a window of months needs no
+/// more); every replica may, the store lets only one renewal per DI through.
+async fn renew_certificate_authorities(store: Store, policy: ca::CaPolicy) {
+    let mut hourly = tokio::time::interval(Duration::from_secs(3600));
+    loop {
+        hourly.tick().await;
+        match ca::renew_due(&store, &policy).await {
+            Ok(0) => {}
+            Ok(renewed) => tracing::info!(renewed, "certificate authorities renewed"),
+            Err(error) => tracing::warn!(%error, "renewing certificate authorities failed"),
         }
     }
 }

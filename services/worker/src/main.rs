@@ -31,6 +31,10 @@ struct Args {
     /// Base64 of the 32-byte key sealing secrets at rest (or SEAL_KEY_FILE).
     #[arg(long, env = "SEAL_KEY", hide_env_values = true)]
     seal_key: Option<String>,
+    /// More keys that only open sealed values, comma-separated (or SEAL_OPEN_KEYS_FILE): the
+    /// previous SEAL_KEY while a rotation re-seals.
+    #[arg(long, env = "SEAL_OPEN_KEYS", hide_env_values = true)]
+    seal_open_keys: Option<String>,
     /// This worker's name in leases (default: a random one).
     #[arg(long, env = "WORKER_ID")]
     worker_id: Option<String>,
@@ -103,6 +107,13 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let do_token = secret(args.do_token, "DO_TOKEN")?;
     let seal_key = secret(args.seal_key, "SEAL_KEY")?;
+    let seal_open_keys = match args.seal_open_keys {
+        Some(keys) => keys,
+        None if std::env::var_os("SEAL_OPEN_KEYS_FILE").is_some() => {
+            secret(None, "SEAL_OPEN_KEYS")?
+        }
+        None => String::new(),
+    };
     let mut config = Config::new(
         &args.region,
         &args.database_url,
@@ -110,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
         &args.do_api_url,
         &do_token,
     );
+    config.seal_open_keys = seal_open_keys.split(',').map(str::to_string).collect();
     if let Some(id) = args.worker_id {
         config.worker_id = id;
     }

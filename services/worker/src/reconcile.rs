@@ -333,8 +333,9 @@ fn b64_decode(v: &Value) -> Option<String> {
     String::from_utf8(bytes).ok()
 }
 
-/// The endpoint certificate: the one in the cluster unless it must be reissued.
-fn tls(ca: &NewCa, observed: &[Value]) -> Result<TlsPair> {
+/// The endpoint certificate: the one in the cluster unless it must be reissued, from the CA
+/// [`plan::signing_ca`] picks among the DI's.
+fn tls(cas: &[NewCa], observed: &[Value]) -> Result<TlsPair> {
     // The addresses the load balancers report: the names the certificate must cover.
     let mut hosts: Vec<String> = observed
         .iter()
@@ -351,6 +352,10 @@ fn tls(ca: &NewCa, observed: &[Value]) -> Result<TlsPair> {
     hosts.sort();
     hosts.dedup();
     let now = SystemTime::now();
+    let ends: Vec<SystemTime> = cas.iter().map(|ca| ca.not_after.into()).collect();
+    let ca = plan::signing_ca(&ends, now)
+        .map(|i| &cas[i])
+        .ok_or_else(|| ReconcileError::Transient("the DI has no certificate authority".into()))?;
     let existing = observed
         .iter()
         .find(|o| {
@@ -762,7 +767,7 @@ impl Reconciler {
             .await?;
 
         // Desired objects.
-        let tls = tls(&inputs.ca, &observed)?;
+        let tls = tls(&inputs.cas, &observed)?;
         let input = ManifestInput {
             di_id: id,
             models: models.clone(),
@@ -919,7 +924,7 @@ impl Reconciler {
         else {
             return Ok(pass.wait("waiting for an endpoint address", s.poll));
         };
-        if let Err(why) = self.probe(&url, &inputs.ca.cert_pem, &probe_value).await {
+        if let Err(why) = self.probe(&url, &inputs.cas, &probe_value).await {
             return Ok(pass.wait(format!("endpoint {url}: {why}"), s.poll));
         }
         match self.store.rollout_complete(id, version, &endpoints).await {
@@ -1313,12 +1318,22 @@ impl Reconciler {
         Ok(())
     }
 
-    /// `GET {url}/v1/models` with the probe token, trusting only the DI's CA: 200 or why not.
-    async fn probe(&self, url: &str, ca_pem: &str, token: &str) -> std::result::Result<(), String> {
-        let ca = reqwest::Certificate::from_pem(ca_pem.as_bytes()).map_err(|e| e.to_string())?;
-        let client = reqwest::Client::builder()
-            .tls_built_in_root_certs(false)
-            .add_root_certificate(ca)
+    /// `GET {url}/v1/models` with the probe token, trusting only the DI's CAs (as customers do
+    /// with `GET …/ca`): 200 or why not.
+    async fn probe(
+        &self,
+        url: &str,
+        cas: &[NewCa],
+        token: &str,
+    ) -> std::result::Result<(), String> {
+        let mut client = reqwest::Client::builder().tls_built_in_root_certs(false);
+        for ca in cas {
+            client = client.add_root_certificate(
+                reqwest::Certificate::from_pem(ca.cert_pem.as_bytes())
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        let client = client
             .timeout(self.settings.probe_timeout)
             .build()
             .map_err(|e| e.to_string())?;

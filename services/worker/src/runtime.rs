@@ -31,8 +31,11 @@ use crate::reconcile::{Pass, ReconcileError, Reconciler, Settings};
 pub struct Config {
     pub worker_id: String,
     pub database_url: String,
-    /// Key (base64) that opens the sealed secrets in the regional store.
+    /// Key (base64) that opens the sealed secrets in the regional store (and seals the ones the
+    /// worker makes).
     pub seal_key: String,
+    /// More keys that only open: the previous `seal_key` while a rotation re-seals.
+    pub seal_open_keys: Vec<String>,
     pub do_api_url: String,
     pub do_token: String,
     pub settings: Settings,
@@ -95,6 +98,7 @@ impl Config {
             worker_id: format!("worker-{}", Uuid::new_v4().simple()),
             database_url: database_url.to_string(),
             seal_key: seal_key.to_string(),
+            seal_open_keys: Vec::new(),
             do_api_url: do_api_url.to_string(),
             do_token: do_token.to_string(),
             settings: Settings::new(region),
@@ -170,8 +174,8 @@ impl Worker {
             .test_before_acquire(false)
             .connect(&config.database_url)
             .await?;
-        let sealer = Sealer::from_base64(&config.seal_key)
-            .map_err(|_| anyhow::anyhow!("the seal key is not a valid base64 key"))?;
+        let sealer = Sealer::from_keys(&config.seal_key, &config.seal_open_keys)
+            .map_err(|_| anyhow::anyhow!("a seal key is not a valid base64 key"))?;
         let store = Store::new(pool.clone(), sealer);
         let cloud = DoClient::with_options(
             &config.do_api_url,

@@ -47,6 +47,7 @@ async fn create(store: &Store, team: Uuid) -> Uuid {
     let ca = NewCa {
         cert_pem: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
         key_pem: "k".into(),
+        not_after: (std::time::SystemTime::now() + LEASE * 1000).into(),
     };
     store
         .dedicated_inference_create(&req, &ca)

@@ -2,8 +2,12 @@
 //! the check that keeps an unchanged spec from reissuing it.
 //!
 //! Subject alternative names: the names given (DNS names or IP addresses) plus `localhost` and
-//! `127.0.0.1`, so local clients can verify the endpoint too. Valid for [`VALIDITY`]; reissued
-//! once less than [`RENEW_BEFORE`] remains.
+//! `127.0.0.1`, so local clients can verify the endpoint too (the CA's name constraints always
+//! permit them). Valid for [`VALIDITY`], never beyond its CA; reissued once less than
+//! [`RENEW_BEFORE`] remains.
+//!
+//! While a DI's CA is renewed it has two; [`signing_ca`] picks the issuer so that customers get
+//! notice: the old CA signs while it can still cover a whole certificate, then the new one.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -45,8 +49,25 @@ fn err(e: impl std::fmt::Display) -> PlanError {
     PlanError::Certificate(e.to_string())
 }
 
+/// Which of a DI's CAs (given by when each ends, as the store lists them) signs its endpoint
+/// certificate at `now`: the one that ends first among those that outlast a whole [`VALIDITY`]
+/// from now, else the one that ends last. So during a renewal the old CA, which customers
+/// already trust, keeps signing until 90 days before its end, and the new one (in `GET …/ca`
+/// since the renewal) takes over then. `None` without CAs.
+pub fn signing_ca(ends: &[SystemTime], now: SystemTime) -> Option<usize> {
+    let covering = ends
+        .iter()
+        .enumerate()
+        .filter(|(_, end)| **end >= now + VALIDITY)
+        .min_by_key(|(_, end)| **end);
+    covering
+        .or_else(|| ends.iter().enumerate().max_by_key(|(_, end)| **end))
+        .map(|(i, _)| i)
+}
+
 /// Issues a server certificate for `names` signed by the CA (`ca_cert_pem`, `ca_key_pem`), valid
-/// from an hour before `now` for [`VALIDITY`]. Generates a fresh key pair.
+/// from an hour before `now` for [`VALIDITY`] or until the CA expires, whichever comes first (a
+/// certificate must not outlive its issuer). Generates a fresh key pair.
 pub fn issue(
     ca_cert_pem: &str,
     ca_key_pem: &str,
@@ -54,10 +75,9 @@ pub fn issue(
     now: SystemTime,
 ) -> Result<TlsPair, PlanError> {
     let ca_key = KeyPair::from_pem(ca_key_pem).map_err(err)?;
-    let ca = CertificateParams::from_ca_cert_pem(ca_cert_pem)
-        .map_err(err)?
-        .self_signed(&ca_key)
-        .map_err(err)?;
+    let ca_params = CertificateParams::from_ca_cert_pem(ca_cert_pem).map_err(err)?;
+    let ca_not_after = ca_params.not_after;
+    let ca = ca_params.self_signed(&ca_key).map_err(err)?;
     let mut params = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
     params.subject_alt_names = wanted(names)
         .into_iter()
@@ -78,7 +98,7 @@ pub fn issue(
     params.use_authority_key_identifier_extension = true;
     let now = OffsetDateTime::from(now);
     params.not_before = now - Duration::from_secs(3600);
-    params.not_after = now + VALIDITY;
+    params.not_after = (now + VALIDITY).min(ca_not_after);
     let key = KeyPair::generate().map_err(err)?;
     let cert = params.signed_by(&key, &ca, &ca_key).map_err(err)?;
     Ok(TlsPair {
@@ -134,7 +154,10 @@ fn still_good(existing: &str, ca: &str, names: &[String], now: SystemTime) -> Op
     let renew_at = OffsetDateTime::from(now + RENEW_BEFORE).unix_timestamp();
     let not_before = cert.validity().not_before.timestamp();
     let now = OffsetDateTime::from(now).unix_timestamp();
-    Some(not_after > renew_at && not_before <= now)
+    // One that ends with its CA is as good as a new one would be: reissuing it on every pass
+    // would change nothing.
+    let ends_with_ca = not_after >= ca.validity().not_after.timestamp();
+    Some((not_after > renew_at || ends_with_ca) && not_before <= now)
 }
 
 #[cfg(test)]
@@ -143,7 +166,15 @@ mod tests {
     use rcgen::BasicConstraints;
 
     fn ca() -> (String, String) {
+        ca_until(None)
+    }
+
+    /// A CA valid until `not_after` (rcgen's default, the year 4096, without).
+    fn ca_until(not_after: Option<SystemTime>) -> (String, String) {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        if let Some(end) = not_after {
+            params.not_after = end.into();
+        }
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
         params
             .distinguished_name
@@ -212,6 +243,35 @@ mod tests {
         assert!(needs_reissue(&tls.cert_pem, &ca_cert, &names(), later));
         let earlier = t0() + VALIDITY - RENEW_BEFORE - Duration::from_secs(3600);
         assert!(!needs_reissue(&tls.cert_pem, &ca_cert, &names(), earlier));
+    }
+
+    #[test]
+    fn a_certificate_never_outlives_its_ca() {
+        let end = t0() + Duration::from_secs(10 * 24 * 3600);
+        let (ca_cert, ca_key) = ca_until(Some(end));
+        let tls = issue(&ca_cert, &ca_key, &names(), t0()).unwrap();
+        let (_, pem) = x509_parser::pem::parse_x509_pem(tls.cert_pem.as_bytes()).unwrap();
+        let cert = pem.parse_x509().unwrap();
+        assert_eq!(
+            cert.validity().not_after.timestamp(),
+            OffsetDateTime::from(end).unix_timestamp()
+        );
+        // It cannot get any better, so it is not reissued on every pass.
+        assert!(!needs_reissue(&tls.cert_pem, &ca_cert, &names(), t0()));
+    }
+
+    #[test]
+    fn the_old_ca_signs_while_it_can_cover_a_whole_certificate() {
+        let day = Duration::from_secs(24 * 3600);
+        let (old, new) = (t0() + 200 * day, t0() + 1000 * day);
+        // During the overlap the old one, which customers trust already, in either order.
+        assert_eq!(signing_ca(&[old, new], t0()), Some(0));
+        assert_eq!(signing_ca(&[new, old], t0()), Some(1));
+        // Once less than a whole certificate's validity is left, the new one.
+        assert_eq!(signing_ca(&[old, new], old - VALIDITY + day), Some(1));
+        // Alone and ending soon (renewal has not run yet), it still signs.
+        assert_eq!(signing_ca(&[old], old - day), Some(0));
+        assert_eq!(signing_ca(&[], t0()), None);
     }
 
     #[test]

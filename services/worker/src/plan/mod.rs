@@ -9,7 +9,7 @@ pub mod names;
 pub mod pools;
 pub mod readiness;
 
-pub use certificates::{issue, needs_reissue};
+pub use certificates::{issue, needs_reissue, signing_ca};
 pub use manifests::{
     manifests, prune, teardown_order, AccessTokenHash, Images, ManifestInput, ObjectKey, TlsPair,
 };
