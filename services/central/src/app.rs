@@ -29,7 +29,7 @@ use uuid::Uuid;
 
 use crate::auth::Principal;
 use crate::body::Parsed;
-use crate::error::ApiError;
+use crate::error::{ApiError, RETRY_AFTER_SECS};
 use crate::regions::RegionCallError;
 use crate::{validate, App};
 
@@ -143,10 +143,12 @@ fn region_failure(e: RegionCallError) -> OperationError {
     }
 }
 
+/// A database failure leaves the outcome unknown (a commit may have landed before the answer
+/// was lost); only central's own refusals are known to have changed nothing.
 fn store_failure(e: StoreError) -> OperationError {
     match e {
-        StoreError::Database(_) => OperationError::Unsettled(store_error(e)),
-        _ => OperationError::Refused(store_error(e)),
+        StoreError::Database(_) | StoreError::Unavailable(_) => OperationError::Unsettled(e.into()),
+        _ => OperationError::Refused(e.into()),
     }
 }
 
@@ -157,7 +159,6 @@ pub struct Paging {
     pub per_page: i64,
 }
 
-const RETRY_AFTER_SECS: u64 = 5;
 /// How long a first response is replayed: for an Idempotency-Key, and for an identical create
 /// retried without one.
 pub const REPLAY_WINDOW: Duration = Duration::from_secs(24 * 3600);
@@ -204,16 +205,6 @@ fn region_error(e: RegionCallError) -> ApiError {
             )),
             _ => ApiError::internal(format!("region answered {status}: {}", error.message)),
         },
-    }
-}
-
-fn store_error(e: StoreError) -> ApiError {
-    match e {
-        StoreError::NameTaken => ApiError::Conflict(
-            "A dedicated inference with this name already exists in your team.".into(),
-        ),
-        StoreError::NotFound => ApiError::NotFound,
-        StoreError::Database(e) => ApiError::internal(e),
     }
 }
 
@@ -325,8 +316,7 @@ impl App {
             Ok(CreateBegin::KeyTaken) => match self
                 .store
                 .idempotency_state(p.team_id, key.unwrap_or_default(), &fp)
-                .await
-                .map_err(store_error)?
+                .await?
             {
                 IdempotencyState::Done {
                     status_code,
@@ -347,14 +337,13 @@ impl App {
                 match self
                     .store
                     .create_by_fingerprint(p.team_id, &intent.request.spec.name, &fp, REPLAY_WINDOW)
-                    .await
-                    .map_err(store_error)?
+                    .await?
                 {
                     Some(id) => self.drive_create(id, p.team_id).await,
-                    None => Err(store_error(StoreError::NameTaken)),
+                    None => Err(StoreError::NameTaken.into()),
                 }
             }
-            Err(e) => Err(store_error(e)),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -363,7 +352,7 @@ impl App {
     /// refuses it or its intent cannot be read; a settled one replays its first response. Used by
     /// the request path, by retries, and by recovery after a crash.
     pub async fn drive_create(&self, di_id: Uuid, team_id: Uuid) -> Result<Reply, ApiError> {
-        let sealed = match self.store.create_state(di_id).await.map_err(store_error)? {
+        let sealed = match self.store.create_state(di_id).await? {
             Some(CreateState::Pending {
                 team_id: owner,
                 sealed_intent,
@@ -385,7 +374,7 @@ impl App {
             Err(problem) => {
                 // Nothing can ever send it: settle it as failed rather than retry it forever.
                 tracing::warn!(%di_id, "a pending create's intent {problem}; settling it as failed");
-                self.store.create_abort(di_id).await.map_err(store_error)?;
+                self.store.create_abort(di_id).await?;
                 return Err(ApiError::internal(format!("create intent {problem}")));
             }
         };
@@ -421,18 +410,17 @@ impl App {
                     .seal(&reply.body, response_aad(team_id).as_bytes());
                 self.store
                     .create_confirm(&update, reply.status.as_u16(), &sealed_reply)
-                    .await
-                    .map_err(store_error)?;
+                    .await?;
                 Ok(reply)
             }
             Err(RegionCallError::Rejected { status, error }) if (400..500).contains(&status) => {
-                self.store.create_abort(di_id).await.map_err(store_error)?;
+                self.store.create_abort(di_id).await?;
                 Err(region_error(RegionCallError::Rejected { status, error }))
             }
             // Nothing was stored: the create is over (the customer's retry starts afresh), not
             // one for recovery to finish behind a 503.
             Err(e @ RegionCallError::NotApplied(_)) => {
-                self.store.create_abort(di_id).await.map_err(store_error)?;
+                self.store.create_abort(di_id).await?;
                 Err(region_error(e))
             }
             Err(e) => Err(region_error(e)),
@@ -488,8 +476,7 @@ impl App {
         let sealed = match self
             .store
             .idempotency_begin(team_id, key, &fp, Some(&sealed))
-            .await
-            .map_err(store_error)?
+            .await?
         {
             IdempotencyState::Fresh => sealed,
             IdempotencyState::Unfinished {
@@ -526,10 +513,7 @@ impl App {
             Ok(operation) => operation,
             Err(problem) => {
                 tracing::warn!(%team_id, "a keyed operation {problem}; releasing its key");
-                self.store
-                    .idempotency_release(team_id, key)
-                    .await
-                    .map_err(store_error)?;
+                self.store.idempotency_release(team_id, key).await?;
                 return Err(ApiError::internal(format!("keyed operation {problem}")));
             }
         };
@@ -540,15 +524,11 @@ impl App {
                     .seal(&reply.body, response_aad(team_id).as_bytes());
                 self.store
                     .idempotency_complete(team_id, key, reply.status.as_u16(), &sealed)
-                    .await
-                    .map_err(store_error)?;
+                    .await?;
                 Ok(reply)
             }
             Err(OperationError::Refused(e)) => {
-                self.store
-                    .idempotency_release(team_id, key)
-                    .await
-                    .map_err(store_error)?;
+                self.store.idempotency_release(team_id, key).await?;
                 Err(e)
             }
             Err(OperationError::Unsettled(e)) => Err(e),
@@ -817,8 +797,7 @@ impl App {
         let (bodies, total) = self
             .store
             .dedicated_inference_list(p.team_id, region, name, paging.page, paging.per_page)
-            .await
-            .map_err(store_error)?;
+            .await?;
         let mut extra = Vec::new();
         if let Some(r) = region {
             extra.push(("region", r));
@@ -1048,12 +1027,7 @@ impl App {
 
     /// The caller's DI; another team's, an unknown, a pending or a gone one is 404 alike.
     async fn owned(&self, p: &Principal, id: Uuid) -> Result<Arc<central_store::Owned>, ApiError> {
-        match self
-            .store
-            .dedicated_inference(id, p.team_id)
-            .await
-            .map_err(store_error)?
-        {
+        match self.store.dedicated_inference(id, p.team_id).await? {
             Some(owned) if owned.state == "live" => Ok(owned),
             _ => Err(ApiError::NotFound),
         }
@@ -1066,8 +1040,7 @@ impl App {
         let body = serde_json::to_value(&public).expect("serialises");
         self.store
             .read_model_apply(&read_model_update(record, &public, &body))
-            .await
-            .map_err(store_error)?;
+            .await?;
         Ok(public)
     }
 

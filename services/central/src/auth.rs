@@ -100,8 +100,7 @@ impl Authenticator {
         let token = app
             .store
             .api_token_by_hash(&hash)
-            .await
-            .map_err(ApiError::internal)?
+            .await?
             .map(|mut token| Grant {
                 // Moved out, so that cloning the grant copies no strings.
                 scopes: std::mem::take(&mut token.scopes).into(),

@@ -22,7 +22,6 @@ use axum::extract::DefaultBodyLimit;
 use axum::response::IntoResponse;
 use central_store::CentralStore;
 use common::seal::Sealer;
-use sqlx::postgres::PgPoolOptions;
 
 use crate::auth::Authenticator;
 use crate::error::ApiError;
@@ -110,12 +109,7 @@ fn pairs(items: &[String], what: &str) -> anyhow::Result<Vec<(String, String)>> 
 
 impl App {
     pub async fn new(config: &Config) -> anyhow::Result<App> {
-        let pool = PgPoolOptions::new()
-            .max_connections(config.db_max_connections)
-            .acquire_timeout(Duration::from_secs(5))
-            // A ping before every checkout doubles the round trips of a one-query request;
-            // broken connections surface as query errors and are replaced by the pool anyway.
-            .test_before_acquire(false)
+        let pool = common::db::pool_options(config.db_max_connections)
             .connect(&config.database_url)
             .await?;
         let store = CentralStore::new(pool);

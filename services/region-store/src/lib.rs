@@ -38,10 +38,20 @@ pub enum StoreError {
     Conflict(String),
     #[error("{0}")]
     Unprocessable(String),
+    /// The database is unavailable for now (restarting, failing over, out of connections) or
+    /// asked for a retry: the same request may succeed later ([`common::db::unavailable`]).
+    #[error("database unavailable: {0}")]
+    Unavailable(sqlx::Error),
     #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
     #[error("a sealed secret could not be opened")]
     Seal,
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> StoreError {
+        common::db::classify(e, StoreError::Unavailable, StoreError::Database)
+    }
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;

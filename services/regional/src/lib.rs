@@ -27,7 +27,6 @@ use axum::Json;
 use common::seal::Sealer;
 use region_store::{Store, StoreError};
 use sha2::{Digest, Sha256};
-use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Notify;
 
 pub use handlers::ApiDoc;
@@ -104,12 +103,7 @@ impl Server {
     /// Connects, migrates, binds and serves in the background.
     pub async fn start(config: Config) -> anyhow::Result<Server> {
         let tls = tls::Tls::load(&config.tls)?;
-        let pool = PgPoolOptions::new()
-            .max_connections(config.db_max_connections)
-            .acquire_timeout(Duration::from_secs(5))
-            // A ping before every checkout doubles the round trips of a one-query request;
-            // broken connections surface as query errors and are replaced by the pool anyway.
-            .test_before_acquire(false)
+        let pool = common::db::pool_options(config.db_max_connections)
             .connect(&config.database_url)
             .await?;
         let store = Store::new(pool, Sealer::from_base64(&config.seal_key)?);
@@ -191,7 +185,9 @@ async fn listen_for_changes(pool: sqlx::PgPool, changed: Arc<Notify>) {
                 if let Err(error) = listener.listen("di_changes").await {
                     tracing::warn!(%error, "LISTEN failed");
                 } else {
-                    while listener.recv().await.is_ok() {
+                    // `Ok(None)`: the connection dropped and sqlx listens again on a new one;
+                    // whatever was notified in between is lost, so long-pollers re-read.
+                    while listener.try_recv().await.is_ok() {
                         changed.notify_waiters();
                     }
                 }
@@ -227,6 +223,9 @@ pub enum ApiError {
     BadRequest(String),
     /// A dependency (the DigitalOcean API) did not answer; nothing was stored, a retry may work.
     Unavailable(String),
+    /// The region's database is unavailable for now (restarting, failing over): a retry may work,
+    /// but whether a write landed is unknown, so central must not take it as refused.
+    DatabaseUnavailable(String),
     Internal(String),
 }
 
@@ -236,10 +235,14 @@ impl From<StoreError> for ApiError {
             StoreError::NotFound => ApiError::NotFound,
             StoreError::Conflict(m) => ApiError::Conflict(m),
             StoreError::Unprocessable(m) => ApiError::Unprocessable(m),
+            StoreError::Unavailable(e) => ApiError::DatabaseUnavailable(e.to_string()),
             other => ApiError::Internal(other.to_string()),
         }
     }
 }
+
+/// What a `503` asks central to wait before it retries, seconds.
+const RETRY_AFTER_SECS: u32 = 2;
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -267,6 +270,14 @@ impl IntoResponse for ApiError {
                     "A dependency is unavailable and nothing was changed; retry shortly".into(),
                 )
             }
+            ApiError::DatabaseUnavailable(detail) => {
+                tracing::warn!(%detail, "database unavailable");
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    "The region's database is unavailable; retry shortly".into(),
+                )
+            }
             ApiError::Internal(detail) => {
                 tracing::error!(%detail, "internal error");
                 (
@@ -276,14 +287,21 @@ impl IntoResponse for ApiError {
                 )
             }
         };
-        (
+        let mut response = (
             status,
             Json(RegionError {
                 id: id.into(),
                 message,
             }),
         )
-            .into_response()
+            .into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(RETRY_AFTER_SECS),
+            );
+        }
+        response
     }
 }
 

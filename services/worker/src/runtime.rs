@@ -16,7 +16,6 @@ use api_types::lifecycle::Status;
 use cloud_clients::{DoClient, DoClientOptions, KubeClientOptions, RetryConfig};
 use common::seal::Sealer;
 use region_store::{Claim, Store};
-use sqlx::postgres::PgPoolOptions;
 use tokio::sync::{oneshot, watch, Notify, Semaphore};
 use tokio::task::JoinSet;
 use tracing::Instrument;
@@ -160,12 +159,9 @@ impl Worker {
     /// Connects to the store, builds the DigitalOcean client, opens the metrics listener and
     /// starts claiming work.
     pub async fn start(config: Config) -> anyhow::Result<WorkerHandle> {
-        let pool = PgPoolOptions::new()
-            .max_connections(config.db_max_connections.max(2))
-            // As in central and regional: no ping before every checkout (it doubles the round
-            // trips of a pass's many short queries); a broken connection fails its query, the
-            // pass is retried, and the pool replaces the connection.
-            .test_before_acquire(false)
+        // As in central and regional: a broken connection fails its query, the pass is retried,
+        // and the pool replaces the connection.
+        let pool = common::db::pool_options(config.db_max_connections.max(2))
             .connect(&config.database_url)
             .await?;
         let sealer = Sealer::from_base64(&config.seal_key)
