@@ -8,6 +8,7 @@ mod bad_input;
 mod byom;
 mod byom_clients;
 mod credentials;
+mod database_restart;
 mod lifecycle;
 mod pydo_compat;
 mod region_tls;
