@@ -6,9 +6,11 @@
 //! event and an outbox entry. It seals secrets before they reach a table. It knows nothing about
 //! HTTP, the catalog, or the cloud.
 
+mod quotas;
 mod records;
 mod work;
 
+pub use quotas::{Quota, QuotaOverrides, QuotaUse, Quotas};
 pub use work::{
     Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, LedgerEntry, PassInputs, Stall,
     PROGRESS_IDLE,
@@ -19,6 +21,8 @@ use api_types::regional::{
     Accelerator, Changes, CreateRequest, Event, NewToken, Page, Record, Token,
 };
 use api_types::spec::{ModelDeployment, Spec};
+use std::sync::Arc;
+
 use common::seal::Sealer;
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Postgres, Transaction};
@@ -92,6 +96,8 @@ pub struct Store {
     /// Central's operation id for the lifecycle writes made through this store (see
     /// [`Store::for_operation`]).
     operation: Option<Uuid>,
+    /// Limits every create and patch is checked against ([`Store::with_quotas`]).
+    quotas: Option<Arc<Quotas>>,
 }
 
 const HF_TOKEN: &str = "hugging_face_token";
@@ -104,6 +110,16 @@ impl Store {
             pool,
             sealer,
             operation: None,
+            quotas: None,
+        }
+    }
+
+    /// This store, with every create and patch checked against `quotas` (the regional service's
+    /// store). Without, nothing is limited: the workers, which never create a DI or grow one.
+    pub fn with_quotas(self, quotas: Quotas) -> Store {
+        Store {
+            quotas: Some(Arc::new(quotas)),
+            ..self
         }
     }
 
@@ -143,6 +159,7 @@ impl Store {
             )
         })?;
         let mut tx = self.pool.begin().await?;
+        let held = self.quota_before(&mut tx, req.team_id).await?;
         let inserted = sqlx::query(
             "INSERT INTO dedicated_inferences (id, team_id, region, vpc_uuid, enable_public_endpoint, status, pending_version)
              VALUES ($1, $2, $3, $4, $5, 'new', 1) ON CONFLICT (id) DO NOTHING",
@@ -165,6 +182,7 @@ impl Store {
         let mut spec = req.spec.clone();
         spec.version = 1;
         insert_spec_version(&mut tx, req.id, &spec, &[]).await?;
+        self.quota_check(&mut tx, req.team_id, held).await?;
         sqlx::query(
             "INSERT INTO access_tokens (id, di_id, name, token_hash, is_managed) VALUES ($1, $2, $3, $4, true)",
         )
@@ -227,6 +245,11 @@ impl Store {
         requires_hugging_face_token: bool,
     ) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
+        // The team's lock first, as a create takes it: before this DI's row lock.
+        let held = match spec {
+            Some(_) => self.quota_before(&mut tx, team_id).await?,
+            None => None,
+        };
         if !self.first_application(&mut tx, id).await? {
             return self.record(id, Some(team_id), true).await;
         }
@@ -304,6 +327,7 @@ impl Store {
             .bind(status.as_str())
             .execute(&mut *tx)
             .await?;
+            self.quota_check(&mut tx, team_id, held).await?;
             requested_change(
                 &mut tx,
                 id,
