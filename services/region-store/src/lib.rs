@@ -10,7 +10,7 @@ mod quotas;
 mod records;
 mod work;
 
-pub use quotas::{Quota, QuotaOverrides, QuotaUse, Quotas};
+pub use quotas::{QuotaOverrides, Quotas};
 pub use work::{
     Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, LedgerEntry, PassInputs, Stall,
     PROGRESS_IDLE,
@@ -159,7 +159,7 @@ impl Store {
             )
         })?;
         let mut tx = self.pool.begin().await?;
-        let held = self.quota_before(&mut tx, req.team_id).await?;
+        let held = self.quota_before(&mut tx, req.team_id, req.id).await?;
         let inserted = sqlx::query(
             "INSERT INTO dedicated_inferences (id, team_id, region, vpc_uuid, enable_public_endpoint, status, pending_version)
              VALUES ($1, $2, $3, $4, $5, 'new', 1) ON CONFLICT (id) DO NOTHING",
@@ -182,7 +182,7 @@ impl Store {
         let mut spec = req.spec.clone();
         spec.version = 1;
         insert_spec_version(&mut tx, req.id, &spec, &[]).await?;
-        self.quota_check(&mut tx, req.team_id, held).await?;
+        self.quota_check(&mut tx, req.team_id, req.id, held).await?;
         sqlx::query(
             "INSERT INTO access_tokens (id, di_id, name, token_hash, is_managed) VALUES ($1, $2, $3, $4, true)",
         )
@@ -247,7 +247,7 @@ impl Store {
         let mut tx = self.pool.begin().await?;
         // The team's lock first, as a create takes it: before this DI's row lock.
         let held = match spec {
-            Some(_) => self.quota_before(&mut tx, team_id).await?,
+            Some(_) => self.quota_before(&mut tx, team_id, id).await?,
             None => None,
         };
         if !self.first_application(&mut tx, id).await? {
@@ -327,7 +327,7 @@ impl Store {
             .bind(status.as_str())
             .execute(&mut *tx)
             .await?;
-            self.quota_check(&mut tx, team_id, held).await?;
+            self.quota_check(&mut tx, team_id, id, held).await?;
             requested_change(
                 &mut tx,
                 id,

@@ -8,14 +8,16 @@
 //! autoscales (the most the autoscaler may start, the rule of the worker's autoscale policy), of
 //! its size's GPUs per node.
 //!
-//! A create or patch counts before and after its change, in its own transaction, under a
-//! per-team advisory lock that every create and patch of the team takes first: two concurrent
-//! creates cannot both fit in the last free slot. A figure that the change takes above its limit
-//! *and* raises refuses it (`Unprocessable`); so a limit lowered below what a team holds leaves
-//! everything running and lets any change that does not grow that figure through.
+//! A create or patch counts what the team holds before its change and what its DI holds after
+//! it, in its own transaction, under a per-team advisory lock that every create and patch of the
+//! team takes first: two concurrent creates cannot both fit in the last free slot. A figure that
+//! the change takes above its limit *and* raises refuses it (`Unprocessable`); so a limit lowered
+//! below what a team holds leaves everything running and lets any change that does not grow that
+//! figure through.
 
 use std::collections::BTreeMap;
 
+use api_types::public::{QuotaUse, RegionQuotas, SizeQuotaUse};
 use serde::{Deserialize, Serialize};
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
@@ -47,26 +49,35 @@ pub struct QuotaOverrides {
 }
 
 /// One limited figure.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Quota {
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Quota {
     DedicatedInferences,
     Gpus,
     SizeGpus(String),
 }
 
-/// A figure's limit for one team and what the team holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct QuotaUse {
-    pub quota: Quota,
-    pub limit: u32,
-    pub used: u32,
-}
-
-/// What a team holds: its counting DIs, and replicas per size.
+/// What a team (or one DI of it) holds: its counting DIs, and replicas per size.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Held {
     dedicated_inferences: u32,
     replicas: BTreeMap<String, i64>,
+}
+
+impl Held {
+    /// This, with `old` (a part of it) replaced by `new`.
+    fn replacing(&self, old: &Held, new: &Held) -> Held {
+        let mut out = self.clone();
+        out.dedicated_inferences =
+            (out.dedicated_inferences + new.dedicated_inferences) - old.dedicated_inferences;
+        for (size, n) in &old.replicas {
+            *out.replicas.entry(size.clone()).or_default() -= n;
+        }
+        for (size, n) in &new.replicas {
+            *out.replicas.entry(size.clone()).or_default() += n;
+        }
+        out.replicas.retain(|_, n| *n != 0);
+        out
+    }
 }
 
 impl Quotas {
@@ -104,20 +115,31 @@ impl Quotas {
 
     /// Every figure of a team: DIs, GPUs in all, and GPUs of each size listed in
     /// `gpus_per_node` or held.
-    pub(crate) fn report(&self, overrides: &QuotaOverrides, held: &Held) -> Vec<QuotaUse> {
+    fn report(&self, overrides: &QuotaOverrides, held: &Held) -> RegionQuotas {
+        let figure = |quota: &Quota| QuotaUse {
+            limit: self.limit(overrides, quota),
+            used: u32::try_from(self.used(held, quota)).unwrap_or(u32::MAX),
+        };
         let mut sizes: Vec<&String> = self.gpus_per_node.keys().collect();
         sizes.extend(held.replicas.keys());
         sizes.sort();
         sizes.dedup();
-        [Quota::DedicatedInferences, Quota::Gpus]
-            .into_iter()
-            .chain(sizes.into_iter().map(|s| Quota::SizeGpus(s.clone())))
-            .map(|quota| QuotaUse {
-                limit: self.limit(overrides, &quota),
-                used: u32::try_from(self.used(held, &quota)).unwrap_or(u32::MAX),
-                quota,
-            })
-            .collect()
+        RegionQuotas {
+            region: self.region.clone(),
+            dedicated_inferences: figure(&Quota::DedicatedInferences),
+            gpus: figure(&Quota::Gpus),
+            gpus_per_size: sizes
+                .into_iter()
+                .map(|size| {
+                    let QuotaUse { limit, used } = figure(&Quota::SizeGpus(size.clone()));
+                    SizeQuotaUse {
+                        accelerator_slug: size.clone(),
+                        limit,
+                        used,
+                    }
+                })
+                .collect(),
+        }
     }
 
     /// Refuses a change that took the team from `before` to `after` when it raised a figure
@@ -155,19 +177,19 @@ impl Quotas {
                        it autoscales, times its size's GPUs per node";
         match quota {
             Quota::DedicatedInferences => format!(
-                "Quota exceeded: your team may have {limit} dedicated inferences in {region} and \
-                 has {held} (those being deleted do not count), so {fit} more fit. Delete one, or \
-                 ask for a higher limit."
+                "Quota exceeded for dedicated inferences in {region}: your team's limit is {limit} \
+                 and it has {held} (those being deleted do not count), so {fit} more fit. Delete \
+                 one, or ask for a higher limit."
             ),
             Quota::Gpus => format!(
-                "Quota exceeded: spec.model_deployments needs {asked} more GPUs in {region}, where \
-                 your team may hold {limit} GPUs in all and holds {held}, so {fit} more fit \
-                 ({counted})."
+                "Quota exceeded for GPUs in {region}, every size together: \
+                 spec.model_deployments needs {asked} more, your team's limit is {limit} and it \
+                 holds {held}, so {fit} more fit ({counted})."
             ),
             Quota::SizeGpus(size) => format!(
-                "Quota exceeded: spec.model_deployments needs {asked} more GPUs of size {size} in \
-                 {region}, where your team may hold {limit} of them and holds {held}, so {fit} \
-                 more fit ({counted})."
+                "Quota exceeded for GPUs of size {size} in {region}: spec.model_deployments needs \
+                 {asked} more, your team's limit is {limit} and it holds {held}, so {fit} more fit \
+                 ({counted})."
             ),
         }
     }
@@ -175,12 +197,12 @@ impl Quotas {
 
 impl Store {
     /// `team_id`'s limits here and what it holds against each: DIs, GPUs in all, and GPUs of
-    /// each size the catalog lists or the team holds.
-    pub async fn quota_use(&self, team_id: Uuid) -> Result<Vec<QuotaUse>> {
+    /// each size in the settings' `gpus_per_node` or held.
+    pub async fn quota_use(&self, team_id: Uuid) -> Result<RegionQuotas> {
         let quotas = self.quotas()?;
         let mut tx = self.pool.begin().await?;
         let overrides = overrides(&mut tx, team_id).await?;
-        let held = held(&mut tx, team_id).await?;
+        let held = held(&mut tx, team_id, None).await?;
         tx.commit().await?;
         Ok(quotas.report(&overrides, &held))
     }
@@ -229,32 +251,39 @@ impl Store {
         })
     }
 
-    /// In a create's or patch's transaction, before its change: takes the team's lock and
-    /// counts what it holds (`None` without quota settings: nothing is limited).
+    /// In the transaction of a create or patch of DI `id`, before its change: takes the team's
+    /// lock and counts what the team holds, and DI `id` of it (`None` without quota settings:
+    /// nothing is limited).
     pub(crate) async fn quota_before(
         &self,
         tx: &mut Transaction<'_, Postgres>,
         team_id: Uuid,
-    ) -> Result<Option<Held>> {
+        id: Uuid,
+    ) -> Result<Option<(Held, Held)>> {
         if self.quotas.is_none() {
             return Ok(None);
         }
         lock_team(tx, team_id).await?;
-        held(tx, team_id).await.map(Some)
+        let team = held(tx, team_id, None).await?;
+        let di = held(tx, team_id, Some(id)).await?;
+        Ok(Some((team, di)))
     }
 
-    /// After the change: refuses it if it raised a figure above its limit.
+    /// After the change: refuses it if it raised a figure above its limit. Only DI `id` changed
+    /// (the lock kept the team's other creates and patches out), so only it is counted again:
+    /// one scan of the team's DIs per change, however many it has.
     pub(crate) async fn quota_check(
         &self,
         tx: &mut Transaction<'_, Postgres>,
         team_id: Uuid,
-        before: Option<Held>,
+        id: Uuid,
+        before: Option<(Held, Held)>,
     ) -> Result<()> {
-        let (Some(quotas), Some(before)) = (&self.quotas, before) else {
+        let (Some(quotas), Some((team, di))) = (&self.quotas, before) else {
             return Ok(());
         };
-        let after = held(tx, team_id).await?;
-        quotas.check(&overrides(tx, team_id).await?, &before, &after)
+        let after = team.replacing(&di, &held(tx, team_id, Some(id)).await?);
+        quotas.check(&overrides(tx, team_id).await?, &team, &after)
     }
 }
 
@@ -268,13 +297,18 @@ async fn lock_team(tx: &mut Transaction<'_, Postgres>, team_id: Uuid) -> Result<
     Ok(())
 }
 
-/// What `team_id` holds, as `tx` sees it.
-async fn held(tx: &mut Transaction<'_, Postgres>, team_id: Uuid) -> Result<Held> {
+/// What `team_id` holds, as `tx` sees it; with `only`, what that one DI of it holds.
+async fn held(
+    tx: &mut Transaction<'_, Postgres>,
+    team_id: Uuid,
+    only: Option<Uuid>,
+) -> Result<Held> {
     // A NULL size is the row counting the DIs themselves.
     let rows: Vec<(Option<String>, i64)> = sqlx::query_as(
         "WITH counting AS (
              SELECT id, coalesce(pending_version, current_version) AS version FROM dedicated_inferences
-             WHERE team_id = $1 AND gone_at IS NULL AND status <> 'deleting')
+             WHERE team_id = $1 AND ($2::uuid IS NULL OR id = $2) AND gone_at IS NULL
+               AND status <> 'deleting')
          SELECT NULL, count(*) FROM counting
          UNION ALL
          SELECT g.accelerator_slug,
@@ -288,6 +322,7 @@ async fn held(tx: &mut Transaction<'_, Postgres>, team_id: Uuid) -> Result<Held>
          GROUP BY g.accelerator_slug",
     )
     .bind(team_id)
+    .bind(only)
     .fetch_all(&mut **tx)
     .await?;
     let mut held = Held::default();
@@ -357,18 +392,18 @@ mod tests {
         // A fourth DI.
         let refused = q.check(&none, &held(3, &[]), &held(4, &[("h1", 1)]));
         assert!(matches!(&refused, Err(StoreError::Unprocessable(m))
-            if m.contains("may have 3 dedicated inferences in atl1 and has 3") && m.contains("0 more fit")));
+            if m.contains("dedicated inferences in atl1: your team's limit is 3 and it has 3") && m.contains("0 more fit")));
         // GPUs in all, counted per node (one h8 node is eight GPUs).
         let before = held(1, &[("h1", 7), ("h8", 1)]);
         let refused = q.check(&none, &before, &held(1, &[("h1", 7), ("h8", 2)]));
         assert!(
             matches!(&refused, Err(StoreError::Unprocessable(m))
-            if m.contains("needs 8 more GPUs in atl1") && m.contains("16 GPUs in all and holds 15, so 1 more fit")),
+            if m.contains("GPUs in atl1, every size together: spec.model_deployments needs 8 more") && m.contains("limit is 16 and it holds 15, so 1 more fit")),
             "{refused:?}"
         );
         let refused = q.check(&none, &held(1, &[("h1", 7)]), &held(1, &[("h1", 9)]));
         assert!(matches!(&refused, Err(StoreError::Unprocessable(m))
-            if m.contains("2 more GPUs of size h1") && m.contains("may hold 8 of them and holds 7, so 1 more fit")));
+            if m.contains("GPUs of size h1 in atl1: spec.model_deployments needs 2 more") && m.contains("limit is 8 and it holds 7, so 1 more fit")));
         // Over a lowered limit: what does not grow passes, what grows does not.
         let lowered = QuotaOverrides {
             dedicated_inferences: Some(1),
@@ -390,19 +425,20 @@ mod tests {
             ..QuotaOverrides::default()
         };
         let report = q.report(&overrides, &held(2, &[("h8", 2), ("old", 3)]));
-        let figures: Vec<(Quota, u32, u32)> = report
-            .into_iter()
-            .map(|u| (u.quota, u.limit, u.used))
-            .collect();
+        let figure = |limit, used| QuotaUse { limit, used };
+        let size = |slug: &str, limit, used| SizeQuotaUse {
+            accelerator_slug: slug.into(),
+            limit,
+            used,
+        };
         assert_eq!(
-            figures,
-            vec![
-                (Quota::DedicatedInferences, 3, 2),
-                (Quota::Gpus, 40, 19),
-                (Quota::SizeGpus("h1".into()), 8, 0),
-                (Quota::SizeGpus("h8".into()), 8, 16),
-                (Quota::SizeGpus("old".into()), 8, 3),
-            ]
+            report,
+            RegionQuotas {
+                region: "atl1".into(),
+                dedicated_inferences: figure(3, 2),
+                gpus: figure(40, 19),
+                gpus_per_size: vec![size("h1", 8, 0), size("h8", 8, 16), size("old", 8, 3)],
+            }
         );
     }
 }

@@ -2,10 +2,11 @@
 //! or patch, under the team's lock, so concurrent creates cannot overshoot; a lowered limit
 //! leaves what runs alone.
 
+use api_types::public::RegionQuotas;
 use api_types::regional::{CreateRequest, NewToken, Record};
 use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
 use common::seal::Sealer;
-use region_store::{NewCa, Quota, QuotaOverrides, QuotaUse, Quotas, Store, StoreError};
+use region_store::{NewCa, QuotaOverrides, Quotas, Store, StoreError};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -78,9 +79,21 @@ fn ca() -> NewCa {
     }
 }
 
-fn used(report: &[QuotaUse], quota: Quota) -> (u32, u32) {
-    let u = report.iter().find(|u| u.quota == quota).expect("reported");
+/// (limit, used) of the team's GPUs of `size`.
+fn size_use(report: &RegionQuotas, size: &str) -> (u32, u32) {
+    let u = report
+        .gpus_per_size
+        .iter()
+        .find(|u| u.accelerator_slug == size)
+        .expect("reported");
     (u.limit, u.used)
+}
+
+fn dis_use(report: &RegionQuotas) -> (u32, u32) {
+    (
+        report.dedicated_inferences.limit,
+        report.dedicated_inferences.used,
+    )
 }
 
 fn refused(result: Result<Record, StoreError>, says: &str) {
@@ -113,8 +126,8 @@ async fn concurrent_creates_of_one_team_cannot_overshoot(pool: PgPool) {
     }
     assert_eq!((accepted, over), (3, 7));
     let report = store.quota_use(team).await.unwrap();
-    assert_eq!(used(&report, Quota::DedicatedInferences), (3, 3));
-    assert_eq!(used(&report, Quota::SizeGpus(H1.into())), (16, 3));
+    assert_eq!(dis_use(&report), (3, 3));
+    assert_eq!(size_use(&report, H1), (16, 3));
     // Another team is not held back by the first.
     let other = Uuid::new_v4();
     create_one(&store, other, H1, 1, serde_json::json!({}))
@@ -132,20 +145,20 @@ async fn gpus_count_per_node_and_up_to_max_replicas(pool: PgPool) {
         .unwrap();
     refused(
         create_one(&store, team, H8, 1, serde_json::json!({})).await,
-        &format!("needs 8 more GPUs of size {H8} in atl1, where your team may hold 16 of them and holds 16, so 0 more fit"),
+        &format!("GPUs of size {H8} in atl1: spec.model_deployments needs 8 more, your team's limit is 16 and it holds 16, so 0 more fit"),
     );
     // An autoscaled deployment counts the replicas it may grow to, not those it starts with:
     // 16 + 9 is above the 24 GPUs in all.
     let autoscaled = serde_json::json!({"autoscaling": {"min_replicas": 0, "max_replicas": 9}});
     refused(
         create_one(&store, team, H1, 1, autoscaled).await,
-        "needs 9 more GPUs in atl1, where your team may hold 24 GPUs in all and holds 16, so 8 more fit",
+        "GPUs in atl1, every size together: spec.model_deployments needs 9 more, your team's limit is 24 and it holds 16, so 8 more fit",
     );
     let autoscaled = serde_json::json!({"autoscaling": {"min_replicas": 0, "max_replicas": 8}});
     create_one(&store, team, H1, 1, autoscaled).await.unwrap();
     let report = store.quota_use(team).await.unwrap();
-    assert_eq!(used(&report, Quota::Gpus), (24, 24));
-    assert_eq!(used(&report, Quota::SizeGpus(H1.into())), (16, 8));
+    assert_eq!((report.gpus.limit, report.gpus.used), (24, 24));
+    assert_eq!(size_use(&report, H1), (16, 8));
 }
 
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
@@ -195,8 +208,8 @@ async fn a_lowered_limit_refuses_only_what_grows_and_a_delete_frees_at_once(pool
         (Some(1), Some(20), Some(&3))
     );
     let report = store.quota_use(team).await.unwrap();
-    assert_eq!(used(&report, Quota::DedicatedInferences), (1, 2));
-    assert_eq!(used(&report, Quota::SizeGpus(H1.into())), (3, 6));
+    assert_eq!(dis_use(&report), (1, 2));
+    assert_eq!(size_use(&report, H1), (3, 6));
 
     // Both DIs stay as they are; a change that does not grow the team's use is accepted, one
     // that does is refused, and so is a third DI.
@@ -214,7 +227,7 @@ async fn a_lowered_limit_refuses_only_what_grows_and_a_delete_frees_at_once(pool
         store
             .dedicated_inference_patch(di.id, team, Some(&spec), None, false)
             .await,
-        &format!("needs 1 more GPUs of size {H1}"),
+        &format!("GPUs of size {H1} in atl1: spec.model_deployments needs 1 more"),
     );
     spec.model_deployments[0].accelerators[0].scale = 3;
     store
@@ -223,15 +236,15 @@ async fn a_lowered_limit_refuses_only_what_grows_and_a_delete_frees_at_once(pool
         .unwrap();
     refused(
         create_one(&store, team, H8, 1, serde_json::json!({})).await,
-        "may have 1 dedicated inferences in atl1 and has 2",
+        "dedicated inferences in atl1: your team's limit is 1 and it has 2",
     );
 
     // A DI being deleted stops counting at once; a retry of a create that landed is answered
     // with it, not refused by the quota it now fills.
     store.dedicated_inference_delete(di.id, team).await.unwrap();
     let report = store.quota_use(team).await.unwrap();
-    assert_eq!(used(&report, Quota::DedicatedInferences), (1, 1));
-    assert_eq!(used(&report, Quota::SizeGpus(H1.into())), (3, 2));
+    assert_eq!(dis_use(&report), (1, 1));
+    assert_eq!(size_use(&report, H1), (3, 2));
     let again = store
         .dedicated_inference_create(&second, &ca())
         .await
@@ -241,5 +254,5 @@ async fn a_lowered_limit_refuses_only_what_grows_and_a_delete_frees_at_once(pool
     // Back to the service's limits.
     store.quota_overrides_clear(team).await.unwrap();
     let report = store.quota_use(team).await.unwrap();
-    assert_eq!(used(&report, Quota::DedicatedInferences), (3, 1));
+    assert_eq!(dis_use(&report), (3, 1));
 }
