@@ -666,6 +666,7 @@ async fn a_region_accepts_a_second_secret_while_it_is_rotated() {
         hf_endpoint: "http://127.0.0.1:9".into(),
         catalog: None,
         tls: Default::default(),
+        quotas: Default::default(),
     };
     let server = regional::Server::start(config)
         .await

@@ -304,6 +304,8 @@ fn region_config(
         hf_endpoint: hub_url.into(),
         catalog: None,
         tls,
+        // The service's defaults: tests that need other limits set a team's own.
+        quotas: Default::default(),
     }
 }
 

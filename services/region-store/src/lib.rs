@@ -1,10 +1,11 @@
 //! The regional store: every SQL statement of a regional service and its workers, in
 //! resource-first methods (`dedicated_inference_create`, `token_revoke`, `rollout_complete`…).
 //!
-//! It owns the lifecycle rules that must hold under concurrency — versions, immutable fields, which
-//! status may follow which — and makes every state change one transaction that also appends an
-//! event and an outbox entry. It seals secrets before they reach a table. It knows nothing about
-//! HTTP, the catalog, or the cloud.
+//! It owns the rules that must hold under concurrency — versions, immutable fields, which status
+//! may follow which, each team's quotas ([`Quotas`]) — and makes every state change one
+//! transaction that also appends an event and an outbox entry. It seals secrets before they reach
+//! a table. It knows nothing about HTTP, the catalog (the GPUs per node a quota counts are given
+//! to it), or the cloud.
 
 mod quotas;
 mod records;

@@ -4,12 +4,14 @@
 //! model is built from. It does not validate against the catalog (central does) and never returns
 //! secrets. Before it stores a change it asks two questions: of the cloud, which VPC a create
 //! lands in ([`vpcs`]: a team's own, or its default); of the Hugging Face Hub, whether a
-//! customer's own model can be served as declared ([`models`]). Everything else in the cloud is
-//! the workers' business.
+//! customer's own model can be served as declared ([`models`]). It configures the team quotas its
+//! store enforces, and gives operators `regional quota` to set a team's own ([`quota`]).
+//! Everything else in the cloud is the workers' business.
 
 pub mod ca;
 mod handlers;
 pub mod models;
+pub mod quota;
 pub mod tls;
 pub mod vpcs;
 
@@ -17,7 +19,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use api_types::catalog::Catalog;
 use api_types::regional::{RegionError, SECRET_HEADER};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -69,6 +70,10 @@ pub struct Config {
     /// HTTPS: `TLS_CERT_FILE`, `TLS_KEY_FILE`, `TLS_RELOAD_SECS`.
     #[command(flatten)]
     pub tls: tls::TlsArgs,
+    /// Every team's limits unless it has its own: `QUOTA_DEDICATED_INFERENCES`, `QUOTA_GPUS`,
+    /// `QUOTA_GPUS_PER_SIZE`.
+    #[command(flatten)]
+    pub quotas: quota::QuotaArgs,
 }
 
 #[derive(Clone)]
@@ -106,12 +111,10 @@ impl Server {
         let pool = common::db::pool_options(config.db_max_connections)
             .connect(&config.database_url)
             .await?;
-        let store = Store::new(pool, Sealer::from_base64(&config.seal_key)?);
+        let catalog = quota::catalog(config.catalog.as_deref())?;
+        let store = Store::new(pool, Sealer::from_base64(&config.seal_key)?)
+            .with_quotas(config.quotas.quotas(&config.region, &catalog));
         store.migrate().await?;
-        let catalog = match &config.catalog {
-            Some(path) => Catalog::parse(&std::fs::read_to_string(path)?)?,
-            None => Catalog::parse(api_types::catalog::EMBEDDED)?,
-        };
         let changed = Arc::new(Notify::new());
         let listener_task = tokio::spawn(listen_for_changes(store.pool().clone(), changed.clone()));
         let purge_task = tokio::spawn(purge_applied_operations(store.clone()));
