@@ -11,6 +11,7 @@ mod credentials;
 mod database_restart;
 mod lifecycle;
 mod pydo_compat;
+mod quotas;
 mod region_tls;
 mod resilience;
 mod revocation;

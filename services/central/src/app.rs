@@ -8,8 +8,8 @@ use std::time::Duration;
 use api_types::public::{
     AcceleratorInfo, AcceleratorList, AccessToken, CaResponse, CreateRequest, CreateResponse,
     DedicatedInference, DedicatedInferenceEnvelope, EventInfo, EventList, GpuModelConfig,
-    GpuModelConfigsResponse, Links, Meta, Size, SizeGpu, SizesResponse, TokenCreateRequest,
-    TokenEnvelope, TokenList, UpdateRequest,
+    GpuModelConfigsResponse, Links, Meta, QuotasResponse, RegionQuotas, Size, SizeGpu,
+    SizesResponse, TokenCreateRequest, TokenEnvelope, TokenList, UpdateRequest,
 };
 use api_types::regional::{
     self, Accelerator, CaCertificate, Event, NewToken, Page, Record, RecordEnvelope, Token,
@@ -1001,6 +1001,33 @@ impl App {
                 sizes,
             },
         ))
+    }
+
+    /// The team's quotas in every region, asked of all at once; a region that does not answer
+    /// is listed as such rather than failing the others.
+    pub async fn quotas(&self, p: &Principal) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:read")?;
+        let path = format!("/internal/v1/quotas?team_id={}", p.team_id);
+        let names = self.regions.names();
+        let answers = futures::future::join_all(names.iter().map(|region| {
+            self.regions
+                .call::<(), RegionQuotas>(region, Method::GET, &path, None)
+        }))
+        .await;
+        let mut body = QuotasResponse {
+            quotas: Vec::new(),
+            unavailable_regions: Vec::new(),
+        };
+        for (region, answer) in names.into_iter().zip(answers) {
+            match answer {
+                Ok(quotas) => body.quotas.push(quotas),
+                Err(error) => {
+                    tracing::warn!(%region, ?error, "a region's quotas are unavailable");
+                    body.unavailable_regions.push(region);
+                }
+            }
+        }
+        Ok(Reply::json(StatusCode::OK, &body))
     }
 
     pub fn gpu_model_config(&self, p: &Principal) -> Result<Reply, ApiError> {
