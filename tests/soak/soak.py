@@ -46,6 +46,9 @@ REGIONS = ["atl1", "nyc2"]
 # times out after 5 s; a request that started in the outage ends after it).
 OUTAGE_GRACE = 8.0
 REVOKE_DEADLINE = 5.0
+# What chaos injects, one at a time (a fault listed twice is drawn twice as often).
+FAULTS = ["do", "kube", "do-429", "kube-429", "latency", "kill-worker", "kill-worker", "stall-region",
+          "restart-central", "restart-postgres"]
 # Why a worker parks a DI in `error` (services/worker: permanent failures, and a stall).
 FAILURE_REASONS = {"CapacityExhausted", "InvalidSpec", "CloudRejected", "KubernetesRejected", "Stalled"}
 
@@ -844,8 +847,7 @@ class Chaos(threading.Thread):
 
     def run(self):
         while not self.soak.stop.wait(self.rng.uniform(4, 10)):
-            kind = self.rng.choice(["do", "kube", "do-429", "kube-429", "latency", "kill-worker", "kill-worker",
-                                    "stall-region", "restart-central", "restart-postgres"])
+            kind = self.rng.choice(self.soak.args.faults)
             region = self.rng.choice(REGIONS)
             self.soak.faults[kind] += 1
             self.soak.log(f"chaos: {kind} in {region}")
@@ -1122,8 +1124,14 @@ def main():
     p.add_argument("--dis-per-customer", type=int, default=2)
     p.add_argument("--settle", type=float, default=240, help="seconds allowed to converge, and to tear down")
     p.add_argument("--no-chaos", action="store_true")
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help=f"the faults chaos draws from, comma-separated (a fault twice is drawn twice as often; "
+                        f"default {','.join(FAULTS)})")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
+    args.faults = [f for f in args.faults.split(",") if f]
+    if not args.faults or set(args.faults) - set(FAULTS):
+        p.error(f"--faults: each of {sorted(set(FAULTS))}")
     args.sims = dict(s.split("=", 1) for s in args.sim)
     args.regionals = dict(s.split("=", 1) for s in args.regional)
 
