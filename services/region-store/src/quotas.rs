@@ -339,25 +339,15 @@ async fn held(
 
 /// `team_id`'s own limits, as `tx` sees them.
 async fn overrides(tx: &mut Transaction<'_, Postgres>, team_id: Uuid) -> Result<QuotaOverrides> {
-    let row: Option<(
-        Option<i32>,
-        Option<i32>,
-        sqlx::types::Json<BTreeMap<String, u32>>,
-    )> = sqlx::query_as(
-        "SELECT dedicated_inferences, gpus, gpus_per_size FROM team_quotas WHERE team_id = $1",
+    let row: Option<sqlx::types::Json<QuotaOverrides>> = sqlx::query_scalar(
+        "SELECT json_build_object('dedicated_inferences', dedicated_inferences, 'gpus', gpus,
+                                  'gpus_per_size', gpus_per_size)
+         FROM team_quotas WHERE team_id = $1",
     )
     .bind(team_id)
     .fetch_optional(&mut **tx)
     .await?;
-    let Some((dedicated_inferences, gpus, gpus_per_size)) = row else {
-        return Ok(QuotaOverrides::default());
-    };
-    let count = |n: Option<i32>| n.map(|n| u32::try_from(n).unwrap_or(0));
-    Ok(QuotaOverrides {
-        dedicated_inferences: count(dedicated_inferences),
-        gpus: count(gpus),
-        gpus_per_size: gpus_per_size.0,
-    })
+    Ok(row.map(|r| r.0).unwrap_or_default())
 }
 
 #[cfg(test)]
