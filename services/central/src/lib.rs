@@ -109,7 +109,8 @@ fn pairs(items: &[String], what: &str) -> anyhow::Result<Vec<(String, String)>> 
 
 impl App {
     pub async fn new(config: &Config) -> anyhow::Result<App> {
-        let pool = common::db::pool_options(config.db_max_connections)
+        // A request waits up to 5 s for a connection, then is answered 503.
+        let pool = common::db::pool_options(config.db_max_connections, Duration::from_secs(5))
             .connect(&config.database_url)
             .await?;
         let store = CentralStore::new(pool);

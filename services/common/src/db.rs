@@ -49,16 +49,17 @@ fn retryable_sqlstate(code: &str) -> bool {
 /// A connection idle for longer than this is pinged before it is handed out.
 const IDLE_CHECK_AFTER: Duration = Duration::from_secs(1);
 
-/// Pool options for a service: connections are not pinged before every checkout (that doubles
-/// the round trips of a one-query request), except those idle for more than a second. A server
+/// Pool options for a service: up to `max_connections`, waiting up to `acquire_timeout` for one
+/// (then `PoolTimedOut`). Connections are not pinged before every checkout (that doubles the
+/// round trips of a one-query request), except those idle for more than a second. A server
 /// restart kills every pooled connection; the busy ones fail their next statement at once (the
 /// pool drops them on release), and the idle ones would otherwise fail whenever they are next
 /// used, long after the restart: pinging them first means a dead connection is replaced, not
 /// answered with a `503`.
-pub fn pool_options(max_connections: u32) -> PgPoolOptions {
+pub fn pool_options(max_connections: u32, acquire_timeout: Duration) -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(max_connections)
-        .acquire_timeout(Duration::from_secs(5))
+        .acquire_timeout(acquire_timeout)
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
             Box::pin(async move {

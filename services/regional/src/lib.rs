@@ -108,7 +108,8 @@ impl Server {
     /// Connects, migrates, binds and serves in the background.
     pub async fn start(config: Config) -> anyhow::Result<Server> {
         let tls = tls::Tls::load(&config.tls)?;
-        let pool = common::db::pool_options(config.db_max_connections)
+        // A request waits up to 5 s for a connection, then is answered 503.
+        let pool = common::db::pool_options(config.db_max_connections, Duration::from_secs(5))
             .connect(&config.database_url)
             .await?;
         let catalog = quota::catalog(config.catalog.as_deref())?;

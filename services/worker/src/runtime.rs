@@ -160,10 +160,12 @@ impl Worker {
     /// starts claiming work.
     pub async fn start(config: Config) -> anyhow::Result<WorkerHandle> {
         // As in central and regional: a broken connection fails its query, the pass is retried,
-        // and the pool replaces the connection.
-        let pool = common::db::pool_options(config.db_max_connections.max(2))
-            .connect(&config.database_url)
-            .await?;
+        // and the pool replaces the connection. A pass waits for a connection as long as sqlx's
+        // default, 30 s.
+        let pool =
+            common::db::pool_options(config.db_max_connections.max(2), Duration::from_secs(30))
+                .connect(&config.database_url)
+                .await?;
         let sealer = Sealer::from_base64(&config.seal_key)
             .map_err(|_| anyhow::anyhow!("the seal key is not a valid base64 key"))?;
         let store = Store::new(pool.clone(), sealer);
