@@ -723,6 +723,7 @@ async fn a_region_accepts_a_second_secret_while_it_is_rotated() {
         catalog: None,
         tls: Default::default(),
         ca: Default::default(),
+        quotas: Default::default(),
     };
     let server = regional::Server::start(config)
         .await

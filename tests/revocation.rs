@@ -101,8 +101,9 @@ async fn a_revocation_reaches_a_di_in_error() {
     let client = ca_client(&fetch_ca(&sys, &api, &di.id).await);
     let second = second_token(&sys, &api, &di, &client, &endpoint).await;
 
-    // More GPUs than the region has: the update fails, the old replica keeps serving.
-    let mut too_big = spec(region, "failing", MODEL, 50);
+    // More GPUs than the region has (8 of this size), within the team's quota (32): the update
+    // fails, the old replica keeps serving.
+    let mut too_big = spec(region, "failing", MODEL, 20);
     too_big["model_deployments"][0]["model_id"] = json!(di.model_id);
     let patched = sys
         .call(

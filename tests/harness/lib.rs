@@ -6,6 +6,7 @@
 //! really comes up and serves. With [`Options::region_tls`] the regions serve HTTPS only, with
 //! certificates of a test CA that central trusts, as deployed.
 
+pub mod postgres;
 pub mod proxy;
 pub mod python;
 pub mod tls;
@@ -23,19 +24,23 @@ pub fn database_url() -> String {
         .expect("DATABASE_URL must point at a Postgres server; run the tests with scripts/test, which starts one")
 }
 
-/// A fresh, empty database; returns its URL.
+/// A fresh, empty database on `DATABASE_URL`'s server; returns its URL.
 pub async fn fresh_database(prefix: &str) -> String {
+    fresh_database_on(&database_url(), prefix).await
+}
+
+/// A fresh, empty database on the server of `admin` (a URL of one of its databases).
+pub async fn fresh_database_on(admin: &str, prefix: &str) -> String {
     use sqlx::Connection;
-    let admin = database_url();
     let name = format!("{prefix}_{}", Uuid::new_v4().simple());
-    let mut conn = sqlx::PgConnection::connect(&admin)
+    let mut conn = sqlx::PgConnection::connect(admin)
         .await
-        .expect("connect to DATABASE_URL");
+        .expect("connect to the test Postgres");
     sqlx::query(&format!("CREATE DATABASE {name}"))
         .execute(&mut conn)
         .await
         .expect("create database");
-    let mut url = reqwest::Url::parse(&admin).expect("DATABASE_URL is a URL");
+    let mut url = reqwest::Url::parse(admin).expect("a Postgres URL");
     url.set_path(&name);
     url.to_string()
 }
@@ -316,6 +321,8 @@ fn region_config(
         catalog: None,
         tls,
         ca: Default::default(),
+        // The service's defaults: tests that need other limits set a team's own.
+        quotas: Default::default(),
     }
 }
 
@@ -330,6 +337,9 @@ pub struct Options {
     /// Regions serve HTTPS with certificates of a test CA that central trusts
     /// ([`System::region_tls`]); off: plain HTTP.
     pub region_tls: bool,
+    /// The Postgres server the system's databases are made on (a URL of one of its databases,
+    /// e.g. [`postgres::OwnPostgres::url`]); `None`: `DATABASE_URL`'s.
+    pub database: Option<String>,
 }
 
 impl Default for Options {
@@ -340,6 +350,7 @@ impl Default for Options {
             rate_limit_per_hour: 100_000,
             cloud: None,
             region_tls: false,
+            database: None,
         }
     }
 }
@@ -375,9 +386,10 @@ impl System {
             }
         }
         let region_tls = options.region_tls.then(tls::RegionTls::new);
+        let admin = options.database.clone().unwrap_or_else(database_url);
         let mut regions = Vec::new();
         for name in REGIONS {
-            let database_url = fresh_database(&format!("region_{name}")).await;
+            let database_url = fresh_database_on(&admin, &format!("region_{name}")).await;
             let secret = common::tokens::mint("rs_");
             let seal_key = common::seal::Sealer::generate_key();
             let cloud_options = options.cloud.clone().unwrap_or_default();
@@ -429,7 +441,7 @@ impl System {
         let central_config = central::Config {
             listen: "127.0.0.1:0".parse().unwrap(),
             metrics_listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: fresh_database("central").await,
+            database_url: fresh_database_on(&admin, "central").await,
             seal_key: common::seal::Sealer::generate_key(),
             seal_open_keys: Vec::new(),
             regions: regions

@@ -8,8 +8,9 @@ that give up mid-request), patch them (scale, GPU size, model, name, a deploymen
 removed, with and without model ids), create and revoke tokens, and delete them. A probe calls
 every DI that has served, throughout its updates. Chaos: DigitalOcean and Kubernetes 5xx, 429
 and latency; SIGKILLed workers (two per region, restarted by their supervisor); a regional
-service stalled (SIGSTOP) and resumed; central killed and restarted; a flood of made-up bearer
-tokens against central from the customers' own address.
+service stalled (SIGSTOP) and resumed; central killed and restarted; Postgres restarted
+(`pg_ctl restart -m fast`, as a managed database's failover or minor upgrade does); a flood of
+made-up bearer tokens against central from the customers' own address.
 
 Seeded: each actor draws its choices from its own generator, so a seed replays the same choices
 (their timing, and so their interleaving, still varies). Run it through `tests/soak/run`.
@@ -18,9 +19,11 @@ Seeded: each actor draws its choices from its own generator, so a seed replays t
 import argparse
 import base64
 import collections
+import glob
 import json
 import os
 import random
+import shutil
 import signal
 import ssl
 import string
@@ -46,6 +49,9 @@ REGIONS = ["atl1", "nyc2"]
 # times out after 5 s; a request that started in the outage ends after it).
 OUTAGE_GRACE = 8.0
 REVOKE_DEADLINE = 5.0
+# What chaos injects, one at a time (a fault listed twice is drawn twice as often).
+FAULTS = ["do", "kube", "do-429", "kube-429", "latency", "latency", "kill-worker", "kill-worker", "stall-region",
+          "restart-central", "restart-postgres", "token-flood"]
 # Why a worker parks a DI in `error` (services/worker: permanent failures, and a stall).
 FAILURE_REASONS = {"CapacityExhausted", "InvalidSpec", "CloudRejected", "KubernetesRejected", "Stalled"}
 
@@ -97,6 +103,7 @@ class Soak:
         self.outages = []  # (region or None for all, start, end or None)
         self.kube_faults = []  # (region, start, end or None): the cluster APIs refuse some calls
         self.cloud_faults = []  # (region, start, end or None): its DigitalOcean API fails some calls
+        self.db_restarts = []  # (None, start, end or None): Postgres restarting, for every region
         self.customers = []  # every customer, so one can try another team's VPC
         self.started = now()
         self.secrets_env = self.read_secrets_env()
@@ -161,13 +168,15 @@ class Soak:
                     return True
         return False
 
-    def kube_fault_end(self, region, since):
-        """When the last induced Kubernetes API fault in `region` that lasted past `since`
-        ended (now, if one is still on); None when there was none."""
+    def worker_deadline(self, region, since, seconds):
+        """`seconds` after `since` for a worker's write to reach a cluster in `region`, counted
+        instead from the end of the last induced fault that holds such writes back and lasted
+        past `since`: the cluster's API refusing calls, or Postgres restarting (the workers read
+        what to write from it)."""
         with self.lock:
-            ends = [(e if e is not None else now()) for r, s, e in self.kube_faults
-                    if r == region and (e is None or e >= since)]
-        return max(ends) if ends else None
+            ends = [(e if e is not None else now()) for r, s, e in self.kube_faults + self.db_restarts
+                    if r in (None, region) and (e is None or e >= since)]
+        return max([since] + ends) + seconds
 
     def check_5xx(self, resp, region, t0, what, cloud=False):
         """Invariant: no 5xx except 503 with Retry-After during an induced outage."""
@@ -689,10 +698,9 @@ class RevocationCheck(threading.Thread):
         last = None
 
         def deadline():
-            # No write reaches a cluster whose API refuses it: while an induced Kubernetes API
-            # fault lasts in the DI's region, the 5 s count from the fault's end.
-            fault_end = soak.kube_fault_end(di["region"], self.token["revoked_at"])
-            return max(self.token["revoked_at"], fault_end or 0) + REVOKE_DEADLINE
+            # No write reaches a cluster whose API refuses it, nor leaves a worker whose database
+            # is restarting: while such a fault lasts, the 5 s count from its end.
+            return soak.worker_deadline(di["region"], self.token["revoked_at"], REVOKE_DEADLINE)
 
         while now() <= deadline():
             if di["deleted"]:
@@ -708,7 +716,7 @@ class RevocationCheck(threading.Thread):
                 self.token["settled"] = True
                 soak.count("revoked token refused")
                 if now() - self.token["revoked_at"] > REVOKE_DEADLINE:
-                    soak.count("revoked token refused only after a Kubernetes API fault ended")
+                    soak.count("revoked token refused only after a fault ended")
                 return
             time.sleep(0.1)
         if last is not None and not di["deleted"]:
@@ -831,13 +839,14 @@ class Watcher(threading.Thread):
             if status == 401:
                 t["settled"] = True
                 self.soak.count("revoked token refused")
-            elif now() - t["revoked_at"] > REVOKE_DEADLINE:
+            elif now() > self.soak.worker_deadline(di["region"], t["revoked_at"], REVOKE_DEADLINE):
                 t["settled"] = True
                 self.soak.violate("revocation-within-5s", f"{di['id']}: token {token_id} still answered {status} "
                                   f"{now() - t['revoked_at']:.1f}s after its revoke returned (status {self.seen[di['id']]['status']})")
         elif status == 200:
             t["accepted"] = True
-        elif not t.get("accepted") and now() - t["created_at"] > 10 and status == 401:
+        elif (not t.get("accepted") and status == 401
+              and now() > self.soak.worker_deadline(di["region"], t["created_at"], 10)):
             t["settled"] = True
             self.soak.violate("one-effect-per-2xx", f"{di['id']}: token {token_id} created (202) still refused after 10 s")
 
@@ -893,8 +902,7 @@ class Chaos(threading.Thread):
 
     def run(self):
         while not self.soak.stop.wait(self.rng.uniform(4, 10)):
-            kind = self.rng.choice(["do", "kube", "do-429", "kube-429", "latency", "latency", "kill-worker", "kill-worker",
-                                    "stall-region", "restart-central", "token-flood"])
+            kind = self.rng.choice(self.soak.args.faults)
             region = self.rng.choice(REGIONS)
             self.soak.faults[kind] += 1
             self.soak.log(f"chaos: {kind} in {region}")
@@ -953,6 +961,32 @@ class Chaos(threading.Thread):
                         pass
                     time.sleep(0.2)
                 self.soak.outage_end(outage)
+        elif kind == "restart-postgres":
+            # Every database at once (scripts/run keeps them in one server): central's and each
+            # region's services and workers lose their connections and must reconnect alone.
+            with self.soak.lock:
+                self.soak.db_restarts.append([None, now(), None])
+                window = len(self.soak.db_restarts) - 1
+            outage = self.soak.outage_begin(None)
+            try:
+                self.restart_postgres()
+            finally:
+                self.soak.outage_end(outage)
+                with self.soak.lock:
+                    self.soak.db_restarts[window][2] = now()
+
+    def restart_postgres(self):
+        """`pg_ctl restart -m fast` on the run's Postgres (scripts/run: `<state>/pg/data`), as
+        its owner, found as scripts/postgres.sh finds it."""
+        pg_ctl = shutil.which("pg_ctl") or max(
+            glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"),
+            key=lambda p: int(p.split("/")[-3]) if p.split("/")[-3].isdigit() else 0)
+        pg = os.path.join(self.soak.state, "pg")
+        command = [pg_ctl, "-D", os.path.join(pg, "data"), "-l", os.path.join(pg, "server.log"),
+                   "-w", "-t", "60", "restart", "-m", "fast"]
+        if os.getuid() == 0:
+            command = ["runuser", "-u", "postgres", "--"] + command
+        subprocess.run(command, check=True, capture_output=True, timeout=90)
 
     def token_flood(self):
         """For 5 to 10 s, four threads send made-up bearer tokens to central as fast as it answers,
@@ -1185,8 +1219,14 @@ def main():
     p.add_argument("--no-chaos", action="store_true")
     p.add_argument("--do-latency-ms", type=int, default=int(os.environ.get("REGION_SIM_DO_LATENCY_MS", "0")),
                    help="the DigitalOcean API's everyday latency, kept under every fault")
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help=f"the faults chaos draws from, comma-separated (a fault twice is drawn twice as often; "
+                        f"default {','.join(FAULTS)})")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
+    args.faults = [f for f in args.faults.split(",") if f]
+    if not args.faults or set(args.faults) - set(FAULTS):
+        p.error(f"--faults: each of {sorted(set(FAULTS))}")
     args.sims = dict(s.split("=", 1) for s in args.sim)
     args.regionals = dict(s.split("=", 1) for s in args.regional)
 

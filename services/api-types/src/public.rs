@@ -309,6 +309,42 @@ pub struct EventList {
     pub meta: Meta,
 }
 
+/// Extension: a team's quotas, per region (`GET /v2/dedicated-inferences/quotas`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct QuotasResponse {
+    pub quotas: Vec<RegionQuotas>,
+    /// Regions that did not answer just now: their quotas are missing from `quotas`.
+    pub unavailable_regions: Vec<String>,
+}
+
+/// What a team may hold in one region and what it holds. A dedicated inference counts from its
+/// create until it is being deleted; its GPUs are those of its newest accepted spec: per
+/// deployment, `scale` (or `workload_config.autoscaling.max_replicas` when it autoscales) × the
+/// size's GPUs per node. A create or update that would take a figure above its limit is refused
+/// with `422`; one that does not raise it is accepted even above a lowered limit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct RegionQuotas {
+    pub region: String,
+    pub dedicated_inferences: QuotaUse,
+    /// GPUs of every size together.
+    pub gpus: QuotaUse,
+    /// GPUs of each size offered in the region (and of any other size the team holds).
+    pub gpus_per_size: Vec<SizeQuotaUse>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct QuotaUse {
+    pub limit: u32,
+    pub used: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SizeQuotaUse {
+    pub accelerator_slug: String,
+    pub limit: u32,
+    pub used: u32,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ErrorBody {
     pub id: String,

@@ -24,8 +24,18 @@ pub enum StoreError {
     NameTaken,
     #[error("not found")]
     NotFound,
+    /// The database is unavailable for now (restarting, failing over, out of connections) or
+    /// asked for a retry: the same request may succeed later ([`common::db::unavailable`]).
+    #[error("database unavailable: {0}")]
+    Unavailable(sqlx::Error),
     #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> StoreError {
+        common::db::classify(e, StoreError::Unavailable, StoreError::Database)
+    }
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;

@@ -8,8 +8,8 @@ use std::time::Duration;
 use api_types::public::{
     AcceleratorInfo, AcceleratorList, AccessToken, CaResponse, CreateRequest, CreateResponse,
     DedicatedInference, DedicatedInferenceEnvelope, EventInfo, EventList, GpuModelConfig,
-    GpuModelConfigsResponse, Links, Meta, Size, SizeGpu, SizesResponse, TokenCreateRequest,
-    TokenEnvelope, TokenList, UpdateRequest,
+    GpuModelConfigsResponse, Links, Meta, QuotasResponse, RegionQuotas, Size, SizeGpu,
+    SizesResponse, TokenCreateRequest, TokenEnvelope, TokenList, UpdateRequest,
 };
 use api_types::regional::{
     self, Accelerator, CaCertificate, Event, NewToken, Page, Record, RecordEnvelope, Token,
@@ -30,7 +30,7 @@ use uuid::Uuid;
 
 use crate::auth::Principal;
 use crate::body::Parsed;
-use crate::error::ApiError;
+use crate::error::{ApiError, RETRY_AFTER_SECS};
 use crate::regions::RegionCallError;
 use crate::{validate, App};
 
@@ -144,10 +144,12 @@ fn region_failure(e: RegionCallError) -> OperationError {
     }
 }
 
+/// A database failure leaves the outcome unknown (a commit may have landed before the answer
+/// was lost); only central's own refusals are known to have changed nothing.
 fn store_failure(e: StoreError) -> OperationError {
     match e {
-        StoreError::Database(_) => OperationError::Unsettled(store_error(e)),
-        _ => OperationError::Refused(store_error(e)),
+        StoreError::Database(_) | StoreError::Unavailable(_) => OperationError::Unsettled(e.into()),
+        _ => OperationError::Refused(e.into()),
     }
 }
 
@@ -158,7 +160,6 @@ pub struct Paging {
     pub per_page: i64,
 }
 
-const RETRY_AFTER_SECS: u64 = 5;
 /// How long a first response is replayed: for an Idempotency-Key, and for an identical create
 /// retried without one.
 pub const REPLAY_WINDOW: Duration = Duration::from_secs(24 * 3600);
@@ -205,16 +206,6 @@ fn region_error(e: RegionCallError) -> ApiError {
             )),
             _ => ApiError::internal(format!("region answered {status}: {}", error.message)),
         },
-    }
-}
-
-fn store_error(e: StoreError) -> ApiError {
-    match e {
-        StoreError::NameTaken => ApiError::Conflict(
-            "A dedicated inference with this name already exists in your team.".into(),
-        ),
-        StoreError::NotFound => ApiError::NotFound,
-        StoreError::Database(e) => ApiError::internal(e),
     }
 }
 
@@ -326,8 +317,7 @@ impl App {
             Ok(CreateBegin::KeyTaken) => match self
                 .store
                 .idempotency_state(p.team_id, key.unwrap_or_default(), &fp)
-                .await
-                .map_err(store_error)?
+                .await?
             {
                 IdempotencyState::Done {
                     status_code,
@@ -353,14 +343,13 @@ impl App {
                 match self
                     .store
                     .create_by_fingerprint(p.team_id, &intent.request.spec.name, &fp, REPLAY_WINDOW)
-                    .await
-                    .map_err(store_error)?
+                    .await?
                 {
                     Some(id) => self.drive_create(id, p.team_id).await,
-                    None => Err(store_error(StoreError::NameTaken)),
+                    None => Err(StoreError::NameTaken.into()),
                 }
             }
-            Err(e) => Err(store_error(e)),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -369,7 +358,7 @@ impl App {
     /// refuses it or its intent cannot be read; a settled one replays its first response. Used by
     /// the request path, by retries, and by recovery after a crash.
     pub async fn drive_create(&self, di_id: Uuid, team_id: Uuid) -> Result<Reply, ApiError> {
-        let sealed = match self.store.create_state(di_id).await.map_err(store_error)? {
+        let sealed = match self.store.create_state(di_id).await? {
             Some(CreateState::Pending {
                 team_id: owner,
                 sealed_intent,
@@ -391,7 +380,7 @@ impl App {
             Err(problem) => {
                 // Nothing can ever send it: settle it as failed rather than retry it forever.
                 tracing::warn!(%di_id, "a pending create's intent {problem}; settling it as failed");
-                self.store.create_abort(di_id).await.map_err(store_error)?;
+                self.store.create_abort(di_id).await?;
                 return Err(ApiError::internal(format!("create intent {problem}")));
             }
         };
@@ -427,18 +416,17 @@ impl App {
                     .seal(&reply.body, response_aad(team_id).as_bytes());
                 self.store
                     .create_confirm(&update, reply.status.as_u16(), &sealed_reply)
-                    .await
-                    .map_err(store_error)?;
+                    .await?;
                 Ok(reply)
             }
             Err(RegionCallError::Rejected { status, error }) if (400..500).contains(&status) => {
-                self.store.create_abort(di_id).await.map_err(store_error)?;
+                self.store.create_abort(di_id).await?;
                 Err(region_error(RegionCallError::Rejected { status, error }))
             }
             // Nothing was stored: the create is over (the customer's retry starts afresh), not
             // one for recovery to finish behind a 503.
             Err(e @ RegionCallError::NotApplied(_)) => {
-                self.store.create_abort(di_id).await.map_err(store_error)?;
+                self.store.create_abort(di_id).await?;
                 Err(region_error(e))
             }
             Err(e) => Err(region_error(e)),
@@ -502,8 +490,7 @@ impl App {
                     sealed: &sealed,
                 }),
             )
-            .await
-            .map_err(store_error)?
+            .await?
         {
             IdempotencyState::Fresh => sealed,
             IdempotencyState::Unfinished {
@@ -542,10 +529,7 @@ impl App {
             Ok(operation) => operation,
             Err(problem) => {
                 tracing::warn!(%team_id, "a keyed operation {problem}; releasing its key");
-                self.store
-                    .idempotency_release(team_id, key)
-                    .await
-                    .map_err(store_error)?;
+                self.store.idempotency_release(team_id, key).await?;
                 return Err(ApiError::internal(format!("keyed operation {problem}")));
             }
         };
@@ -556,15 +540,11 @@ impl App {
                     .seal(&reply.body, response_aad(team_id).as_bytes());
                 self.store
                     .idempotency_complete(team_id, key, reply.status.as_u16(), &sealed)
-                    .await
-                    .map_err(store_error)?;
+                    .await?;
                 Ok(reply)
             }
             Err(OperationError::Refused(e)) => {
-                self.store
-                    .idempotency_release(team_id, key)
-                    .await
-                    .map_err(store_error)?;
+                self.store.idempotency_release(team_id, key).await?;
                 Err(e)
             }
             Err(OperationError::Unsettled(e)) => Err(e),
@@ -833,8 +813,7 @@ impl App {
         let (bodies, total) = self
             .store
             .dedicated_inference_list(p.team_id, region, name, paging.page, paging.per_page)
-            .await
-            .map_err(store_error)?;
+            .await?;
         let mut extra = Vec::new();
         if let Some(r) = region {
             extra.push(("region", r));
@@ -1040,6 +1019,33 @@ impl App {
         ))
     }
 
+    /// The team's quotas in every region, asked of all at once; a region that does not answer
+    /// is listed as such rather than failing the others.
+    pub async fn quotas(&self, p: &Principal) -> Result<Reply, ApiError> {
+        p.require("dedicated_inference:read")?;
+        let path = format!("/internal/v1/quotas?team_id={}", p.team_id);
+        let names = self.regions.names();
+        let answers = futures::future::join_all(names.iter().map(|region| {
+            self.regions
+                .call::<(), RegionQuotas>(region, Method::GET, &path, None)
+        }))
+        .await;
+        let mut body = QuotasResponse {
+            quotas: Vec::new(),
+            unavailable_regions: Vec::new(),
+        };
+        for (region, answer) in names.into_iter().zip(answers) {
+            match answer {
+                Ok(quotas) => body.quotas.push(quotas),
+                Err(error) => {
+                    tracing::warn!(%region, ?error, "a region's quotas are unavailable");
+                    body.unavailable_regions.push(region);
+                }
+            }
+        }
+        Ok(Reply::json(StatusCode::OK, &body))
+    }
+
     pub fn gpu_model_config(&self, p: &Principal) -> Result<Reply, ApiError> {
         p.require("dedicated_inference:read")?;
         let gpu_model_configs = self
@@ -1064,12 +1070,7 @@ impl App {
 
     /// The caller's DI; another team's, an unknown, a pending or a gone one is 404 alike.
     async fn owned(&self, p: &Principal, id: Uuid) -> Result<Arc<central_store::Owned>, ApiError> {
-        match self
-            .store
-            .dedicated_inference(id, p.team_id)
-            .await
-            .map_err(store_error)?
-        {
+        match self.store.dedicated_inference(id, p.team_id).await? {
             Some(owned) if owned.state == "live" => Ok(owned),
             _ => Err(ApiError::NotFound),
         }
@@ -1082,8 +1083,7 @@ impl App {
         let body = serde_json::to_value(&public).expect("serialises");
         self.store
             .read_model_apply(&read_model_update(record, &public, &body))
-            .await
-            .map_err(store_error)?;
+            .await?;
         Ok(public)
     }
 

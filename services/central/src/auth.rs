@@ -199,8 +199,7 @@ impl Authenticator {
         let grant = app
             .store
             .api_token_by_hash(&hash)
-            .await
-            .map_err(ApiError::internal)?
+            .await?
             .map(|mut token| Grant {
                 // Moved out, so that cloning the grant copies no strings.
                 scopes: std::mem::take(&mut token.scopes).into(),

@@ -1,12 +1,17 @@
 //! The public API's one error type and its one `IntoResponse`: DigitalOcean's
 //! `{id, message, request_id}` shape. Internal detail (`Internal`) is logged with the request id
-//! and never returned.
+//! and never returned. A dependency that is down (a region, central's own database) is `503` with
+//! `Retry-After`, never `500`: clients and Terraform retry the one and report the other as a bug.
 
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use api_types::public::ErrorBody;
+use central_store::StoreError;
+
+/// What a `503` asks the client to wait before it retries, seconds.
+pub const RETRY_AFTER_SECS: u64 = 5;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -30,7 +35,7 @@ pub enum ApiError {
     TooManyRequests { retry_after_secs: u64 },
     #[error("too many failed authentications")]
     TooManyFailedAuthentications { retry_after_secs: u64 },
-    #[error("region unavailable")]
+    #[error("unavailable")]
     ServiceUnavailable { retry_after_secs: u64 },
     #[error("internal: {0}")]
     Internal(String),
@@ -88,13 +93,31 @@ impl ApiError {
             ApiError::ServiceUnavailable { .. } => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
-                "The region is temporarily unavailable. Please retry later.".into(),
+                "The service is temporarily unavailable. Please retry later.".into(),
             ),
             ApiError::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
                 "Unexpected server-side error".into(),
             ),
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> ApiError {
+        match e {
+            StoreError::NameTaken => ApiError::Conflict(
+                "A dedicated inference with this name already exists in your team.".into(),
+            ),
+            StoreError::NotFound => ApiError::NotFound,
+            StoreError::Unavailable(e) => {
+                tracing::warn!(error = %e, "central's database is unavailable");
+                ApiError::ServiceUnavailable {
+                    retry_after_secs: RETRY_AFTER_SECS,
+                }
+            }
+            StoreError::Database(e) => ApiError::internal(e),
         }
     }
 }

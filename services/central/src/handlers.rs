@@ -4,8 +4,8 @@
 use api_types::public::{
     AcceleratorInfo, AcceleratorList, CaResponse, CreateRequest, CreateResponse,
     DedicatedInferenceEnvelope, DedicatedInferenceList, ErrorBody, EventList,
-    GpuModelConfigsResponse, SizesResponse, TokenCreateRequest, TokenEnvelope, TokenList,
-    UpdateRequest,
+    GpuModelConfigsResponse, QuotasResponse, SizesResponse, TokenCreateRequest, TokenEnvelope,
+    TokenList, UpdateRequest,
 };
 use axum::body::Body;
 use axum::extract::{Path, RawQuery, State};
@@ -25,6 +25,7 @@ pub fn routes() -> Router<App> {
     Router::new()
         .route("/v2/dedicated-inferences", get(list).post(create))
         .route("/v2/dedicated-inferences/sizes", get(sizes))
+        .route("/v2/dedicated-inferences/quotas", get(quotas))
         .route(
             "/v2/dedicated-inferences/gpu-model-config",
             get(gpu_model_config),
@@ -133,7 +134,7 @@ impl Query {
 
 #[utoipa::path(get, path = "/v2/dedicated-inferences", operation_id = "dedicatedInferences_list", tag = "Dedicated Inference",
     params(("per_page" = Option<i64>, Query), ("page" = Option<i64>, Query), ("region" = Option<String>, Query), ("name" = Option<String>, Query)),
-    responses((status = 200, body = DedicatedInferenceList), (status = 401, body = ErrorBody), (status = 422, body = ErrorBody), (status = 429, body = ErrorBody)),
+    responses((status = 200, body = DedicatedInferenceList), (status = 401, body = ErrorBody), (status = 422, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)),
     security(("bearer_auth" = ["dedicated_inference:read"])))]
 async fn list(
     State(app): State<App>,
@@ -173,7 +174,7 @@ async fn create(
 
 #[utoipa::path(get, path = "/v2/dedicated-inferences/{dedicated_inference_id}", operation_id = "dedicatedInferences_get", tag = "Dedicated Inference",
     params(("dedicated_inference_id" = Uuid, Path)),
-    responses((status = 200, body = DedicatedInferenceEnvelope), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody)),
+    responses((status = 200, body = DedicatedInferenceEnvelope), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)),
     security(("bearer_auth" = ["dedicated_inference:read"])))]
 async fn get_one(
     State(app): State<App>,
@@ -221,7 +222,7 @@ async fn remove(
 
 #[utoipa::path(get, path = "/v2/dedicated-inferences/{dedicated_inference_id}/accelerators", operation_id = "dedicatedInferences_list_accelerators", tag = "Dedicated Inference",
     params(("dedicated_inference_id" = Uuid, Path), ("per_page" = Option<i64>, Query), ("page" = Option<i64>, Query), ("slug" = Option<String>, Query)),
-    responses((status = 200, body = AcceleratorList), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody)),
+    responses((status = 200, body = AcceleratorList), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)),
     security(("bearer_auth" = ["dedicated_inference:read"])))]
 async fn accelerators(
     State(app): State<App>,
@@ -241,7 +242,7 @@ async fn accelerators(
 
 #[utoipa::path(get, path = "/v2/dedicated-inferences/{dedicated_inference_id}/accelerators/{accelerator_id}", operation_id = "dedicatedInferences_get_accelerator", tag = "Dedicated Inference",
     params(("dedicated_inference_id" = Uuid, Path), ("accelerator_id" = Uuid, Path)),
-    responses((status = 200, body = AcceleratorInfo), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody)),
+    responses((status = 200, body = AcceleratorInfo), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)),
     security(("bearer_auth" = ["dedicated_inference:read"])))]
 async fn accelerator(
     State(app): State<App>,
@@ -253,7 +254,7 @@ async fn accelerator(
 
 #[utoipa::path(get, path = "/v2/dedicated-inferences/{dedicated_inference_id}/ca", operation_id = "dedicatedInferences_get_ca", tag = "Dedicated Inference",
     params(("dedicated_inference_id" = Uuid, Path)),
-    responses((status = 200, body = CaResponse), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody)),
+    responses((status = 200, body = CaResponse), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)),
     security(("bearer_auth" = ["dedicated_inference:read"])))]
 async fn ca(
     State(app): State<App>,
@@ -265,7 +266,7 @@ async fn ca(
 
 #[utoipa::path(get, path = "/v2/dedicated-inferences/{dedicated_inference_id}/tokens", operation_id = "dedicatedInferences_list_tokens", tag = "Dedicated Inference",
     params(("dedicated_inference_id" = Uuid, Path), ("per_page" = Option<i64>, Query), ("page" = Option<i64>, Query)),
-    responses((status = 200, body = TokenList), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody)),
+    responses((status = 200, body = TokenList), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)),
     security(("bearer_auth" = ["dedicated_inference_tokens:read"])))]
 async fn tokens(
     State(app): State<App>,
@@ -316,7 +317,7 @@ async fn token_revoke(
 #[utoipa::path(get, path = "/v2/dedicated-inferences/{dedicated_inference_id}/events", operation_id = "dedicatedInferences_list_events", tag = "Dedicated Inference",
     description = "Extension: the lifecycle events of a dedicated inference (phase, reason, message, time), oldest first.",
     params(("dedicated_inference_id" = Uuid, Path), ("per_page" = Option<i64>, Query), ("page" = Option<i64>, Query)),
-    responses((status = 200, body = EventList), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody)),
+    responses((status = 200, body = EventList), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)),
     security(("bearer_auth" = ["dedicated_inference:read"])))]
 async fn events(
     State(app): State<App>,
@@ -329,14 +330,14 @@ async fn events(
 }
 
 #[utoipa::path(get, path = "/v2/dedicated-inferences/sizes", operation_id = "dedicatedInferences_list_sizes", tag = "Dedicated Inference",
-    responses((status = 200, body = SizesResponse), (status = 401, body = ErrorBody), (status = 429, body = ErrorBody)),
+    responses((status = 200, body = SizesResponse), (status = 401, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)),
     security(("bearer_auth" = ["dedicated_inference:read"])))]
 async fn sizes(State(app): State<App>, Extension(p): Extension<Principal>) -> Result<Reply> {
     app.sizes(&p)
 }
 
 #[utoipa::path(get, path = "/v2/dedicated-inferences/gpu-model-config", operation_id = "dedicatedInferences_get_gpu_model_config", tag = "Dedicated Inference",
-    responses((status = 200, body = GpuModelConfigsResponse), (status = 401, body = ErrorBody), (status = 429, body = ErrorBody)),
+    responses((status = 200, body = GpuModelConfigsResponse), (status = 401, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)),
     security(("bearer_auth" = ["dedicated_inference:read"])))]
 async fn gpu_model_config(
     State(app): State<App>,
@@ -345,11 +346,19 @@ async fn gpu_model_config(
     app.gpu_model_config(&p)
 }
 
+#[utoipa::path(get, path = "/v2/dedicated-inferences/quotas", operation_id = "dedicatedInferences_get_quotas", tag = "Dedicated Inference",
+    description = "Extension: the team's quotas in each region (dedicated inferences, GPUs of each size, GPUs in all) and what it holds against them. A create or update that would raise a figure above its limit is refused with 422.",
+    responses((status = 200, body = QuotasResponse), (status = 401, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)),
+    security(("bearer_auth" = ["dedicated_inference:read"])))]
+async fn quotas(State(app): State<App>, Extension(p): Extension<Principal>) -> Result<Reply> {
+    app.quotas(&p).await
+}
+
 #[derive(utoipa::OpenApi)]
 #[openapi(
     info(title = "Dedicated Inference API", version = "2.0",
         description = "DigitalOcean-compatible Dedicated Inference API (`/v2/dedicated-inferences`), served by the central API."),
-    paths(list, create, get_one, patch, remove, accelerators, accelerator, ca, tokens, token_create, token_revoke, events, sizes, gpu_model_config),
+    paths(list, create, get_one, patch, remove, accelerators, accelerator, ca, tokens, token_create, token_revoke, events, sizes, gpu_model_config, quotas),
     modifiers(&BearerAuth),
     tags((name = "Dedicated Inference"))
 )]

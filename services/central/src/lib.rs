@@ -23,7 +23,6 @@ use axum::extract::DefaultBodyLimit;
 use axum::response::IntoResponse;
 use central_store::CentralStore;
 use common::seal::Sealer;
-use sqlx::postgres::PgPoolOptions;
 
 use crate::auth::Authenticator;
 use crate::error::ApiError;
@@ -137,12 +136,8 @@ fn pairs(items: &[String], what: &str) -> anyhow::Result<Vec<(String, String)>> 
 
 impl App {
     pub async fn new(config: &Config) -> anyhow::Result<App> {
-        let pool = PgPoolOptions::new()
-            .max_connections(config.db_max_connections)
-            .acquire_timeout(Duration::from_secs(5))
-            // A ping before every checkout doubles the round trips of a one-query request;
-            // broken connections surface as query errors and are replaced by the pool anyway.
-            .test_before_acquire(false)
+        // A request waits up to 5 s for a connection, then is answered 503.
+        let pool = common::db::pool_options(config.db_max_connections, Duration::from_secs(5))
             .connect(&config.database_url)
             .await?;
         let store = CentralStore::new(pool);

@@ -1,8 +1,10 @@
 //! Small pieces every service shares: sealing secrets at rest (`seal`), minting and hashing
 //! bearer tokens (`tokens`), request ids (`request_id`), Prometheus metrics (`metrics`), logging
-//! set-up (`telemetry`) and the services' TCP listener settings (`listener`).
-//! Nothing here knows about dedicated inferences, databases or HTTP routes.
+//! set-up (`telemetry`), the services' TCP listener settings (`listener`), and which database
+//! errors are an outage and how pools recover from one (`db`).
+//! Nothing here knows about dedicated inferences, tables or HTTP routes.
 
+pub mod db;
 pub mod listener;
 pub mod metrics;
 pub mod request_id;

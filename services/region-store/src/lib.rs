@@ -1,12 +1,15 @@
 //! The regional store: every SQL statement of a regional service and its workers, in
 //! resource-first methods (`dedicated_inference_create`, `token_revoke`, `rollout_complete`…).
 //!
-//! It owns the lifecycle rules that must hold under concurrency — versions, immutable fields, which
-//! status may follow which — and makes every state change one transaction that also appends an
-//! event and an outbox entry. It seals secrets before they reach a table and erases a DI's when the
-//! DI is gone. It knows nothing about HTTP, the catalog, or the cloud.
+//! It owns the rules that must hold under concurrency — versions, immutable fields, which status
+//! may follow which, each team's quotas ([`Quotas`]), a worker's lease on the DI it works on
+//! ([`Store::under_lease`]) — and makes every state change one transaction that also appends an
+//! event and an outbox entry. It seals secrets before they reach a table and erases a DI's when
+//! the DI is gone. It knows nothing about HTTP, the catalog (the GPUs per node a quota counts are
+//! given to it), or the cloud.
 
 mod authorities;
+mod quotas;
 mod records;
 mod reseal;
 mod work;
@@ -14,6 +17,7 @@ mod work;
 pub use authorities::NewCa;
 pub use reseal::ResealReport;
 
+pub use quotas::{QuotaOverrides, Quotas};
 pub use work::{
     Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, HolderSession, LedgerEntry,
     PassInputs, Stall, PROGRESS_IDLE,
@@ -24,6 +28,8 @@ use api_types::regional::{
     Accelerator, Changes, CreateRequest, Event, NewToken, Page, Record, Token,
 };
 use api_types::spec::{ModelDeployment, Spec};
+use std::sync::Arc;
+
 use common::seal::Sealer;
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Postgres, Transaction};
@@ -43,14 +49,24 @@ pub enum StoreError {
     Conflict(String),
     #[error("{0}")]
     Unprocessable(String),
+    /// The database is unavailable for now (restarting, failing over, out of connections) or
+    /// asked for a retry: the same request may succeed later ([`common::db::unavailable`]).
+    #[error("database unavailable: {0}")]
+    Unavailable(sqlx::Error),
     #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
     #[error("a sealed secret could not be opened")]
     Seal,
     /// A worker's write under a lease it no longer holds (see [`Store::under_lease`]): another
     /// worker may have the DI now, and the write was not made.
     #[error("the lease on this dedicated inference is no longer held")]
     LeaseLost,
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> StoreError {
+        common::db::classify(e, StoreError::Unavailable, StoreError::Database)
+    }
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;
@@ -87,6 +103,8 @@ pub struct Store {
     operation: Option<Uuid>,
     /// The worker's lease every write about its DI is fenced by (see [`Store::under_lease`]).
     lease: Option<Lease>,
+    /// Limits every create and patch is checked against ([`Store::with_quotas`]).
+    quotas: Option<Arc<Quotas>>,
 }
 
 /// A worker's lease on one DI: the fencing token of its writes.
@@ -107,6 +125,16 @@ impl Store {
             sealer,
             operation: None,
             lease: None,
+            quotas: None,
+        }
+    }
+
+    /// This store, with every create and patch checked against `quotas` (the regional service's
+    /// store). Without, nothing is limited: the workers, which never create a DI or grow one.
+    pub fn with_quotas(self, quotas: Quotas) -> Store {
+        Store {
+            quotas: Some(Arc::new(quotas)),
+            ..self
         }
     }
 
@@ -188,6 +216,7 @@ impl Store {
             )
         })?;
         let mut tx = self.pool.begin().await?;
+        let held = self.quota_before(&mut tx, req.team_id, req.id).await?;
         let inserted = sqlx::query(
             "INSERT INTO dedicated_inferences (id, team_id, region, vpc_uuid, enable_public_endpoint, status, pending_version)
              VALUES ($1, $2, $3, $4, $5, 'new', 1) ON CONFLICT (id) DO NOTHING",
@@ -210,6 +239,7 @@ impl Store {
         let mut spec = req.spec.clone();
         spec.version = 1;
         insert_spec_version(&mut tx, req.id, &spec, &[]).await?;
+        self.quota_check(&mut tx, req.team_id, req.id, held).await?;
         sqlx::query(
             "INSERT INTO access_tokens (id, di_id, name, token_hash, is_managed) VALUES ($1, $2, $3, $4, true)",
         )
@@ -263,6 +293,11 @@ impl Store {
         requires_hugging_face_token: bool,
     ) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
+        // The team's lock first, as a create takes it: before this DI's row lock.
+        let held = match spec {
+            Some(_) => self.quota_before(&mut tx, team_id, id).await?,
+            None => None,
+        };
         if !self.first_application(&mut tx, id).await? {
             return self.record(id, Some(team_id), true).await;
         }
@@ -340,6 +375,7 @@ impl Store {
             .bind(status.as_str())
             .execute(&mut *tx)
             .await?;
+            self.quota_check(&mut tx, team_id, id, held).await?;
             requested_change(
                 &mut tx,
                 id,

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use api_types::public::RegionQuotas;
 use api_types::regional::{
     Accelerator, CaCertificate, Changes, CreateRequest, Event, Page, PatchRequest, RecordEnvelope,
     RegionError, TeamScoped, Token, TokenCreateRequest,
@@ -37,7 +38,8 @@ type ApiResult<T> = Result<Json<T>, ApiError>;
         tokens,
         token_create,
         token_revoke,
-        events
+        events,
+        quotas
     ),
     components(schemas(RegionError))
 )]
@@ -72,6 +74,7 @@ pub fn routes() -> Router<AppState> {
         )
         .route("/internal/v1/dedicated-inferences/{id}/events", get(events))
         .route("/internal/v1/changes", get(changes))
+        .route("/internal/v1/quotas", get(quotas))
 }
 
 fn body<T>(payload: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
@@ -366,4 +369,14 @@ async fn events(
             .events_list(id, q.team_id, page, per_page)
             .await?,
     ))
+}
+
+/// The team's quotas in this region: each limit and what the team holds against it.
+#[utoipa::path(get, path = "/internal/v1/quotas", params(TeamScopedQuery),
+    responses((status = 200, body = RegionQuotas), (status = 503, body = RegionError)))]
+async fn quotas(
+    State(state): State<AppState>,
+    Query(q): Query<TeamScopedQuery>,
+) -> ApiResult<RegionQuotas> {
+    Ok(Json(state.store.quota_use(q.team_id).await?))
 }

@@ -4,13 +4,15 @@
 //! model is built from. It does not validate against the catalog (central does) and never returns
 //! secrets. Before it stores a change it asks two questions: of the cloud, which VPC a create
 //! lands in ([`vpcs`]: a team's own, or its default); of the Hugging Face Hub, whether a
-//! customer's own model can be served as declared ([`models`]). Everything else in the cloud is
-//! the workers' business. It makes each DI's certificate authority and, in the background,
-//! renews those nearing their end ([`ca`]).
+//! customer's own model can be served as declared ([`models`]). It configures the team quotas its
+//! store enforces, and gives operators `regional quota` to set a team's own ([`quota`]). It makes
+//! each DI's certificate authority and, in the background, renews those nearing their end
+//! ([`ca`]). Everything else in the cloud is the workers' business.
 
 pub mod ca;
 mod handlers;
 pub mod models;
+pub mod quota;
 pub mod tls;
 pub mod vpcs;
 
@@ -18,7 +20,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use api_types::catalog::Catalog;
 use api_types::regional::{RegionError, SECRET_HEADER};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -28,7 +29,6 @@ use axum::Json;
 use common::seal::Sealer;
 use region_store::{Store, StoreError};
 use sha2::{Digest, Sha256};
-use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Notify;
 
 pub use handlers::ApiDoc;
@@ -88,6 +88,10 @@ pub struct Config {
     /// The DIs' CAs: `CA_VALIDITY_DAYS`, `CA_RENEW_BEFORE_DAYS`, `CA_PERMITTED_NAMES`.
     #[command(flatten)]
     pub ca: ca::CaPolicy,
+    /// Every team's limits unless it has its own: `QUOTA_DEDICATED_INFERENCES`, `QUOTA_GPUS`,
+    /// `QUOTA_GPUS_PER_SIZE`.
+    #[command(flatten)]
+    pub quotas: quota::QuotaArgs,
 }
 
 #[derive(Clone)]
@@ -127,23 +131,17 @@ impl Server {
     pub async fn start(config: Config) -> anyhow::Result<Server> {
         let tls = tls::Tls::load(&config.tls)?;
         config.ca.check()?;
-        let pool = PgPoolOptions::new()
-            .max_connections(config.db_max_connections)
-            .acquire_timeout(Duration::from_secs(5))
-            // A ping before every checkout doubles the round trips of a one-query request;
-            // broken connections surface as query errors and are replaced by the pool anyway.
-            .test_before_acquire(false)
+        // A request waits up to 5 s for a connection, then is answered 503.
+        let pool = common::db::pool_options(config.db_max_connections, Duration::from_secs(5))
             .connect(&config.database_url)
             .await?;
+        let catalog = quota::catalog(config.catalog.as_deref())?;
         let store = Store::new(
             pool,
             Sealer::from_keys(&config.seal_key, &config.seal_open_keys)?,
-        );
+        )
+        .with_quotas(config.quotas.quotas(&config.region, &catalog));
         store.migrate().await?;
-        let catalog = match &config.catalog {
-            Some(path) => Catalog::parse(&std::fs::read_to_string(path)?)?,
-            None => Catalog::parse(api_types::catalog::EMBEDDED)?,
-        };
         let changed = Arc::new(Notify::new());
         let listener_task = tokio::spawn(listen_for_changes(store.pool().clone(), changed.clone()));
         let purge_task = tokio::spawn(purge_applied_operations(store.clone()));
@@ -235,7 +233,9 @@ async fn listen_for_changes(pool: sqlx::PgPool, changed: Arc<Notify>) {
                 if let Err(error) = listener.listen("di_changes").await {
                     tracing::warn!(%error, "LISTEN failed");
                 } else {
-                    while listener.recv().await.is_ok() {
+                    // `Ok(None)`: the connection dropped and sqlx listens again on a new one;
+                    // whatever was notified in between is lost, so long-pollers re-read.
+                    while listener.try_recv().await.is_ok() {
                         changed.notify_waiters();
                     }
                 }
@@ -285,6 +285,9 @@ pub enum ApiError {
     BadRequest(String),
     /// A dependency (the DigitalOcean API) did not answer; nothing was stored, a retry may work.
     Unavailable(String),
+    /// The region's database is unavailable for now (restarting, failing over): a retry may work,
+    /// but whether a write landed is unknown, so central must not take it as refused.
+    DatabaseUnavailable(String),
     Internal(String),
 }
 
@@ -294,10 +297,14 @@ impl From<StoreError> for ApiError {
             StoreError::NotFound => ApiError::NotFound,
             StoreError::Conflict(m) => ApiError::Conflict(m),
             StoreError::Unprocessable(m) => ApiError::Unprocessable(m),
+            StoreError::Unavailable(e) => ApiError::DatabaseUnavailable(e.to_string()),
             other => ApiError::Internal(other.to_string()),
         }
     }
 }
+
+/// What a `503` asks central to wait before it retries, seconds.
+const RETRY_AFTER_SECS: u32 = 2;
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -325,6 +332,14 @@ impl IntoResponse for ApiError {
                     "A dependency is unavailable and nothing was changed; retry shortly".into(),
                 )
             }
+            ApiError::DatabaseUnavailable(detail) => {
+                tracing::warn!(%detail, "database unavailable");
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    "The region's database is unavailable; retry shortly".into(),
+                )
+            }
             ApiError::Internal(detail) => {
                 tracing::error!(%detail, "internal error");
                 (
@@ -334,14 +349,21 @@ impl IntoResponse for ApiError {
                 )
             }
         };
-        (
+        let mut response = (
             status,
             Json(RegionError {
                 id: id.into(),
                 message,
             }),
         )
-            .into_response()
+            .into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(RETRY_AFTER_SECS),
+            );
+        }
+        response
     }
 }
 

@@ -32,6 +32,12 @@ struct Reseal {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // Its standard output is the JSON it shows: no log lines there.
+    if std::env::args().nth(1).as_deref() == Some("quota") {
+        return regional::quota::QuotaCommand::parse_from(std::env::args().skip(1))
+            .run()
+            .await;
+    }
     let _telemetry = common::telemetry::init("regional");
     match std::env::args().nth(1).as_deref() {
         Some("migrate") => {

@@ -16,7 +16,6 @@ use api_types::lifecycle::Status;
 use cloud_clients::{DoClient, DoClientOptions, KubeClientOptions, RetryConfig};
 use common::seal::Sealer;
 use region_store::{Claim, Store};
-use sqlx::postgres::PgPoolOptions;
 use tokio::sync::{oneshot, watch, Notify, Semaphore};
 use tokio::task::JoinSet;
 use tracing::Instrument;
@@ -166,14 +165,13 @@ impl Worker {
     /// Connects to the store, builds the DigitalOcean client, opens the metrics listener and
     /// starts claiming work.
     pub async fn start(config: Config) -> anyhow::Result<WorkerHandle> {
-        let pool = PgPoolOptions::new()
-            .max_connections(config.db_max_connections.max(2))
-            // As in central and regional: no ping before every checkout (it doubles the round
-            // trips of a pass's many short queries); a broken connection fails its query, the
-            // pass is retried, and the pool replaces the connection.
-            .test_before_acquire(false)
-            .connect(&config.database_url)
-            .await?;
+        // As in central and regional: a broken connection fails its query, the pass is retried,
+        // and the pool replaces the connection. A pass waits for a connection as long as sqlx's
+        // default, 30 s.
+        let pool =
+            common::db::pool_options(config.db_max_connections.max(2), Duration::from_secs(30))
+                .connect(&config.database_url)
+                .await?;
         let sealer = Sealer::from_keys(&config.seal_key, &config.seal_open_keys)
             .map_err(|_| anyhow::anyhow!("a seal key is not a valid base64 key"))?;
         let store = Store::new(pool.clone(), sealer);

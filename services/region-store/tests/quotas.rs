@@ -1,0 +1,259 @@
+//! Quotas on real Postgres: what a team holds is counted in the transaction that stores a create
+//! or patch, under the team's lock, so concurrent creates cannot overshoot; a lowered limit
+//! leaves what runs alone.
+
+use api_types::public::RegionQuotas;
+use api_types::regional::{CreateRequest, NewToken, Record};
+use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
+use common::seal::Sealer;
+use region_store::{NewCa, QuotaOverrides, Quotas, Store, StoreError};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+const H1: &str = "gpu-h100x1-80gb";
+const H8: &str = "gpu-h100x8-640gb";
+
+fn store(pool: PgPool) -> Store {
+    Store::new(pool, Sealer::from_base64(&Sealer::generate_key()).unwrap()).with_quotas(Quotas {
+        region: "atl1".into(),
+        dedicated_inferences: 3,
+        gpus: 24,
+        gpus_per_size: 16,
+        gpus_per_node: [(H1.to_string(), 1), (H8.to_string(), 8)].into(),
+    })
+}
+
+fn deployment(size: &str, scale: i32, workload_config: serde_json::Value) -> ModelDeployment {
+    ModelDeployment {
+        model_id: None,
+        model_slug: "qwen/qwen2.5-7b-instruct".into(),
+        model_provider: "hugging_face".into(),
+        provider_model_id: String::new(),
+        source: api_types::spec::ModelSource::default(),
+        workload_config,
+        accelerators: vec![AcceleratorGroup {
+            accelerator_slug: size.into(),
+            role: "prefill_decode".into(),
+            scale,
+        }],
+    }
+}
+
+fn create(team: Uuid, deployments: Vec<ModelDeployment>) -> CreateRequest {
+    CreateRequest {
+        id: Uuid::new_v4(),
+        team_id: team,
+        spec: Spec {
+            version: 1,
+            name: "di".into(),
+            region: "atl1".into(),
+            vpc_uuid: Some(Uuid::from_u128(7)),
+            enable_public_endpoint: true,
+            model_deployments: deployments,
+        },
+        hugging_face_token: None,
+        managed_token: NewToken {
+            id: Uuid::new_v4(),
+            name: "managed".into(),
+            sha256_hex: common::tokens::sha256_hex(&Uuid::new_v4().to_string()),
+        },
+    }
+}
+
+/// Creates a DI of one deployment of `scale` nodes of `size`.
+async fn create_one(
+    store: &Store,
+    team: Uuid,
+    size: &str,
+    scale: i32,
+    workload_config: serde_json::Value,
+) -> Result<Record, StoreError> {
+    let req = create(team, vec![deployment(size, scale, workload_config)]);
+    store.dedicated_inference_create(&req, &ca()).await
+}
+
+fn ca() -> NewCa {
+    NewCa {
+        cert_pem: "cert".into(),
+        key_pem: "key".into(),
+        not_after: (std::time::SystemTime::now() + std::time::Duration::from_secs(86_400)).into(),
+    }
+}
+
+/// (limit, used) of the team's GPUs of `size`.
+fn size_use(report: &RegionQuotas, size: &str) -> (u32, u32) {
+    let u = report
+        .gpus_per_size
+        .iter()
+        .find(|u| u.accelerator_slug == size)
+        .expect("reported");
+    (u.limit, u.used)
+}
+
+fn dis_use(report: &RegionQuotas) -> (u32, u32) {
+    (
+        report.dedicated_inferences.limit,
+        report.dedicated_inferences.used,
+    )
+}
+
+fn refused(result: Result<Record, StoreError>, says: &str) {
+    match result {
+        Err(StoreError::Unprocessable(m)) => assert!(m.contains(says), "{m}"),
+        other => panic!("expected a quota refusal ({says}), got {other:?}"),
+    }
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn concurrent_creates_of_one_team_cannot_overshoot(pool: PgPool) {
+    let store = store(pool);
+    let team = Uuid::new_v4();
+    let attempts: Vec<_> = (0..10)
+        .map(|_| {
+            let (store, req) = (
+                store.clone(),
+                create(team, vec![deployment(H1, 1, serde_json::json!({}))]),
+            );
+            tokio::spawn(async move { store.dedicated_inference_create(&req, &ca()).await })
+        })
+        .collect();
+    let (mut accepted, mut over) = (0, 0);
+    for attempt in attempts {
+        match attempt.await.unwrap() {
+            Ok(_) => accepted += 1,
+            Err(StoreError::Unprocessable(m)) if m.contains("dedicated inferences") => over += 1,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    assert_eq!((accepted, over), (3, 7));
+    let report = store.quota_use(team).await.unwrap();
+    assert_eq!(dis_use(&report), (3, 3));
+    assert_eq!(size_use(&report, H1), (16, 3));
+    // Another team is not held back by the first.
+    let other = Uuid::new_v4();
+    create_one(&store, other, H1, 1, serde_json::json!({}))
+        .await
+        .unwrap();
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn gpus_count_per_node_and_up_to_max_replicas(pool: PgPool) {
+    let store = store(pool);
+    let team = Uuid::new_v4();
+    // Two nodes of eight GPUs: 16 of size H8, the whole size limit.
+    create_one(&store, team, H8, 2, serde_json::json!({}))
+        .await
+        .unwrap();
+    refused(
+        create_one(&store, team, H8, 1, serde_json::json!({})).await,
+        &format!("GPUs of size {H8} in atl1: spec.model_deployments needs 8 more, your team's limit is 16 and it holds 16, so 0 more fit"),
+    );
+    // An autoscaled deployment counts the replicas it may grow to, not those it starts with:
+    // 16 + 9 is above the 24 GPUs in all.
+    let autoscaled = serde_json::json!({"autoscaling": {"min_replicas": 0, "max_replicas": 9}});
+    refused(
+        create_one(&store, team, H1, 1, autoscaled).await,
+        "GPUs in atl1, every size together: spec.model_deployments needs 9 more, your team's limit is 24 and it holds 16, so 8 more fit",
+    );
+    let autoscaled = serde_json::json!({"autoscaling": {"min_replicas": 0, "max_replicas": 8}});
+    create_one(&store, team, H1, 1, autoscaled).await.unwrap();
+    let report = store.quota_use(team).await.unwrap();
+    assert_eq!((report.gpus.limit, report.gpus.used), (24, 24));
+    assert_eq!(size_use(&report, H1), (16, 8));
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_lowered_limit_refuses_only_what_grows_and_a_delete_frees_at_once(pool: PgPool) {
+    let store = store(pool);
+    let team = Uuid::new_v4();
+    let first = create(team, vec![deployment(H1, 4, serde_json::json!({}))]);
+    let di = store
+        .dedicated_inference_create(&first, &ca())
+        .await
+        .unwrap();
+    let second = create(team, vec![deployment(H1, 2, serde_json::json!({}))]);
+    store
+        .dedicated_inference_create(&second, &ca())
+        .await
+        .unwrap();
+
+    // The operator lowers the team's limits below what it holds; the other limits stay.
+    store
+        .quota_overrides_set(
+            team,
+            &QuotaOverrides {
+                dedicated_inferences: Some(1),
+                gpus: None,
+                gpus_per_size: [(H1.to_string(), 3)].into(),
+            },
+        )
+        .await
+        .unwrap();
+    store
+        .quota_overrides_set(
+            team,
+            &QuotaOverrides {
+                gpus: Some(20),
+                ..QuotaOverrides::default()
+            },
+        )
+        .await
+        .unwrap();
+    let overrides = store.quota_overrides(team).await.unwrap();
+    assert_eq!(
+        (
+            overrides.dedicated_inferences,
+            overrides.gpus,
+            overrides.gpus_per_size.get(H1)
+        ),
+        (Some(1), Some(20), Some(&3))
+    );
+    let report = store.quota_use(team).await.unwrap();
+    assert_eq!(dis_use(&report), (1, 2));
+    assert_eq!(size_use(&report, H1), (3, 6));
+
+    // Both DIs stay as they are; a change that does not grow the team's use is accepted, one
+    // that does is refused, and so is a third DI.
+    let record = store.dedicated_inference_get(di.id, team).await.unwrap();
+    assert!(record.pending_spec.is_some(), "nothing was touched");
+    let mut spec = first.spec.clone();
+    spec.name = "renamed".into();
+    store
+        .dedicated_inference_patch(di.id, team, Some(&spec), None, false)
+        .await
+        .unwrap();
+    spec.version = 2;
+    spec.model_deployments[0].accelerators[0].scale = 5;
+    refused(
+        store
+            .dedicated_inference_patch(di.id, team, Some(&spec), None, false)
+            .await,
+        &format!("GPUs of size {H1} in atl1: spec.model_deployments needs 1 more"),
+    );
+    spec.model_deployments[0].accelerators[0].scale = 3;
+    store
+        .dedicated_inference_patch(di.id, team, Some(&spec), None, false)
+        .await
+        .unwrap();
+    refused(
+        create_one(&store, team, H8, 1, serde_json::json!({})).await,
+        "dedicated inferences in atl1: your team's limit is 1 and it has 2",
+    );
+
+    // A DI being deleted stops counting at once; a retry of a create that landed is answered
+    // with it, not refused by the quota it now fills.
+    store.dedicated_inference_delete(di.id, team).await.unwrap();
+    let report = store.quota_use(team).await.unwrap();
+    assert_eq!(dis_use(&report), (1, 1));
+    assert_eq!(size_use(&report, H1), (3, 2));
+    let again = store
+        .dedicated_inference_create(&second, &ca())
+        .await
+        .unwrap();
+    assert_eq!(again.id, second.id);
+
+    // Back to the service's limits.
+    store.quota_overrides_clear(team).await.unwrap();
+    let report = store.quota_use(team).await.unwrap();
+    assert_eq!(dis_use(&report), (3, 1));
+}
