@@ -161,15 +161,24 @@ impl Store {
     }
 
     /// The lease check of a write about DI `id` (see [`Store::under_lease`]); nothing without a
-    /// lease. Callers that lock the DI's row do so first: the regional service's writes lock it
-    /// and then the lease's row, and one order everywhere is what keeps them from deadlocking.
+    /// lease. It locks the DI's row (at least against key changes, which every write about the
+    /// DI needs anyway: a foreign key check takes that lock) before the lease's row: the regional
+    /// service's writes lock the DI's row and then update the lease's, and one order everywhere
+    /// is what keeps them from deadlocking. A lease taken in a session that has ended is lost
+    /// too: other workers may take it.
     pub(crate) async fn fence(&self, conn: &mut PgConnection, id: Uuid) -> Result<()> {
         let Some(lease) = self.lease else {
             return Ok(());
         };
-        let held: Option<i32> = sqlx::query_scalar(
-            "SELECT 1 FROM work_items WHERE di_id = $1 AND lease_token = $2 AND expires_at > now() FOR SHARE",
-        )
+        sqlx::query("SELECT 1 FROM dedicated_inferences WHERE id = $1 FOR KEY SHARE")
+            .bind(id)
+            .execute(&mut *conn)
+            .await?;
+        let held: Option<i32> = sqlx::query_scalar(&format!(
+            "SELECT 1 FROM work_items w WHERE di_id = $1 AND lease_token = $2 AND expires_at > now()
+               AND NOT {} FOR SHARE",
+            work::HOLDER_GONE
+        ))
         .bind(lease.di_id)
         .bind(lease.token)
         .fetch_optional(&mut *conn)

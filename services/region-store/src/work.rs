@@ -13,6 +13,8 @@ use crate::{NewCa, ObservedAccelerator, Result, Store};
 pub struct Claim {
     pub di_id: Uuid,
     pub lease_token: Uuid,
+    /// When the claim was sent: the database started the lease no earlier.
+    pub claimed_at: std::time::Instant,
     /// The DI's newest outbox position when it was claimed: changes up to here are being handled.
     pub seq: i64,
     /// The DI was still leased by someone, but that lease had expired: it was taken over from a
@@ -42,13 +44,18 @@ impl HolderSession {
     }
 }
 
+/// Whether the session the lease of `work_items` row `w` was taken in has ended (its holder
+/// died). A session of another role may hide its start from this one: then its pid alone says
+/// it lives.
+pub(crate) const HOLDER_GONE: &str = "(w.holder_pid IS NOT NULL AND NOT EXISTS (
+        SELECT 1 FROM pg_stat_get_activity(w.holder_pid) a
+        WHERE a.backend_start IS NULL OR a.backend_start = w.holder_session_start))";
+
 /// Whether the lease of `work_items` row `w` is free: never taken, released, run out, or its
-/// holder's session is gone (the holder died). A session another role's may hide its start
-/// from this one: then its pid alone says it lives.
-const LEASE_FREE: &str = "(w.expires_at IS NULL OR w.expires_at <= now()
-    OR (w.holder_pid IS NOT NULL AND NOT EXISTS (
-        SELECT 1 FROM pg_stat_activity a WHERE a.pid = w.holder_pid
-          AND (a.backend_start IS NULL OR a.backend_start = w.holder_session_start))))";
+/// holder's session is gone.
+fn lease_free() -> String {
+    format!("(w.expires_at IS NULL OR w.expires_at <= now() OR {HOLDER_GONE})")
+}
 
 /// How many DIs the work queue holds, by state (for a gauge). Returned by
 /// [`Store::work_depth`]; not re-exported from the crate root yet, so callers use its fields.
@@ -170,13 +177,15 @@ impl Store {
         lease: Duration,
         limit: i64,
     ) -> Result<Vec<Claim>> {
+        let free = lease_free();
+        let claimed_at = std::time::Instant::now();
         let rows: Vec<(Uuid, Uuid, i64, bool, Option<String>)> = sqlx::query_as(&format!(
             "WITH due AS (
                  SELECT w.di_id, coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id), 0) AS seq,
                         w.expires_at IS NOT NULL AS lease_expired
                  FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
                  WHERE d.gone_at IS NULL
-                   AND {LEASE_FREE}
+                   AND {free}
                    AND (((d.status <> 'error' OR w.retrying) AND w.next_check_after <= now())
                         OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)
                  ORDER BY w.next_check_after
@@ -203,6 +212,7 @@ impl Store {
                 |(di_id, lease_token, seq, lease_expired, traceparent)| Claim {
                     di_id,
                     lease_token,
+                    claimed_at,
                     seq,
                     lease_expired,
                     traceparent,
@@ -215,13 +225,14 @@ impl Store {
     /// the same conditions as [`Store::work_claim`]. One pass over `work_items` (a row per live
     /// DI) with an index lookup in `outbox` per row, so cheap enough to sample every few seconds.
     pub async fn work_depth(&self) -> Result<WorkDepth> {
+        let free = lease_free();
         let (ready, leased): (i64, i64) = sqlx::query_as(&format!(
             "SELECT
                  count(*) FILTER (
-                     WHERE {LEASE_FREE}
+                     WHERE {free}
                        AND (((d.status <> 'error' OR w.retrying) AND w.next_check_after <= now())
                             OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)),
-                 count(*) FILTER (WHERE NOT {LEASE_FREE})
+                 count(*) FILTER (WHERE NOT {free})
              FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
              WHERE d.gone_at IS NULL"
         ))
@@ -230,17 +241,18 @@ impl Store {
         Ok(WorkDepth { ready, leased })
     }
 
-    /// Extends a lease; false when it is no longer ours (expired and taken, or released).
+    /// Extends a lease; false when it is no longer ours: expired and taken, released, or taken
+    /// in a session that has ended (others may take it: its holder must stop).
     pub async fn work_renew(
         &self,
         di_id: Uuid,
         lease_token: Uuid,
         lease: Duration,
     ) -> Result<bool> {
-        let done = sqlx::query(
-            "UPDATE work_items SET expires_at = now() + $3 * interval '1 millisecond'
-             WHERE di_id = $1 AND lease_token = $2",
-        )
+        let done = sqlx::query(&format!(
+            "UPDATE work_items w SET expires_at = now() + $3 * interval '1 millisecond'
+             WHERE di_id = $1 AND lease_token = $2 AND NOT {HOLDER_GONE}"
+        ))
         .bind(di_id)
         .bind(lease_token)
         .bind(millis(lease) as f64)

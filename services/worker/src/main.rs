@@ -47,7 +47,9 @@ struct Args {
     /// session.
     #[arg(long, env = "WORKER_LEASE_SECS", default_value_t = 10)]
     lease_secs: u64,
-    #[arg(long, env = "WORKER_TICK_MS", default_value_t = 5000)]
+    /// How often the claim loop looks for due work besides being woken: among it, the DIs of a
+    /// worker that died (no notification says so).
+    #[arg(long, env = "WORKER_TICK_MS", default_value_t = 1000)]
     tick_ms: u64,
     /// Longest polling interval while waiting for the cloud.
     #[arg(long, env = "WORKER_POLL_MS", default_value_t = 2000)]

@@ -99,17 +99,17 @@ impl Queue {
         let queue = self.clone();
         let lease = self.lease;
         let every = (lease / 4).max(Duration::from_millis(50));
+        // The database starts a lease no earlier than the request that took or renewed it was
+        // sent. A quarter of it is kept as a margin: the pass must also notice and stop.
+        let valid_for = lease - lease / 4;
         let task = tokio::spawn(async move {
-            // The database starts a lease no earlier than the request that took or renewed it
-            // was sent; the claim's own sending time is not known here, so the first stretch
-            // counts half a lease.
-            let mut valid_until = Instant::now() + lease / 2;
+            let mut valid_until = Instant::from_std(claim.claimed_at) + valid_for;
             loop {
                 tokio::time::sleep(every).await;
                 let sent = Instant::now();
                 let why = match tokio::time::timeout_at(valid_until, queue.renew(&claim)).await {
                     Ok(Ok(true)) => {
-                        valid_until = sent + lease;
+                        valid_until = sent + valid_for;
                         continue;
                     }
                     Ok(Ok(false)) => "another worker holds it".to_string(),
@@ -127,9 +127,12 @@ impl Queue {
     /// Keeps a database session of this worker's own open until `stop` turns true, and claims
     /// in its name while it is open (see [`Queue::claim`]): when the worker dies, the session
     /// ends with its connections and other workers take its DIs at once, whatever time their
-    /// leases have left. Checked every few seconds; a lost session is opened again (leases
-    /// claimed in the old one's name are then free to others, and the passes holding them stop
-    /// when their renewal finds the lease taken).
+    /// leases have left. Checked every few seconds; a session that fails is opened again (the
+    /// leases claimed in the old one's name are then free to others, and the passes holding
+    /// them stop at their next renewal, which the database refuses). A check that merely takes
+    /// long (a stalled database) keeps the session: closing it would free this worker's leases
+    /// under passes that are still running. Needs a direct connection to Postgres (or session
+    /// pooling): a transaction pooler shares server sessions between clients.
     pub async fn keep_session(&self, database_url: String, mut stop: watch::Receiver<bool>) {
         loop {
             if *stop.borrow() {
@@ -150,11 +153,8 @@ impl Queue {
                             _ = tokio::time::sleep(Duration::from_secs(3)) => {}
                             _ = stop.changed() => return,
                         }
-                        let alive = tokio::time::timeout(Duration::from_secs(5), conn.ping()).await;
-                        if !matches!(alive, Ok(Ok(()))) {
-                            tracing::warn!(
-                                "the worker's database session was lost; opening another"
-                            );
+                        if let Err(e) = conn.ping().await {
+                            tracing::warn!(error = %e, "the worker's database session was lost; opening another");
                             break;
                         }
                     }

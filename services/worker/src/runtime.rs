@@ -103,7 +103,7 @@ impl Config {
             settings: Settings::new(region),
             concurrency: 8,
             lease: Duration::from_secs(10),
-            tick: Duration::from_secs(5),
+            tick: Duration::from_secs(1),
             poll_min: Duration::from_millis(50),
             backoff_base: Duration::from_secs(1),
             backoff_max: Duration::from_secs(60),
@@ -151,7 +151,9 @@ pub struct WorkerHandle {
     stop: watch::Sender<bool>,
     main: tokio::task::JoinHandle<()>,
     listener: tokio::task::JoinHandle<()>,
-    /// Keeps the database session that stands for this worker (see [`Queue::keep_session`]).
+    /// Keeps the database session that stands for this worker (see [`Queue::keep_session`]);
+    /// stopped once the passes have released their leases.
+    session_stop: watch::Sender<bool>,
     session: tokio::task::JoinHandle<()>,
     sampler: tokio::task::JoinHandle<()>,
     /// The metrics server stops last, so that it can be scraped while passes finish.
@@ -206,11 +208,13 @@ impl Worker {
         let (stop, stop_rx) = watch::channel(false);
         let running = Arc::new(AtomicBool::new(true));
         let listener = tokio::spawn(queue::listen(pool, shared.wake.clone(), stop_rx.clone()));
+        // The session outlives the claim loop: it stands for this worker's leases until every
+        // pass has finished and released them (see `shutdown`).
+        let (session_stop, session_stop_rx) = watch::channel(false);
         let session = tokio::spawn({
             let queue = shared.queue.clone();
             let url = shared.config.database_url.clone();
-            let stop = stop_rx.clone();
-            async move { queue.keep_session(url, stop).await }
+            async move { queue.keep_session(url, session_stop_rx).await }
         });
         let sampler = tokio::spawn(sample_queue_depth(shared.clone(), stop_rx.clone()));
         let main = tokio::spawn(run(shared.clone(), stop_rx, running.clone()));
@@ -222,6 +226,7 @@ impl Worker {
             stop,
             main,
             listener,
+            session_stop,
             session,
             sampler,
             metrics_stop,
@@ -257,6 +262,7 @@ impl WorkerHandle {
         let _ = self.stop.send(true);
         let _ = self.main.await;
         let _ = self.listener.await;
+        let _ = self.session_stop.send(true);
         let _ = self.session.await;
         let _ = self.sampler.await;
         let _ = self.metrics_stop.send(());

@@ -426,8 +426,23 @@ async fn a_dead_workers_leases_are_free_when_its_session_ends(pool: PgPool) {
     assert_eq!(s.work_depth().await.unwrap().leased, 1);
     use sqlx::Connection;
     conn.close().await.unwrap();
-    // The session ends with the connection (the server notices the close at once).
+    // The session ends with the connection (the server notices the close at once). From then
+    // on the holder cannot renew the lease nor write under it, before anyone takes it: if its
+    // process lives on (a connection cut, not a death), its passes stop.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while s.work_renew(id, held[0].lease_token, long).await.unwrap() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a lease whose session ended is still renewed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(matches!(
+        s.under_lease(id, held[0].lease_token)
+            .event_append(id, "Late", "session gone")
+            .await,
+        Err(region_store::StoreError::LeaseLost)
+    ));
     let taken = loop {
         let got = s.work_claim("b", LEASE, 10).await.unwrap();
         if !got.is_empty() {
@@ -478,4 +493,39 @@ async fn a_failed_renewal_stops_the_pass(pool: PgPool) {
     tokio::time::timeout(lease * 4, lost.notified())
         .await
         .expect("a failed renewal stops the pass");
+}
+
+/// A fenced write of a worker and a customer's write of the regional service on one DI take
+/// their locks in one order (the DI's row, then the lease's): neither waits for the other in a
+/// cycle. The customer's write here holds the DI's row, as a PATCH does, while the worker
+/// records a ledger entry (whose foreign key check needs that row), then updates the lease's row
+/// (the PATCH's trace); both must commit.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_fenced_write_and_a_customers_write_do_not_deadlock(pool: PgPool) {
+    let s = store(pool.clone());
+    let id = create(&s, Uuid::new_v4()).await;
+    let claim = s.work_claim("w", LEASE, 1).await.unwrap().remove(0);
+    let fenced = s.under_lease(id, claim.lease_token);
+    let mut patch = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM dedicated_inferences WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .execute(&mut *patch)
+        .await
+        .unwrap();
+    let worker =
+        tokio::spawn(async move { fenced.ledger_record(id, "node_pool", "p", "c", None).await });
+    // Real time, not a condition: the worker's write must have reached its first lock (and
+    // block on the DI's row) before the customer's write goes on; 300 ms is ample for that, and
+    // a shorter wait only lets the interleaving go untested, never fails the test.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("UPDATE work_items SET traceparent = NULL WHERE di_id = $1")
+        .bind(id)
+        .execute(&mut *patch)
+        .await
+        .expect("the customer's write is not a deadlock victim");
+    patch.commit().await.unwrap();
+    worker
+        .await
+        .unwrap()
+        .expect("the worker's write is not a deadlock victim");
 }
