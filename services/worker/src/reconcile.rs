@@ -34,6 +34,9 @@ pub const LEDGER_CLUSTER: &str = "cluster";
 pub const LEDGER_NODE_POOL: &str = "node_pool";
 pub const LEDGER_NAMESPACE: &str = "namespace";
 
+/// How soon a DI whose node pools wait for pods (to be placed, or to leave) is looked at again.
+const POOLS_HELD_RECHECK: Duration = Duration::from_secs(10);
+
 /// The kinds the worker renders, observed for readiness and pruning: (apiVersion, kind).
 const RENDERED_KINDS: &[(&str, &str)] = &[
     ("v1", "Secret"),
@@ -898,12 +901,15 @@ impl Reconciler {
             public_fqdn: assessment.public_endpoint.clone(),
             private_fqdn: assessment.private_endpoint.clone(),
         };
+        // Serving as declared, with pools still to shrink or go once pods have left (which on a
+        // real cluster takes up to their grace period): looked at again soon, not at the next
+        // resync, though nothing customers asked for is waiting.
         let settled = |status: Status| {
             if pools_held.is_empty() {
-                Pass::new(status, converged_check)
-            } else {
-                Pass::new(status, s.poll).wait(pools_held.join("; "), s.poll)
+                return Pass::new(status, converged_check);
             }
+            tracing::debug!(di = %id, held = %pools_held.join("; "), "node pools held back");
+            Pass::new(status, converged_check.min(POOLS_HELD_RECHECK))
         };
         let Some(version) = pending else {
             // Converged and nothing to roll out: a resync. Endpoints that moved since the rollout
@@ -1002,7 +1008,7 @@ impl Reconciler {
         ledger: &mut Ledger<'_>,
     ) -> Result<(u64, Vec<String>)> {
         let pools = self.cloud.node_pool_list(cluster_id).await?;
-        let busy = plan::readiness::busy_nodes(observed);
+        let busy = plan::readiness::busy_nodes(observed, SystemTime::now());
         let observed_pools: Vec<plan::ObservedPool> = pools
             .iter()
             .map(|p| plan::ObservedPool {

@@ -163,7 +163,7 @@ pub fn node_pools(
             creates.push(PoolAction::Create(d.clone()));
             continue;
         };
-        if d.count > p.count || (d.count < p.count && p.nodes.is_empty()) {
+        if d.count > p.count {
             resizes.push(PoolAction::Resize {
                 pool_id: p.id.clone(),
                 name: p.name.clone(),
@@ -176,11 +176,25 @@ pub fn node_pools(
                 p.count - d.count,
                 p.count
             ));
+        } else if d.count < p.count && p.nodes.is_empty() {
+            resizes.push(PoolAction::Resize {
+                pool_id: p.id.clone(),
+                name: p.name.clone(),
+                count: d.count,
+            });
         } else if d.count < p.count {
             // Only idle nodes go; busy ones are waited for (their pods are being scaled away).
             let mut idle: Vec<&ObservedNode> = p.nodes.iter().filter(|n| !n.busy).collect();
             idle.sort_by(|a, b| a.name.cmp(&b.name).then_with(|| a.id.cmp(&b.id)));
             let excess = (p.count - d.count) as usize;
+            if idle.len() < excess {
+                held.push(format!(
+                    "node pool {}: {} of {} nodes to remove once their pods have left",
+                    p.name,
+                    excess - idle.len(),
+                    p.count
+                ));
+            }
             node_deletes.extend(
                 idle.into_iter()
                     .take(excess)

@@ -383,10 +383,22 @@ pub fn endpoint_url(service: &Value) -> Option<String> {
     }
 }
 
-/// Nodes that run a pod that has not finished: a pool must not lose them.
-pub fn busy_nodes(pods: &[Value]) -> BTreeSet<String> {
+/// How long after its deletion time a pod that is still there stops holding its node: its
+/// kubelet should have stopped it by then (the deletion time is when its grace period ends), so
+/// it is stuck on a node that does not answer, and it would hold that node forever.
+pub const STUCK_POD_GRACE: Duration = Duration::from_secs(60);
+
+/// Nodes that run a pod that has not finished at `now`: a pool must not lose them. A pod being
+/// deleted holds its node until it is gone (its requests finish), unless it is stuck (see
+/// [`STUCK_POD_GRACE`]).
+pub fn busy_nodes(pods: &[Value], now: SystemTime) -> BTreeSet<String> {
+    let stuck = |p: &Value| {
+        s(p, "/metadata/deletionTimestamp")
+            .and_then(parse_time)
+            .is_some_and(|at| at + STUCK_POD_GRACE < now)
+    };
     pods.iter()
-        .filter(|p| p["kind"] == "Pod" && !pod_finished(p))
+        .filter(|p| p["kind"] == "Pod" && !pod_finished(p) && !stuck(p))
         .filter_map(|p| s(p, "/spec/nodeName"))
         .map(str::to_string)
         .collect()
@@ -431,6 +443,8 @@ pub fn awaited_pools(desired: &[Value], observed: &[Value]) -> BTreeSet<String> 
             template_hash(o) == want
                 && int(o, "/status/observedGeneration") >= int(o, "/metadata/generation")
                 && placed >= int(o, "/spec/replicas")
+                // A scale-up this pass applies: the new pods are still to come.
+                && int(d, "/spec/replicas") <= int(o, "/spec/replicas")
         });
         if !settled {
             awaited.insert(pool);
@@ -742,6 +756,8 @@ mod tests {
         let first = short.iter().position(|o| is_vllm_pod(o)).unwrap();
         short.remove(first);
         assert!(awaited_pools(&d, &short).contains(&pool));
+        // A scale-up this pass applies: its new pods are still to come.
+        assert!(awaited_pools(&desired(3, false, false), &converged(&d)).contains(&pool));
         // The controller has not seen the last change.
         let mut stale = converged(&d);
         let dep = stale.iter_mut().find(|o| vllm(o)).unwrap();
@@ -792,13 +808,22 @@ mod tests {
     }
 
     #[test]
-    fn busy_nodes_ignore_finished_pods() {
+    fn busy_nodes_ignore_finished_and_stuck_pods() {
         let pods = vec![
             json!({"kind": "Pod", "spec": {"nodeName": "a"}, "status": {"phase": "Running"}}),
             json!({"kind": "Pod", "spec": {"nodeName": "b"}, "status": {"phase": "Succeeded"}}),
             json!({"kind": "Pod", "spec": {}, "status": {"phase": "Pending"}}),
+            // Going, its grace period not over: its requests finish there.
+            json!({"kind": "Pod", "metadata": {"deletionTimestamp": "1970-01-01T00:16:40Z"},
+                   "spec": {"nodeName": "c"}, "status": {"phase": "Running"}}),
         ];
-        assert_eq!(busy_nodes(&pods), BTreeSet::from(["a".to_string()]));
+        let busy = |now: u64| busy_nodes(&pods, at(now));
+        assert_eq!(
+            busy(1000),
+            BTreeSet::from(["a".to_string(), "c".to_string()])
+        );
+        // Long past it: stuck on a node that does not answer, it holds it no more.
+        assert_eq!(busy(1100), BTreeSet::from(["a".to_string()]));
     }
 
     /// `converged(d)` with pod `vllm-aaaaaaaa-{i}` crash-looping after `restarts` restarts, its
