@@ -692,3 +692,61 @@ async fn idempotent_patch_delete_and_token_create() {
     .await;
     assert_eq!((d1.status, d2.status), (202, 202));
 }
+
+/// A create is sent to its region by one driver at a time: while the customer's request waits
+/// on a slow region, recovery leaves that create alone instead of sending it too. (Found by the
+/// soak: recovery's attempt landed while the request's was answered "changed nothing", the
+/// request gave the create up, and the customer's retry found its own name taken.)
+#[tokio::test]
+async fn recovery_leaves_a_create_alone_while_a_request_sends_it() {
+    let sys = System::start_with(Options {
+        background: false,
+        ..Options::default()
+    })
+    .await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    sys.proxy("atl1")
+        .set_mode(Mode::SlowResponses(Duration::from_secs(6)));
+    let request = {
+        let (sys_url, http, token) = (
+            sys.url("/v2/dedicated-inferences"),
+            sys.http.clone(),
+            token.clone(),
+        );
+        tokio::spawn(async move {
+            http.post(sys_url)
+                .bearer_auth(token)
+                .json(&create_body("one-at-a-time", "atl1"))
+                .send()
+                .await
+                .map(|r| r.status())
+        })
+    };
+    // Older than recovery's age (3 s) and still waiting on the region (6 s): recovery's turn.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert_eq!(
+        central_rows(&sys, "pending_creates").await,
+        1,
+        "the request is sending it"
+    );
+    let completed = central::feed::recover_once(&sys.central.app)
+        .await
+        .expect("recovery runs");
+    assert_eq!(completed, 0);
+    // Had it sent it too, its attempt would have failed on the slow region and been counted.
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM pending_creates")
+        .fetch_one(sys.central.app.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(attempts, 0, "recovery sent a create a request was sending");
+    let answered = request.await.unwrap().unwrap();
+    assert_eq!(answered, 503, "the region answered after central's wait");
+    sys.proxy("atl1").set_mode(Mode::Pass);
+    // Now recovery finishes it, once.
+    eventually(Duration::from_secs(20), || async {
+        let done = central::feed::recover_once(&sys.central.app).await.unwrap();
+        (central_rows(&sys, "pending_creates").await == 0).then_some(done)
+    })
+    .await;
+    assert_eq!(region_rows(&sys, "atl1").await, 1);
+}

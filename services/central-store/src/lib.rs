@@ -399,6 +399,7 @@ impl CentralStore {
         let rows: Vec<(Uuid, Uuid, i32)> = sqlx::query_as(
             "SELECT p.di_id, d.team_id, p.attempts FROM pending_creates p JOIN dedicated_inferences d ON d.id = p.di_id
              WHERE p.created_at < now() - make_interval(secs => $1) AND (p.retry_at IS NULL OR p.retry_at <= now())
+               AND (p.driven_until IS NULL OR p.driven_until <= now())
              ORDER BY p.created_at LIMIT 100",
         )
         .bind(age.as_secs_f64())
@@ -475,6 +476,66 @@ impl CentralStore {
             .await?;
         tx.commit().await?;
         self.cache.invalidate(update.id);
+        Ok(())
+    }
+
+    /// Takes the right to send pending create `di_id` to its region for `lease`: `false` while
+    /// another driver (a request, a retry, recovery, another replica) holds it. One attempt at a
+    /// time is what lets a region's "changed nothing" settle the create.
+    pub async fn create_drive_begin(
+        &self,
+        di_id: Uuid,
+        lease: std::time::Duration,
+    ) -> Result<bool> {
+        let taken = sqlx::query(
+            "UPDATE pending_creates SET driven_until = now() + make_interval(secs => $2)
+             WHERE di_id = $1 AND (driven_until IS NULL OR driven_until <= now())",
+        )
+        .bind(di_id)
+        .bind(lease.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        Ok(taken.rows_affected() == 1)
+    }
+
+    /// Gives the right taken by [`CentralStore::create_drive_begin`] back (a no-op once the
+    /// create is settled).
+    pub async fn create_drive_end(&self, di_id: Uuid) -> Result<()> {
+        sqlx::query("UPDATE pending_creates SET driven_until = NULL WHERE di_id = $1")
+            .bind(di_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// As [`CentralStore::create_drive_begin`] for the keyed operation of `key`.
+    pub async fn operation_drive_begin(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        lease: std::time::Duration,
+    ) -> Result<bool> {
+        let taken = sqlx::query(
+            "UPDATE idempotency_keys SET driven_until = now() + make_interval(secs => $3)
+             WHERE team_id = $1 AND key = $2 AND (driven_until IS NULL OR driven_until <= now())",
+        )
+        .bind(team_id)
+        .bind(key)
+        .bind(lease.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        Ok(taken.rows_affected() == 1)
+    }
+
+    /// As [`CentralStore::create_drive_end`] for the keyed operation of `key`.
+    pub async fn operation_drive_end(&self, team_id: Uuid, key: &str) -> Result<()> {
+        sqlx::query(
+            "UPDATE idempotency_keys SET driven_until = NULL WHERE team_id = $1 AND key = $2",
+        )
+        .bind(team_id)
+        .bind(key)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
@@ -686,6 +747,7 @@ impl CentralStore {
             "SELECT team_id, key, sealed_operation, attempts FROM idempotency_keys
              WHERE sealed_operation IS NOT NULL AND status_code IS NULL
                AND created_at < now() - make_interval(secs => $1) AND (retry_at IS NULL OR retry_at <= now())
+               AND (driven_until IS NULL OR driven_until <= now())
              ORDER BY created_at LIMIT 100",
         )
         .bind(age.as_secs_f64())

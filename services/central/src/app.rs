@@ -179,6 +179,14 @@ fn response_aad(team_id: Uuid) -> String {
     format!("idempotent-response:{team_id}")
 }
 
+/// The answer to a create without a key while another attempt of it is being sent: a retry
+/// soon finds it done (clients retry a 503, as they do not a 409).
+fn busy() -> ApiError {
+    ApiError::ServiceUnavailable {
+        retry_after_secs: 1,
+    }
+}
+
 fn region_error(e: RegionCallError) -> ApiError {
     match e {
         RegionCallError::UnknownRegion => ApiError::ServiceUnavailable {
@@ -313,7 +321,7 @@ impl App {
             })
             .await;
         match begun {
-            Ok(CreateBegin::Started) => self.drive_create(di_id, p.team_id).await,
+            Ok(CreateBegin::Started) => self.drive_create(di_id, p.team_id, busy).await,
             Ok(CreateBegin::KeyTaken) => match self
                 .store
                 .idempotency_state(p.team_id, key.unwrap_or_default(), &fp)
@@ -331,7 +339,7 @@ impl App {
                 )),
                 IdempotencyState::Unfinished {
                     di_id: Some(id), ..
-                } => self.drive_create(id, p.team_id).await,
+                } => self.drive_create(id, p.team_id, key_in_progress).await,
                 IdempotencyState::Unfinished { di_id: None, .. } | IdempotencyState::Fresh => {
                     Err(key_in_progress())
                 }
@@ -345,7 +353,7 @@ impl App {
                     .create_by_fingerprint(p.team_id, &intent.request.spec.name, &fp, REPLAY_WINDOW)
                     .await?
                 {
-                    Some(id) => self.drive_create(id, p.team_id).await,
+                    Some(id) => self.drive_create(id, p.team_id, busy).await,
                     None => Err(StoreError::NameTaken.into()),
                 }
             }
@@ -357,7 +365,37 @@ impl App {
     /// (idempotent there) and confirmed with the region's view, or aborted when the region
     /// refuses it or its intent cannot be read; a settled one replays its first response. Used by
     /// the request path, by retries, and by recovery after a crash.
-    pub async fn drive_create(&self, di_id: Uuid, team_id: Uuid) -> Result<Reply, ApiError> {
+    /// Sends pending create `di_id` to its region and settles it, or answers with how it was
+    /// settled. `busy` is the answer while another driver is sending it.
+    pub async fn drive_create(
+        &self,
+        di_id: Uuid,
+        team_id: Uuid,
+        busy: impl FnOnce() -> ApiError,
+    ) -> Result<Reply, ApiError> {
+        // One attempt at a time (a request, a retry, recovery, on any replica): the region's
+        // "changed nothing" below settles the create only because no other attempt of it can
+        // be in flight and land after it (found by the soak: recovery's attempt landed while
+        // the request's was told nothing changed, and the retry then found its name taken).
+        if !self
+            .store
+            .create_drive_begin(di_id, self.drive_lease)
+            .await?
+        {
+            // Settled (its answer is replayed, nothing is sent), or being sent right now.
+            return match self.store.create_state(di_id).await? {
+                Some(CreateState::Pending { .. }) => Err(busy()),
+                _ => self.drive_create_once(di_id, team_id).await,
+            };
+        }
+        let driven = self.drive_create_once(di_id, team_id).await;
+        if let Err(e) = self.store.create_drive_end(di_id).await {
+            tracing::warn!(%di_id, error = %e, "giving a create's drive back failed; it lapses");
+        }
+        driven
+    }
+
+    async fn drive_create_once(&self, di_id: Uuid, team_id: Uuid) -> Result<Reply, ApiError> {
         let sealed = match self.store.create_state(di_id).await? {
             Some(CreateState::Pending {
                 team_id: owner,
@@ -520,6 +558,27 @@ impl App {
     /// released when the operation changed nothing. While its outcome is unknown (the region was
     /// unreachable or slow) the key keeps it, for a retry or recovery to drive again.
     pub async fn drive_operation(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        sealed: &[u8],
+    ) -> Result<Reply, ApiError> {
+        // One attempt at a time, as for a create (see `drive_create`).
+        if !self
+            .store
+            .operation_drive_begin(team_id, key, self.drive_lease)
+            .await?
+        {
+            return Err(key_in_progress());
+        }
+        let driven = self.drive_operation_once(team_id, key, sealed).await;
+        if let Err(e) = self.store.operation_drive_end(team_id, key).await {
+            tracing::warn!(%team_id, error = %e, "giving an operation's drive back failed; it lapses");
+        }
+        driven
+    }
+
+    async fn drive_operation_once(
         &self,
         team_id: Uuid,
         key: &str,

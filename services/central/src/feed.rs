@@ -97,7 +97,10 @@ pub async fn recover_once(app: &App) -> anyhow::Result<usize> {
         app.store.create_abort(di_id).await?;
     }
     for due in app.store.pending_creates_due(RECOVERY_AGE).await? {
-        match app.drive_create(due.di_id, due.team_id).await {
+        let busy = || crate::error::ApiError::ServiceUnavailable {
+            retry_after_secs: 1,
+        };
+        match app.drive_create(due.di_id, due.team_id, busy).await {
             Ok(_) => completed += 1,
             Err(error) => {
                 // A permanent failure settled the create already; this only delays one still pending.

@@ -105,6 +105,9 @@ pub struct Config {
 pub struct Inner {
     pub store: CentralStore,
     pub regions: Regions,
+    /// How long one attempt at sending a create or keyed operation to its region may last:
+    /// longer than any region call (see `App::drive_create`).
+    pub drive_lease: Duration,
     pub catalog: Catalog,
     pub sealer: Sealer,
     pub auth: Authenticator,
@@ -168,6 +171,10 @@ impl App {
         Ok(App(Arc::new(Inner {
             store,
             regions,
+            // A region call is one request bounded by the region timeout: twice that, and
+            // some, covers an attempt and its bookkeeping.
+            drive_lease: Duration::from_millis(config.region_timeout_ms) * 2
+                + Duration::from_secs(5),
             catalog,
             sealer: Sealer::from_keys(&config.seal_key, &config.seal_open_keys)?,
             auth: Authenticator::new(
