@@ -179,8 +179,8 @@ fn response_aad(team_id: Uuid) -> String {
     format!("idempotent-response:{team_id}")
 }
 
-/// The answer to a create without a key while another attempt of it is being sent: a retry
-/// soon finds it done (clients retry a 503, as they do not a 409).
+/// The answer to a create without a key while another attempt of it is still being sent after
+/// the request waited for it: a retry soon finds it done (clients retry a 503, not a 409).
 fn busy() -> ApiError {
     ApiError::ServiceUnavailable {
         retry_after_secs: 1,
@@ -321,7 +321,10 @@ impl App {
             })
             .await;
         match begun {
-            Ok(CreateBegin::Started) => self.drive_create(di_id, p.team_id, busy).await,
+            Ok(CreateBegin::Started) => {
+                self.drive_create(di_id, p.team_id, self.drive_lease, busy)
+                    .await
+            }
             Ok(CreateBegin::KeyTaken) => match self
                 .store
                 .idempotency_state(p.team_id, key.unwrap_or_default(), &fp)
@@ -339,7 +342,10 @@ impl App {
                 )),
                 IdempotencyState::Unfinished {
                     di_id: Some(id), ..
-                } => self.drive_create(id, p.team_id, key_in_progress).await,
+                } => {
+                    self.drive_create(id, p.team_id, self.drive_lease, key_in_progress)
+                        .await
+                }
                 IdempotencyState::Unfinished { di_id: None, .. } | IdempotencyState::Fresh => {
                     Err(key_in_progress())
                 }
@@ -353,7 +359,10 @@ impl App {
                     .create_by_fingerprint(p.team_id, &intent.request.spec.name, &fp, REPLAY_WINDOW)
                     .await?
                 {
-                    Some(id) => self.drive_create(id, p.team_id, busy).await,
+                    Some(id) => {
+                        self.drive_create(id, p.team_id, self.drive_lease, busy)
+                            .await
+                    }
                     None => Err(StoreError::NameTaken.into()),
                 }
             }
@@ -366,33 +375,50 @@ impl App {
     /// refuses it or its intent cannot be read; a settled one replays its first response. Used by
     /// the request path, by retries, and by recovery after a crash.
     /// Sends pending create `di_id` to its region and settles it, or answers with how it was
-    /// settled. `busy` is the answer while another driver is sending it.
+    /// settled. While another driver is sending it, waits up to `patience` for that attempt to
+    /// end, then answers `busy`.
     pub async fn drive_create(
         &self,
         di_id: Uuid,
         team_id: Uuid,
+        patience: Duration,
         busy: impl FnOnce() -> ApiError,
     ) -> Result<Reply, ApiError> {
         // One attempt at a time (a request, a retry, recovery, on any replica): the region's
-        // "changed nothing" below settles the create only because no other attempt of it can
-        // be in flight and land after it (found by the soak: recovery's attempt landed while
-        // the request's was told nothing changed, and the retry then found its name taken).
-        if !self
+        // "changed nothing" settles the create only because no other attempt of it can be in
+        // flight and land after it (found by the soak: recovery's attempt landed while the
+        // request's was told nothing changed, and the retry then found its name taken).
+        let give_up = tokio::time::Instant::now() + patience;
+        while !self
             .store
             .create_drive_begin(di_id, self.drive_lease)
             .await?
         {
             // Settled (its answer is replayed, nothing is sent), or being sent right now.
-            return match self.store.create_state(di_id).await? {
-                Some(CreateState::Pending { .. }) => Err(busy()),
-                _ => self.drive_create_once(di_id, team_id).await,
-            };
+            if !matches!(
+                self.store.create_state(di_id).await?,
+                Some(CreateState::Pending { .. })
+            ) {
+                return self.drive_create_once(di_id, team_id).await;
+            }
+            if tokio::time::Instant::now() >= give_up {
+                return Err(busy());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let driven = self.drive_create_once(di_id, team_id).await;
-        if let Err(e) = self.store.create_drive_end(di_id).await {
-            tracing::warn!(%di_id, error = %e, "giving a create's drive back failed; it lapses");
-        }
-        driven
+        // A task of its own: a client that goes away does not cut the attempt, or the giving
+        // back of the drive, short (that would hold other drivers off until it lapses).
+        let app = self.clone();
+        let drive = async move {
+            let driven = app.drive_create_once(di_id, team_id).await;
+            if let Err(e) = app.store.create_drive_end(di_id).await {
+                tracing::warn!(%di_id, error = %e, "giving a create's drive back failed; it lapses");
+            }
+            driven
+        };
+        tokio::spawn(drive.instrument(tracing::Span::current()))
+            .await
+            .map_err(ApiError::internal)?
     }
 
     async fn drive_create_once(&self, di_id: Uuid, team_id: Uuid) -> Result<Reply, ApiError> {

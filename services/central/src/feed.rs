@@ -100,7 +100,11 @@ pub async fn recover_once(app: &App) -> anyhow::Result<usize> {
         let busy = || crate::error::ApiError::ServiceUnavailable {
             retry_after_secs: 1,
         };
-        match app.drive_create(due.di_id, due.team_id, busy).await {
+        // Recovery does not wait for a create a request is sending: it comes back to it.
+        match app
+            .drive_create(due.di_id, due.team_id, Duration::ZERO, busy)
+            .await
+        {
             Ok(_) => completed += 1,
             Err(error) => {
                 // A permanent failure settled the create already; this only delays one still pending.
