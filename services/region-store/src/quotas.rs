@@ -303,23 +303,35 @@ async fn held(
     team_id: Uuid,
     only: Option<Uuid>,
 ) -> Result<Held> {
-    // A NULL size is the row counting the DIs themselves.
+    // A NULL size is the row counting the DIs themselves. While a spec rolls out, a DI holds,
+    // per size, the more of what its current and its pending spec ask: the old replicas serve
+    // until the new ones do (and keep serving if the rollout fails), so a scale-down or a move
+    // frees its GPUs when it has rolled out, not when it is accepted.
     let rows: Vec<(Option<String>, i64)> = sqlx::query_as(
         "WITH counting AS (
-             SELECT id, coalesce(pending_version, current_version) AS version FROM dedicated_inferences
+             SELECT id, current_version, pending_version FROM dedicated_inferences
              WHERE team_id = $1 AND ($2::uuid IS NULL OR id = $2) AND gone_at IS NULL
-               AND status <> 'deleting')
+               AND status <> 'deleting'),
+         versions AS (
+             SELECT id, current_version AS version FROM counting WHERE current_version IS NOT NULL
+             UNION
+             SELECT id, pending_version FROM counting WHERE pending_version IS NOT NULL),
+         per_version AS (
+             SELECT v.id, v.version, g.accelerator_slug,
+                    sum(CASE WHEN jsonb_typeof(m.workload_config -> 'autoscaling') = 'object'
+                             THEN greatest(g.scale, coalesce((m.workload_config #>> '{autoscaling,max_replicas}')::numeric, g.scale))
+                             ELSE g.scale END) AS replicas
+             FROM versions v
+             JOIN model_deployments m ON m.di_id = v.id AND m.version = v.version
+             JOIN accelerator_groups g
+               ON g.di_id = m.di_id AND g.version = m.version AND g.deployment_position = m.position
+             GROUP BY v.id, v.version, g.accelerator_slug),
+         per_di AS (
+             SELECT id, accelerator_slug, max(replicas) AS replicas FROM per_version
+             GROUP BY id, accelerator_slug)
          SELECT NULL, count(*) FROM counting
          UNION ALL
-         SELECT g.accelerator_slug,
-                sum(CASE WHEN jsonb_typeof(m.workload_config -> 'autoscaling') = 'object'
-                         THEN greatest(g.scale, coalesce((m.workload_config #>> '{autoscaling,max_replicas}')::numeric, g.scale))
-                         ELSE g.scale END)::bigint
-         FROM counting
-         JOIN model_deployments m ON m.di_id = counting.id AND m.version = counting.version
-         JOIN accelerator_groups g
-           ON g.di_id = m.di_id AND g.version = m.version AND g.deployment_position = m.position
-         GROUP BY g.accelerator_slug",
+         SELECT accelerator_slug, sum(replicas)::bigint FROM per_di GROUP BY accelerator_slug",
     )
     .bind(team_id)
     .bind(only)

@@ -257,3 +257,49 @@ async fn a_lowered_limit_refuses_only_what_grows_and_a_delete_frees_at_once(pool
     let report = store.quota_use(team).await.unwrap();
     assert_eq!(dis_use(&report), (3, 1));
 }
+
+/// While a spec rolls out, a DI holds the more of what its current and its pending spec ask per
+/// size: the old replicas serve until the new ones do (and go on serving if the rollout fails).
+/// A scale-down or a move frees GPUs when it has rolled out, not when it is accepted: otherwise
+/// a scale-down to a size the region has none of (the DI goes to `error`, its old nodes kept)
+/// would let the team hold twice its limit.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_rollout_frees_gpus_when_it_completes_not_when_it_is_accepted(pool: PgPool) {
+    let store = store(pool);
+    let team = Uuid::new_v4();
+    let first = create(team, vec![deployment(H1, 16, serde_json::json!({}))]);
+    let di = store
+        .dedicated_inference_create(&first, &ca())
+        .await
+        .unwrap();
+    store.provisioning_begin(di.id).await.unwrap();
+    store
+        .rollout_complete(di.id, 1, &region_store::Endpoints::default())
+        .await
+        .unwrap();
+    // Down to one H100 (or moved away from H100): accepted, but the sixteen still serve.
+    let mut spec = first.spec.clone();
+    spec.model_deployments[0].accelerators[0].scale = 1;
+    store
+        .dedicated_inference_patch(di.id, team, Some(&spec), None, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        size_use(&store.quota_use(team).await.unwrap(), H1),
+        (16, 16)
+    );
+    refused(
+        create_one(&store, team, H1, 8, serde_json::json!({})).await,
+        &format!("GPUs of size {H1} in atl1"),
+    );
+    // Rolled out: the fifteen are free.
+    store.updating_begin(di.id).await.unwrap();
+    store
+        .rollout_complete(di.id, 2, &region_store::Endpoints::default())
+        .await
+        .unwrap();
+    assert_eq!(size_use(&store.quota_use(team).await.unwrap(), H1), (16, 1));
+    create_one(&store, team, H1, 8, serde_json::json!({}))
+        .await
+        .unwrap();
+}
