@@ -508,7 +508,8 @@ impl CentralStore {
         Ok(())
     }
 
-    /// As [`CentralStore::create_drive_begin`] for the keyed operation of `key`.
+    /// As [`CentralStore::create_drive_begin`] for the keyed operation of `key`, while it has no
+    /// answer yet.
     pub async fn operation_drive_begin(
         &self,
         team_id: Uuid,
@@ -517,7 +518,8 @@ impl CentralStore {
     ) -> Result<bool> {
         let taken = sqlx::query(
             "UPDATE idempotency_keys SET driven_until = now() + make_interval(secs => $3)
-             WHERE team_id = $1 AND key = $2 AND (driven_until IS NULL OR driven_until <= now())",
+             WHERE team_id = $1 AND key = $2 AND status_code IS NULL
+               AND (driven_until IS NULL OR driven_until <= now())",
         )
         .bind(team_id)
         .bind(key)

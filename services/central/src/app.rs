@@ -543,7 +543,7 @@ impl App {
             &serde_json::to_vec(&operation).expect("operations serialise"),
             operation_aad(team_id, key).as_bytes(),
         );
-        let sealed = match self
+        let mut state = self
             .store
             .idempotency_begin(
                 team_id,
@@ -554,30 +554,44 @@ impl App {
                     sealed: &sealed,
                 }),
             )
-            .await?
-        {
-            IdempotencyState::Fresh => sealed,
-            IdempotencyState::Unfinished {
-                sealed_operation: Some(first),
-                ..
-            } => first,
-            IdempotencyState::Done {
-                status_code,
-                sealed_body,
-            } => return self.replay(team_id, status_code, &sealed_body),
-            IdempotencyState::Mismatch => return Err(key_mismatch()),
-            // The DI is gone: what this request would get now.
-            IdempotencyState::Erased { .. } => return Err(ApiError::NotFound),
-            IdempotencyState::Unfinished {
-                sealed_operation: None,
-                ..
-            } => return Err(key_in_progress()),
-        };
-        let (app, key) = (self.clone(), key.to_owned());
-        let drive = async move { app.drive_operation(team_id, &key, &sealed).await };
-        tokio::spawn(drive.instrument(tracing::Span::current()))
-            .await
-            .map_err(ApiError::internal)?
+            .await?;
+        // A retry while another attempt of the operation is in flight (recovery's, after the
+        // first one's answer was lost) waits for it and replays its answer: clients do not
+        // retry a 409.
+        let give_up = tokio::time::Instant::now() + self.drive_lease;
+        loop {
+            let sealed = match state {
+                IdempotencyState::Fresh => sealed.clone(),
+                IdempotencyState::Unfinished {
+                    sealed_operation: Some(first),
+                    ..
+                } => first,
+                IdempotencyState::Done {
+                    status_code,
+                    sealed_body,
+                } => return self.replay(team_id, status_code, &sealed_body),
+                IdempotencyState::Mismatch => return Err(key_mismatch()),
+                // The DI is gone: what this request would get now.
+                IdempotencyState::Erased { .. } => return Err(ApiError::NotFound),
+                IdempotencyState::Unfinished {
+                    sealed_operation: None,
+                    ..
+                } => return Err(key_in_progress()),
+            };
+            let (app, owned_key) = (self.clone(), key.to_owned());
+            let drive = async move { app.try_drive_operation(team_id, &owned_key, &sealed).await };
+            let driven = tokio::spawn(drive.instrument(tracing::Span::current()))
+                .await
+                .map_err(ApiError::internal)?;
+            match driven {
+                Some(reply) => return reply,
+                None if tokio::time::Instant::now() >= give_up => return Err(key_in_progress()),
+                None => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    state = self.store.idempotency_state(team_id, key, &fp).await?;
+                }
+            }
+        }
     }
 
     /// Drives a keyed operation to its end: its response is stored for the key, or the key is
@@ -589,19 +603,33 @@ impl App {
         key: &str,
         sealed: &[u8],
     ) -> Result<Reply, ApiError> {
-        // One attempt at a time, as for a create (see `drive_create`).
-        if !self
+        self.try_drive_operation(team_id, key, sealed)
+            .await
+            .unwrap_or_else(|| Err(key_in_progress()))
+    }
+
+    /// As [`App::drive_operation`]; `None` while another attempt of the operation is in flight
+    /// (one at a time, as for a create: see `drive_create`).
+    async fn try_drive_operation(
+        &self,
+        team_id: Uuid,
+        key: &str,
+        sealed: &[u8],
+    ) -> Option<Result<Reply, ApiError>> {
+        match self
             .store
             .operation_drive_begin(team_id, key, self.drive_lease)
-            .await?
+            .await
         {
-            return Err(key_in_progress());
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(e) => return Some(Err(e.into())),
         }
         let driven = self.drive_operation_once(team_id, key, sealed).await;
         if let Err(e) = self.store.operation_drive_end(team_id, key).await {
             tracing::warn!(%team_id, error = %e, "giving an operation's drive back failed; it lapses");
         }
-        driven
+        Some(driven)
     }
 
     async fn drive_operation_once(
