@@ -114,7 +114,7 @@ async fn a_central_that_does_not_trust_the_regions_ca_gets_503_and_sends_nothing
         .await
         .expect("central starts");
     let team = Uuid::new_v4();
-    let token = common::tokens::mint(common::tokens::API_TOKEN_PREFIX);
+    let token = untrusting.app.auth.mint();
     untrusting
         .app
         .store

@@ -442,6 +442,7 @@ impl System {
             listen: "127.0.0.1:0".parse().unwrap(),
             metrics_listen: "127.0.0.1:0".parse().unwrap(),
             database_url: fresh_database_on(&admin, "central").await,
+            api_token_key: common::tokens::ApiTokenKey::generate(),
             seal_key: common::seal::Sealer::generate_key(),
             seal_open_keys: Vec::new(),
             regions: regions
@@ -523,7 +524,7 @@ impl System {
         } else {
             scopes.iter().map(|s| s.to_string()).collect()
         };
-        let value = common::tokens::mint(common::tokens::API_TOKEN_PREFIX);
+        let value = self.central.app.auth.mint();
         self.central
             .app
             .store

@@ -33,7 +33,6 @@ import tempfile
 import threading
 import time
 import uuid
-import zlib
 
 import httpx
 
@@ -73,19 +72,18 @@ def base62(n, width):
 
 def made_up_token(rng):
     """A bearer token nobody was given, of one of the kinds a flood sends: junk, the legacy API
-    token shape (`dia_v1_` + 40 base62), the current format (`dia_v2_` + 40 base62 + the CRC32 of
-    those 40 in 6 base62, services/common/src/tokens.rs) with a wrong checksum, and with a valid
-    one, which anyone can compute."""
+    token shape (`dia_v1_` + 40 base62), and the current format (`dia_v3_` + 40 base62 + a MAC in
+    14 base62 under central's key, services/common/src/tokens.rs) with a made-up MAC, of a valid
+    number or not."""
     random_part = "".join(rng.choice(BASE62) for _ in range(40))
-    checksum = base62(zlib.crc32(random_part.encode()), 6)
     kind = rng.randrange(4)
     if kind == 0:
         return f"{rng.getrandbits(160):040x}"
     if kind == 1:
         return "dia_v1_" + random_part
     if kind == 2:
-        return "dia_v2_" + random_part + ("000000" if checksum != "000000" else "000001")
-    return "dia_v2_" + random_part + checksum
+        return "dia_v3_" + random_part + "z" * 14
+    return "dia_v3_" + random_part + base62(rng.getrandbits(80), 14)
 
 
 class Soak:
@@ -196,7 +194,8 @@ class Soak:
         out = subprocess.run(
             [os.path.join(self.args.bin, "central"), "mint-token", "--database-url", self.args.central_db,
              "--team", team, "--name", "soak", "--rate-limit-per-hour", "10000000"],
-            check=True, capture_output=True, text=True)
+            check=True, capture_output=True, text=True,
+            env={**os.environ, "API_TOKEN_KEY": self.secrets_env["API_TOKEN_KEY"]})
         token = out.stdout.strip()
         self.secrets.add(token)
         return team, token

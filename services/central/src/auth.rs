@@ -79,8 +79,15 @@ impl Principal {
 pub const MAX_AUTH_CACHE_TTL: Duration = Duration::from_secs(5);
 
 pub struct Authenticator {
+    /// What API tokens are minted and recognised with: a value it did not mint is refused
+    /// without a lookup.
+    key: tokens::ApiTokenKey,
     ttl: Duration,
     default_limit: u32,
+    /// Lookups of legacy (unkeyed) tokens this replica has not seen, for all clients together:
+    /// what a flood of made-up values of that shape can cost the database, however many
+    /// addresses it comes from.
+    legacy_lookups: Mutex<Bucket>,
     /// Tokens that exist (revoked ones included) by hash, with when they were read.
     cache: Mutex<HashMap<[u8; 32], Cached>>,
     failures: Mutex<FailureBudget>,
@@ -114,6 +121,7 @@ const CACHE_IDLE: Duration = Duration::from_secs(3600);
 
 impl Authenticator {
     pub fn new(
+        key: tokens::ApiTokenKey,
         ttl: Duration,
         default_limit: u32,
         failures_per_minute: u32,
@@ -134,13 +142,24 @@ impl Authenticator {
             .transpose()
             .map_err(|e| anyhow::anyhow!("CLIENT_IP_HEADER: {e}"))?;
         Ok(Authenticator {
+            key,
             ttl,
             default_limit,
+            legacy_lookups: Mutex::new(Bucket {
+                left: LEGACY_LOOKUP_BURST,
+                at: Instant::now(),
+            }),
             cache: Mutex::new(HashMap::new()),
             failures: Mutex::new(FailureBudget::new(failures_per_minute)),
             client_ip_header,
             windows: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// A new API token value, minted with this replica's key (for operators' tools and tests:
+    /// the value is shown once and stored as its hash).
+    pub fn mint(&self) -> String {
+        self.key.mint()
     }
 
     /// The token `value` stands for, or why the request is refused.
@@ -151,9 +170,8 @@ impl Authenticator {
         client: IpAddr,
     ) -> Result<Grant, ApiError> {
         let now = Instant::now();
-        if !(tokens::well_formed(tokens::API_TOKEN_PREFIX, value)
-            || tokens::legacy_api_token_shape(value))
-        {
+        let minted = self.key.minted(value);
+        if !(minted || tokens::legacy_api_token_shape(value)) {
             return Err(self.failed(client, now));
         }
         let hash = tokens::sha256(value);
@@ -167,9 +185,17 @@ impl Authenticator {
             Some((grant, true)) => Some(grant),
             // A token that exists: reading it again is what the TTL costs, budget or not.
             Some((_, false)) => self.lookup(app, hash).await?,
+            // Minted by central: a real token, unless revoked or deleted since. Looked up
+            // without a charge, so customers sharing an address with an attacker keep working
+            // with tokens this replica has not seen yet.
+            None if minted => self.lookup(app, hash).await?,
             None => {
-                // Never seen here, so perhaps made up: charged before the lookup, and refunded
-                // if it is a token, so that concurrent forgeries cannot overrun the budget.
+                // A legacy value never seen here, so perhaps made up: within the replica's
+                // budget for those, and charged to the client before the lookup (refunded if it
+                // is a token, so that concurrent forgeries cannot overrun the budget).
+                if let Err(retry_after) = self.legacy_lookups.lock().unwrap().take(now) {
+                    return Err(too_many_failures(retry_after));
+                }
                 let charge = self.failures.lock().unwrap().charge(client, now);
                 if let Err(retry_after) = charge {
                     return Err(too_many_failures(retry_after));
@@ -245,7 +271,10 @@ impl Authenticator {
         let forwarded = self
             .client_ip_header
             .as_ref()
-            .and_then(|h| req.headers().get(h))
+            // The last field of the header: the one the proxy in front of central wrote (a
+            // client may send the header itself, and a proxy may add a field of its own
+            // rather than append to the client's).
+            .and_then(|h| req.headers().get_all(h).iter().last())
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.rsplit(',').next())
             .and_then(|v| v.trim().parse::<IpAddr>().ok());
@@ -355,6 +384,29 @@ struct Bucket {
     at: Instant,
 }
 
+/// Lookups a second of legacy tokens a replica has not seen, for all clients together, and how
+/// many may come at once. Customers' legacy tokens are read once, then cached.
+const LEGACY_LOOKUPS_PER_SECOND: f64 = 20.0;
+const LEGACY_LOOKUP_BURST: f64 = 100.0;
+
+impl Bucket {
+    /// Takes one lookup, or says how long until there is one.
+    fn take(&mut self, now: Instant) -> Result<(), Duration> {
+        let refilled = self.left
+            + LEGACY_LOOKUPS_PER_SECOND * now.saturating_duration_since(self.at).as_secs_f64();
+        self.left = refilled.min(LEGACY_LOOKUP_BURST);
+        self.at = self.at.max(now);
+        if self.left >= 1.0 {
+            self.left -= 1.0;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64(
+                (1.0 - self.left) / LEGACY_LOOKUPS_PER_SECOND,
+            ))
+        }
+    }
+}
+
 /// Addresses followed at once. Beyond it, those whose budget is whole again are forgotten (they
 /// are no different from new ones), then, if that is not enough, all of them: an attacker with
 /// this many addresses gets fresh budgets rather than central's memory.
@@ -437,6 +489,10 @@ fn headers(response: &mut Response, limit: u32, remaining: u32, reset: u64) {
 mod tests {
     use super::*;
 
+    fn key() -> tokens::ApiTokenKey {
+        tokens::ApiTokenKey::from_base64(&tokens::ApiTokenKey::generate()).unwrap()
+    }
+
     fn principal(scopes: &[&str]) -> Principal {
         Principal {
             token_id: Uuid::nil(),
@@ -470,7 +526,7 @@ mod tests {
 
     #[test]
     fn the_window_runs_out_and_reports_remaining() {
-        let auth = Authenticator::new(Duration::from_secs(1), 2, 10, None).unwrap();
+        let auth = Authenticator::new(key(), Duration::from_secs(1), 2, 10, None).unwrap();
         let token = ApiToken {
             id: Uuid::new_v4(),
             team_id: Uuid::nil(),
@@ -530,9 +586,9 @@ mod tests {
 
     #[test]
     fn the_auth_cache_lives_at_most_five_seconds() {
-        assert!(Authenticator::new(MAX_AUTH_CACHE_TTL, 1, 1, None).is_ok());
+        assert!(Authenticator::new(key(), MAX_AUTH_CACHE_TTL, 1, 1, None).is_ok());
         let longer = MAX_AUTH_CACHE_TTL + Duration::from_millis(1);
-        assert!(Authenticator::new(longer, 1, 1, None).is_err());
+        assert!(Authenticator::new(key(), longer, 1, 1, None).is_err());
     }
 
     #[test]
@@ -545,8 +601,9 @@ mod tests {
             }
             builder.body(axum::body::Body::empty()).unwrap()
         };
-        let direct = Authenticator::new(Duration::ZERO, 1, 1, None).unwrap();
-        let proxied = Authenticator::new(Duration::ZERO, 1, 1, Some("X-Forwarded-For")).unwrap();
+        let direct = Authenticator::new(key(), Duration::ZERO, 1, 1, None).unwrap();
+        let proxied =
+            Authenticator::new(key(), Duration::ZERO, 1, 1, Some("X-Forwarded-For")).unwrap();
         let forwarded = request(Some("203.0.113.9, 192.0.2.200"));
         assert_eq!(
             direct.client(&forwarded),
@@ -560,5 +617,23 @@ mod tests {
         );
         assert_eq!(proxied.client(&request(None)), peer.ip());
         assert_eq!(proxied.client(&request(Some("nonsense"))), peer.ip());
+    }
+
+    /// Whatever addresses they come from, never-seen legacy values are looked up at most at the
+    /// replica's pace: a burst, then a steady rate.
+    #[test]
+    fn legacy_lookups_are_capped_per_replica() {
+        let t0 = Instant::now();
+        let mut bucket = Bucket {
+            left: LEGACY_LOOKUP_BURST,
+            at: t0,
+        };
+        let burst = (0..1000).take_while(|_| bucket.take(t0).is_ok()).count();
+        assert_eq!(burst as f64, LEGACY_LOOKUP_BURST);
+        let wait = bucket.take(t0).unwrap_err();
+        assert!(wait <= Duration::from_secs_f64(1.0 / LEGACY_LOOKUPS_PER_SECOND));
+        let later = t0 + Duration::from_secs(1);
+        let more = (0..1000).take_while(|_| bucket.take(later).is_ok()).count();
+        assert_eq!(more as f64, LEGACY_LOOKUPS_PER_SECOND);
     }
 }

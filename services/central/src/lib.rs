@@ -42,6 +42,11 @@ pub struct Config {
     /// Postgres URL of central's database.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
+    /// Base64 of the 32-byte key API tokens are minted with and recognised by (their MAC): a
+    /// value this key did not mint is refused without a database query. Changing it invalidates
+    /// every token minted with it.
+    #[arg(long, env = "API_TOKEN_KEY", hide_env_values = true)]
+    pub api_token_key: String,
     /// Base64 of the 32-byte key sealing secrets at rest (pending creates, replayable responses).
     #[arg(long, env = "SEAL_KEY", hide_env_values = true)]
     pub seal_key: String,
@@ -178,6 +183,7 @@ impl App {
             catalog,
             sealer: Sealer::from_keys(&config.seal_key, &config.seal_open_keys)?,
             auth: Authenticator::new(
+                common::tokens::ApiTokenKey::from_base64(&config.api_token_key)?,
                 Duration::from_millis(config.auth_cache_ttl_ms),
                 config.rate_limit_per_hour,
                 config.auth_failures_per_minute,

@@ -16,6 +16,9 @@ enum Command {
     MintToken {
         #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
         database_url: String,
+        /// The key central recognises its API tokens by (as `serve` has it).
+        #[arg(long, env = "API_TOKEN_KEY", hide_env_values = true)]
+        api_token_key: String,
         /// The team the token acts for; a new team when omitted.
         #[arg(long)]
         team: Option<Uuid>,
@@ -83,6 +86,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::MintToken {
             database_url,
+            api_token_key,
             team,
             name,
             scopes,
@@ -100,7 +104,7 @@ async fn main() -> anyhow::Result<()> {
                 scopes
             };
             let team = team.unwrap_or_else(Uuid::new_v4);
-            let value = common::tokens::mint(common::tokens::API_TOKEN_PREFIX);
+            let value = common::tokens::ApiTokenKey::from_base64(&api_token_key)?.mint();
             store
                 .api_token_create(
                     team,
