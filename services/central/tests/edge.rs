@@ -203,6 +203,17 @@ fn forged(i: usize) -> String {
     }
 }
 
+/// Autovacuum's first visit to a new database analyses every table the migrations made, a
+/// transaction each, whenever it comes: done now, it has nothing left to do in a measurement.
+async fn vacuum(url: &str) {
+    let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
+    sqlx::query("VACUUM ANALYZE")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn.close().await.unwrap();
+}
+
 /// Transactions committed in `database`, read once the number has stood still for longer than
 /// a Postgres backend may hold its counts back: it reports them at most once a second, and an
 /// idle one that had to wait reports them within 10 s (Postgres 15's `PGSTAT_IDLE_INTERVAL`).
@@ -244,14 +255,7 @@ async fn a_flood_of_made_up_tokens_costs_a_handful_of_queries_and_no_customer_re
     let token = mint();
     store_token(&server, &token).await;
     assert_eq!(get(&http, &server, &token).await.status(), 200);
-    // Autovacuum's first visit to a new database analyses every table the migrations made, a
-    // transaction each, whenever it comes: done now, it has nothing left to do in the window.
-    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
-    sqlx::query("VACUUM ANALYZE")
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    conn.close().await.unwrap();
+    vacuum(&url).await;
     let before = settled_commits(&database).await;
 
     let flooding = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
@@ -510,12 +514,7 @@ async fn well_shaped_made_up_tokens_from_many_addresses_reach_no_database() {
     let (database, url) = fresh_database().await;
     let server = start_with(&url, 1000, Some("X-Forwarded-For")).await;
     let http = reqwest::Client::new();
-    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
-    sqlx::query("VACUUM ANALYZE")
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    conn.close().await.unwrap();
+    vacuum(&url).await;
     let before = settled_commits(&database).await;
     let another_key =
         common::tokens::ApiTokenKey::from_base64(&common::tokens::ApiTokenKey::generate()).unwrap();
