@@ -443,7 +443,8 @@ impl CentralStore {
 
     /// The region has the DI: the ownership row goes live with the region's view, the intent is
     /// dropped, and the response is stored for replays: of every idempotency key of this create,
-    /// and of identical retries without one. A response stored first stays.
+    /// and of identical retries without one. A response stored first stays; none is stored for a
+    /// DI gone meanwhile (its secrets, the managed token among them, were erased with it).
     pub async fn create_confirm(
         &self,
         update: &ReadModelUpdate<'_>,
@@ -455,7 +456,7 @@ impl CentralStore {
         sqlx::query(
             "UPDATE dedicated_inferences SET state = CASE WHEN state = 'pending' THEN 'live' ELSE state END,
                  create_status_code = coalesce(create_status_code, $2), create_response = coalesce(create_response, $3)
-             WHERE id = $1",
+             WHERE id = $1 AND state <> 'gone'",
         )
         .bind(update.id)
         .bind(status_code as i32)
