@@ -40,10 +40,15 @@ pub fn classify<E>(
 fn retryable_sqlstate(code: &str) -> bool {
     // 08: connection exception; 53: insufficient resources (too many connections, disk full,
     // out of memory); 57P01/57P02/57P03: admin shutdown, crash shutdown, cannot connect now
-    // (starting up or shutting down); 40001/40P01: serialization failure, deadlock detected.
+    // (starting up or shutting down); 40001/40P01: serialization failure, deadlock detected;
+    // 25006: read-only transaction (a connection that reached a standby, as during a failover,
+    // before the pool reaches the new primary).
     code.starts_with("08")
         || code.starts_with("53")
-        || matches!(code, "57P01" | "57P02" | "57P03" | "40001" | "40P01")
+        || matches!(
+            code,
+            "57P01" | "57P02" | "57P03" | "40001" | "40P01" | "25006"
+        )
 }
 
 /// A connection idle for longer than this is pinged before it is handed out.
@@ -85,7 +90,7 @@ mod tests {
         assert!(!unavailable(&sqlx::Error::RowNotFound));
         assert!(!unavailable(&sqlx::Error::ColumnNotFound("x".into())));
         for code in [
-            "08006", "08001", "57P01", "57P02", "57P03", "53300", "40001", "40P01",
+            "08006", "08001", "57P01", "57P02", "57P03", "53300", "40001", "40P01", "25006",
         ] {
             assert!(retryable_sqlstate(code), "{code}");
         }
