@@ -308,66 +308,86 @@ impl App {
             &serde_json::to_vec(&intent).expect("intent serialises"),
             intent_aad(di_id).as_bytes(),
         );
-        let begun = self
-            .store
-            .create_begin(&NewCreate {
-                di_id,
-                team_id: p.team_id,
-                region: &intent.request.spec.region,
-                name: &intent.request.spec.name,
-                fingerprint: &fp,
-                sealed_intent: &sealed,
-                idempotency_key: key,
-            })
-            .await;
-        match begun {
-            Ok(CreateBegin::Started) => {
-                self.drive_create(di_id, p.team_id, self.drive_lease, busy)
-                    .await
-            }
-            Ok(CreateBegin::KeyTaken) => match self
+        // A retry of this very request may find the create it repeats refused meanwhile (its
+        // first attempt was answered "changed nothing" while this one waited for it): the
+        // name is free again, and this request then starts afresh, once.
+        for afresh in [false, true] {
+            let begun = self
                 .store
-                .idempotency_state(p.team_id, key.unwrap_or_default(), &fp)
-                .await?
-            {
-                IdempotencyState::Done {
-                    status_code,
-                    sealed_body,
-                } => self.replay(p.team_id, status_code, &sealed_body),
-                IdempotencyState::Mismatch => Err(key_mismatch()),
-                IdempotencyState::Erased { .. } => Err(ApiError::Conflict(
-                    "The dedicated inference this request created has been deleted since; send \
-                     a new request to create another."
-                        .into(),
-                )),
-                IdempotencyState::Unfinished {
-                    di_id: Some(id), ..
-                } => {
-                    self.drive_create(id, p.team_id, self.drive_lease, key_in_progress)
+                .create_begin(&NewCreate {
+                    di_id,
+                    team_id: p.team_id,
+                    region: &intent.request.spec.region,
+                    name: &intent.request.spec.name,
+                    fingerprint: &fp,
+                    sealed_intent: &sealed,
+                    idempotency_key: key,
+                })
+                .await;
+            let repeated = match begun {
+                Ok(CreateBegin::Started) => {
+                    return self
+                        .drive_create(di_id, p.team_id, self.drive_lease, busy)
                         .await
                 }
-                IdempotencyState::Unfinished { di_id: None, .. } | IdempotencyState::Fresh => {
-                    Err(key_in_progress())
-                }
-            },
-            Err(StoreError::NameTaken) => {
-                // The same request again, from a client that may never have got the answer (a
-                // timeout, a 503 that recovery then settled): finish that create, or replay its
-                // response with the token, rather than refuse the retry.
-                match self
+                Ok(CreateBegin::KeyTaken) => match self
                     .store
-                    .create_by_fingerprint(p.team_id, &intent.request.spec.name, &fp, REPLAY_WINDOW)
+                    .idempotency_state(p.team_id, key.unwrap_or_default(), &fp)
                     .await?
                 {
-                    Some(id) => {
-                        self.drive_create(id, p.team_id, self.drive_lease, busy)
-                            .await
+                    IdempotencyState::Done {
+                        status_code,
+                        sealed_body,
+                    } => return self.replay(p.team_id, status_code, &sealed_body),
+                    IdempotencyState::Mismatch => return Err(key_mismatch()),
+                    IdempotencyState::Erased { .. } => {
+                        return Err(ApiError::Conflict(
+                            "The dedicated inference this request created has been deleted \
+                             since; send a new request to create another."
+                                .into(),
+                        ))
                     }
-                    None => Err(StoreError::NameTaken.into()),
+                    IdempotencyState::Unfinished {
+                        di_id: Some(id), ..
+                    } => (
+                        id,
+                        self.drive_create(id, p.team_id, self.drive_lease, key_in_progress)
+                            .await,
+                    ),
+                    IdempotencyState::Unfinished { di_id: None, .. } | IdempotencyState::Fresh => {
+                        return Err(key_in_progress())
+                    }
+                },
+                Err(StoreError::NameTaken) => {
+                    // The same request again, from a client that may never have got the answer
+                    // (a timeout, a 503 that recovery then settled): finish that create, or
+                    // replay its response with the token, rather than refuse the retry.
+                    match self
+                        .store
+                        .create_by_fingerprint(
+                            p.team_id,
+                            &intent.request.spec.name,
+                            &fp,
+                            REPLAY_WINDOW,
+                        )
+                        .await?
+                    {
+                        Some(id) => (
+                            id,
+                            self.drive_create(id, p.team_id, self.drive_lease, busy)
+                                .await,
+                        ),
+                        None => return Err(StoreError::NameTaken.into()),
+                    }
                 }
+                Err(e) => return Err(e.into()),
+            };
+            match repeated {
+                (id, Err(_)) if !afresh && self.store.create_state(id).await?.is_none() => continue,
+                (_, driven) => return driven,
             }
-            Err(e) => Err(e.into()),
         }
+        unreachable!("the second round returns")
     }
 
     /// Settles a create and answers with its response. A pending create is sent to its region
