@@ -1215,6 +1215,7 @@ async fn a_lifecycle_converges_despite_transient_faults() {
             rate_limit_rate: 0.1,
             retry_after_secs: 1,
             latency_ms: 0,
+            ..Default::default()
         },
         none(),
         none(),
@@ -1226,6 +1227,7 @@ async fn a_lifecycle_converges_despite_transient_faults() {
             rate_limit_rate: 0.05,
             retry_after_secs: 1,
             latency_ms: 0,
+            ..Default::default()
         },
         none(),
     ));

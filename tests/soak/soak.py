@@ -20,6 +20,7 @@ import argparse
 import base64
 import collections
 import glob
+import hashlib
 import json
 import os
 import random
@@ -94,6 +95,7 @@ class Soak:
         self.stop = threading.Event()
         self.lock = threading.RLock()
         self.violations = []
+        self.checks = collections.Counter()  # invariant -> times it was checked, passed or not
         self.counts = collections.Counter()
         self.faults = collections.Counter()
         self.dis = {}  # id -> dict: what customers were told
@@ -114,8 +116,15 @@ class Soak:
 
     def violate(self, invariant, detail):
         with self.lock:
+            self.checks[invariant] += 1
             self.violations.append((round(now() - self.started, 1), invariant, detail))
         print(f"[{now() - self.started:7.1f}s] VIOLATION {invariant}: {detail}", flush=True)
+
+    def checked(self, invariant, n=1):
+        """Counts `n` checks of `invariant` that held (a violation counts itself): the report says
+        how often each was checked, and a run that never checked a required one fails."""
+        with self.lock:
+            self.checks[invariant] += n
 
     def note(self, di_id, what):
         """Appends to the DI's story, which violations about it quote."""
@@ -179,9 +188,11 @@ class Soak:
     def check_5xx(self, resp, region, t0, what, cloud=False):
         """Invariant: no 5xx except 503 with Retry-After during an induced outage."""
         if resp.status_code < 500:
+            self.checked("no-unexpected-5xx")
             return
         if resp.status_code == 503 and resp.headers.get("retry-after"):
             if self.in_outage(region, t0, now(), cloud):
+                self.checked("no-unexpected-5xx")
                 return
             self.violate("no-unexpected-5xx", f"{what}: 503 outside any induced outage: {resp.text[:200]}")
         else:
@@ -241,6 +252,8 @@ class Soak:
             # Every request through here carries a customer's valid API token, far below its
             # rate limit: refused, it was caught up in what a flood of made-up tokens did.
             self.violate("valid-tokens-accepted", f"{what or method} {path}: {resp.status_code} {resp.text[:200]}")
+        else:
+            self.checked("valid-tokens-accepted")
         return resp
 
     def retry_after(self, resp):
@@ -393,6 +406,8 @@ class Customer(threading.Thread):
                                  what="bad-input", cloud=True, json=body)
         if resp is not None and resp.status_code < 400:
             self.soak.violate("bad-input-refused", f"{kind}: {resp.status_code} {resp.text[:200]}")
+        elif resp is not None:
+            self.soak.checked("bad-input-refused")
 
     def create_with_pydo(self, body, region):
         import pydo
@@ -403,7 +418,9 @@ class Customer(threading.Thread):
                                  base_headers={"Authorization": f"Bearer {self.token}"}))
         t0 = now()
         try:
-            return client.dedicated_inferences.create(body=body)
+            created = client.dedicated_inferences.create(body=body)
+            self.soak.checked("no-unexpected-4xx")
+            return created
         except HttpResponseError as e:
             status = e.status_code
             self.soak.count(f"pydo create -> {status}")
@@ -441,6 +458,11 @@ class Customer(threading.Thread):
                 time.sleep(1)
                 continue
             if resp.status_code == 202:
+                self.soak.checked("no-unexpected-4xx")
+                if unanswered:
+                    self.soak.checked("retries-find-their-create")
+                if style == "keyed":
+                    self.soak.checked("keys-finish")
                 return resp.json()
             if resp.status_code in (429,) or resp.status_code >= 500:
                 unanswered = True
@@ -556,6 +578,11 @@ class Customer(threading.Thread):
                 pending = got.get("pending_deployment_spec") or got["spec"]
                 if pending["version"] != out["version"] + 1:
                     self.soak.violate("one-effect-per-2xx", f"patch {di_id} v{out['version']} answered version {pending['version']}")
+                else:
+                    self.soak.checked("one-effect-per-2xx")
+                self.soak.checked("no-unexpected-4xx")
+                if keyed:
+                    self.soak.checked("keys-finish")
                 self.accept(di_id, out)
                 return
             if resp.status_code == 409 and "in progress" in resp.text:
@@ -621,6 +648,8 @@ class Customer(threading.Thread):
             if resp.status_code != 202:
                 self.soak.violate("no-unexpected-4xx", f"token create {di_id}: {resp.status_code} {resp.text[:200]}")
                 return
+            self.soak.checked("keys-finish")
+            self.soak.checked("no-unexpected-4xx")
             t = resp.json()["token"]
             self.soak.secrets.add(t["value"])
             with self.soak.lock:
@@ -639,6 +668,8 @@ class Customer(threading.Thread):
                 time.sleep(self.soak.retry_after(resp) if resp is not None else 1)
                 continue
             if resp.status_code in (204, 404):
+                self.soak.checked("keys-finish")
+                self.soak.checked("no-unexpected-4xx")
                 # 404: an earlier attempt whose answer was lost revoked it.
                 with self.soak.lock:
                     token = di["tokens"][token_id]
@@ -714,6 +745,7 @@ class RevocationCheck(threading.Thread):
             if last == 401:
                 self.token["settled"] = True
                 soak.count("revoked token refused")
+                soak.checked("revocation-within-5s")
                 if now() - self.token["revoked_at"] > REVOKE_DEADLINE:
                     soak.count("revoked token refused only after a fault ended")
                 return
@@ -780,6 +812,8 @@ class Watcher(threading.Thread):
             if previous is not None and d["status"] not in self.soak.lifecycle[previous]["reachable"]:
                 self.soak.violate("lifecycle", f"{di['id']}: {previous} → {d['status']}, which the transition "
                                   f"table does not allow; story: {self.soak.story(di['id'])}")
+            elif previous is not None:
+                self.soak.checked("lifecycle")
             di["last_status"] = d["status"]
         if d["status"] == "active" and not di["served"]:
             di["served"] = True
@@ -817,6 +851,9 @@ class Watcher(threading.Thread):
             answers.append((model, status, text))
             if status == 200:
                 self.soak.count("probe ok")
+                if self.seen[di["id"]]["status"] == "updating":
+                    # What the invariant is about: a call answered while an update rolls out.
+                    self.soak.checked("serving-through-updates")
                 return
             if not (status == 404 and "does not exist" in text):
                 break  # only an unknown model may be tried with the other name
@@ -838,6 +875,7 @@ class Watcher(threading.Thread):
             if status == 401:
                 t["settled"] = True
                 self.soak.count("revoked token refused")
+                self.soak.checked("revocation-within-5s")
             elif now() > self.soak.worker_deadline(di["region"], t["revoked_at"], REVOKE_DEADLINE):
                 t["settled"] = True
                 self.soak.violate("revocation-within-5s", f"{di['id']}: token {token_id} still answered {status} "
@@ -857,6 +895,11 @@ class Chaos(threading.Thread):
         super().__init__(daemon=True, name="chaos")
         self.soak = soak
         self.rng = random.Random(soak.args.seed)
+        self.sequence = []  # what was injected, in order: one seed gives the same sequence
+
+    def fingerprint(self):
+        """A short digest of the fault sequence, to compare two runs of one seed by."""
+        return hashlib.sha256(json.dumps(self.sequence).encode()).hexdigest()[:12]
 
     def pids(self, name):
         """Live pids of the service binaries called `name`, newest first (from the run's pid
@@ -903,6 +946,7 @@ class Chaos(threading.Thread):
         while not self.soak.stop.wait(self.rng.uniform(4, 10)):
             kind = self.rng.choice(self.soak.args.faults)
             region = self.rng.choice(REGIONS)
+            self.sequence.append([kind, region])
             self.soak.faults[kind] += 1
             self.soak.log(f"chaos: {kind} in {region}")
             try:
@@ -922,6 +966,10 @@ class Chaos(threading.Thread):
                 f = {"error_rate": 0.0, "rate_limit_rate": 0.0, "latency_ms": self.rng.choice([300, 800, 2000]),
                      "retry_after_secs": 1}
                 api = self.rng.choice(["do", "kube"])
+            # The simulator draws which calls fail from this seed: a seed replays the faults
+            # at the same calls (the same calls in the same order, that is; timing still varies).
+            f["seed"] = self.rng.getrandbits(63)
+            self.sequence[-1] += [api, f]
             windows = self.soak.kube_faults if api == "kube" else self.soak.cloud_faults
             with self.soak.lock:
                 windows.append([region, now(), None])
@@ -932,9 +980,11 @@ class Chaos(threading.Thread):
             with self.soak.lock:
                 windows[window][2] = now()
         elif kind == "kill-worker":
+            # One draw whatever the number of live workers, so that the sequence stays the seed's.
+            pick = self.rng.random()
             pids = self.pids("worker")
             if pids:
-                os.kill(self.rng.choice(pids), signal.SIGKILL)
+                os.kill(pids[int(pick * len(pids))], signal.SIGKILL)
         elif kind == "stall-region":
             pid = self.regional_pid(region)
             if pid:
@@ -1009,6 +1059,8 @@ class Chaos(threading.Thread):
                     seen[r.status_code] += 1
                     if r.status_code not in (401, 429) or (r.status_code == 429 and not r.headers.get("retry-after")):
                         self.soak.violate("made-up-tokens-refused", f"{r.status_code} {r.text[:200]}")
+                    else:
+                        self.soak.checked("made-up-tokens-refused")
             answers.append(seen)
 
         threads = [threading.Thread(target=flood, args=(self.rng.random(),), daemon=True) for _ in range(4)]
@@ -1045,6 +1097,7 @@ def converge(soak, watcher):
                 continue
             if di["deleted"]:
                 if resp.status_code == 404:
+                    soak.checked("converges")
                     del pending[di_id]
                 continue
             if resp.status_code != 200:
@@ -1062,6 +1115,8 @@ def converge(soak, watcher):
                 if not failures:
                     soak.violate("converges", f"{di_id} in error without a failure of its newest spec: "
                                  f"{[(e['phase'], e['reason']) for e in events[-5:]]}")
+                else:
+                    soak.checked("converges")
                 del pending[di_id]
             elif d["status"] == "active" and d.get("pending_deployment_spec") is None:
                 if d["spec"]["version"] != di["accepted_version"]:
@@ -1083,6 +1138,8 @@ def check_spec(soak, di, d):
            for m in d["spec"]["model_deployments"]]
     if want != got or d["name"] != di["expected"]["name"]:
         soak.violate("converges", f"{di['id']}: serves {d['name']} {got}, accepted {di['expected']['name']} {want}")
+    else:
+        soak.checked("converges")
 
 
 def region_records(soak, region):
@@ -1131,6 +1188,9 @@ def compare_views(soak, teams):
         rv = (r.get("pending_spec") or r.get("spec") or {}).get("version")
         if c["status"] != r["status"] or cv != rv:
             soak.violate("central-equals-region", f"{did}: central {c['status']} v{cv}, region {r['status']} v{rv}")
+        else:
+            soak.checked("central-equals-region")
+    soak.checked("no-one-sided-di", len(central.keys() & region.keys()))
     known = set(soak.dis)
     for did in central.keys() - known:
         soak.violate("one-effect-per-2xx", f"{did} exists though no customer got a 202 for it")
@@ -1160,6 +1220,7 @@ def teardown(soak, watcher):
         time.sleep(1)
     for d in left:
         soak.violate("nothing-left", f"{d['id']} not gone {soak.args.settle}s after its delete")
+    soak.checked("nothing-left", len(soak.dis) - len(left))
 
 
 def leftovers(soak):
@@ -1180,6 +1241,8 @@ def leftovers(soak):
             time.sleep(1)
         for item in items:
             soak.violate("nothing-left", f"{region}: {item}")
+        if not items:
+            soak.checked("nothing-left")
         out += items
     return out
 
@@ -1197,6 +1260,8 @@ def scan_logs(soak):
                     if s in line:
                         found += 1
                         soak.violate("no-secret-in-logs", f"{name}:{number} holds a secret ({s[:6]}…)")
+    if secrets:
+        soak.checked("no-secret-in-logs", lines - found)
     return lines
 
 
@@ -1284,11 +1349,22 @@ def main():
         print(f"  {k:48} {v}")
     print("faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(soak.faults.items())) or "none"))
     print(f"log lines scanned for {len(soak.secrets)} secrets: {log_lines}; leftovers after teardown: {len(left)}")
-    print("invariants:")
+    # Every invariant must have been checked: one never exercised would pass by accident. A
+    # flood's refusals are required once chaos sent a flood; the soak driver's own crashes are
+    # not a check.
+    required = [inv for inv in invariants if inv != "soak-driver"
+                and (inv != "made-up-tokens-refused" or soak.faults["token-flood"])]
+    unexercised = [inv for inv in required if soak.checks[inv] == 0]
+    print("invariants (checks):")
     for inv in invariants:
         n = by_invariant.get(inv, 0)
-        print(f"  {'ok  ' if n == 0 else 'FAIL'} {inv}" + (f" ({n} violations)" if n else ""))
-    if soak.violations:
+        verdict = "FAIL" if n else ("NONE" if inv in unexercised else "ok  ")
+        detail = f"{n} violations" if n else ("never checked" if inv in unexercised else "")
+        print(f"  {verdict} {inv:28} {soak.checks[inv]:>8}" + (f"  ({detail})" if detail else ""))
+    print(f"fault sequence: {chaos.fingerprint()} ({len(chaos.sequence)} faults)")
+    if unexercised:
+        print(f"never checked, so the run proves nothing about them: {', '.join(unexercised)}")
+    if soak.violations or unexercised:
         print("violations (first 30):")
         for t, inv, detail in soak.violations[:30]:
             print(f"  [{t:7.1f}s] {inv}: {detail}")

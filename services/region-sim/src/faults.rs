@@ -5,12 +5,16 @@
 //! Armed faults hit exactly one DigitalOcean or Kubernetes call, "the Nth call from now", so that
 //! a test can fault every call of a reconcile pass in turn: refused, served with its answer lost
 //! (what makes a retried create create twice), or the API down from there on.
+//!
+//! Rates draw from a generator seeded by the caller when it gives a seed (the soak does, from its
+//! own seed), so a seed replays the same verdicts at the same calls.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
-use rand::Rng;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 /// Faults for one API surface.
@@ -25,6 +29,11 @@ pub struct ApiFaults {
     pub latency_ms: u64,
     /// Value of the `Retry-After` header on injected 429s, in seconds.
     pub retry_after_secs: u64,
+    /// Seeds the draws that decide which requests the rates fail: from the moment these faults
+    /// are set, the Nth request to the API gets the Nth draw, so one seed replays the same
+    /// verdicts at the same calls. Without it, draws are unseeded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
 }
 
 /// Faults for every API the simulator serves.
@@ -193,14 +202,15 @@ impl Armed {
 pub struct Faults {
     config: RwLock<FaultConfig>,
     armed: Mutex<Armed>,
+    /// The seeded generators of the APIs whose faults carry a seed.
+    draws: Mutex<HashMap<Api, StdRng>>,
 }
 
 impl Faults {
     pub fn new(config: FaultConfig) -> Self {
-        Self {
-            config: RwLock::new(config),
-            armed: Mutex::default(),
-        }
+        let faults = Self::default();
+        faults.set(config);
+        faults
     }
 
     pub fn get(&self) -> FaultConfig {
@@ -208,7 +218,21 @@ impl Faults {
     }
 
     pub fn set(&self, config: FaultConfig) {
-        *self.config.write().expect("faults lock") = config;
+        let mut config_now = self.config.write().expect("faults lock");
+        // Seeded while the configuration lock is held: no request draws from the old generator
+        // under the new rates.
+        let mut draws = self.draws.lock().expect("draws lock");
+        for (api, f) in [
+            (Api::Do, &config.do_api),
+            (Api::Kube, &config.kube),
+            (Api::DataPlane, &config.data_plane),
+        ] {
+            match f.seed {
+                Some(seed) => draws.insert(api, StdRng::seed_from_u64(seed)),
+                None => draws.remove(&api),
+            };
+        }
+        *config_now = config;
     }
 
     fn for_api(&self, api: Api) -> ApiFaults {
@@ -226,7 +250,16 @@ impl Faults {
         if f.latency_ms > 0 {
             tokio::time::sleep(Duration::from_millis(f.latency_ms)).await;
         }
-        decide(&f, rand::thread_rng().gen::<f64>())
+        let seeded = self
+            .draws
+            .lock()
+            .expect("draws lock")
+            .get_mut(&api)
+            .map(|rng| rng.gen::<f64>());
+        decide(
+            &f,
+            seeded.unwrap_or_else(|| rand::thread_rng().gen::<f64>()),
+        )
     }
 
     /// As [`Faults::apply`] for a DigitalOcean or Kubernetes call named `request` (a write or
@@ -324,6 +357,40 @@ mod tests {
         };
         assert_eq!(decide(&all, 0.999), Verdict::Error);
         assert_eq!(decide(&ApiFaults::default(), 0.0), Verdict::Pass);
+    }
+
+    #[tokio::test]
+    async fn a_seed_replays_the_same_verdicts_at_the_same_calls() {
+        let seeded = |seed| FaultConfig {
+            kube: ApiFaults {
+                error_rate: 0.3,
+                rate_limit_rate: 0.3,
+                seed: Some(seed),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let faults = Faults::new(seeded(7));
+        let mut runs = Vec::new();
+        for seed in [7, 7, 8] {
+            faults.set(seeded(seed));
+            let mut verdicts = Vec::new();
+            for _ in 0..64 {
+                verdicts.push(faults.apply(Api::Kube).await);
+            }
+            runs.push(verdicts);
+        }
+        assert_eq!(
+            runs[0], runs[1],
+            "setting the seed again starts its sequence again"
+        );
+        assert_ne!(runs[0], runs[2], "another seed, other calls");
+        assert!(runs[0].contains(&Verdict::Error) && runs[0].contains(&Verdict::Pass));
+        assert_eq!(
+            faults.apply(Api::Do).await,
+            Verdict::Pass,
+            "an API without faults is not drawn for"
+        );
     }
 
     #[tokio::test]

@@ -137,6 +137,7 @@ async fn main() -> anyhow::Result<()> {
         rate_limit_rate: r,
         latency_ms: l,
         retry_after_secs: 1,
+        seed: None,
     };
     cfg.faults = FaultConfig {
         do_api: api(a.do_error_rate, a.do_429_rate, a.do_latency_ms),

@@ -407,12 +407,14 @@ async fn converges_with_faults_injected_on_every_api() {
             rate_limit_rate: 0.1,
             retry_after_secs: 0,
             latency_ms: 0,
+            ..Default::default()
         },
         kube: region_sim::ApiFaults {
             error_rate: 0.1,
             rate_limit_rate: 0.05,
             retry_after_secs: 0,
             latency_ms: 0,
+            ..Default::default()
         },
         data_plane: region_sim::ApiFaults {
             error_rate: 0.2,
