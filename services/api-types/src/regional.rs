@@ -61,6 +61,53 @@ pub struct TeamScoped {
     pub operation_id: Option<Uuid>,
 }
 
+/// The query of a read of one team's things.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct TeamQuery {
+    pub team_id: Uuid,
+}
+
+/// The query of a list: a team's things, a page of them.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct PageQuery {
+    pub team_id: Uuid,
+    #[serde(default = "first_page")]
+    pub page: i64,
+    #[serde(default = "twenty")]
+    pub per_page: i64,
+    /// Only the accelerators of this model deployment (a list of accelerators only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slug: Option<String>,
+}
+
+fn first_page() -> i64 {
+    1
+}
+
+fn twenty() -> i64 {
+    20
+}
+
+/// The query of the change feed.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ChangesQuery {
+    /// Changes after this sequence number.
+    #[serde(default)]
+    pub after: i64,
+    #[serde(default = "hundred")]
+    pub limit: i64,
+    /// Hold the request up to this long when nothing changed yet (long poll).
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+fn hundred() -> i64 {
+    100
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct TokenCreateRequest {
     pub team_id: Uuid,

@@ -8,11 +8,11 @@ use std::time::Duration;
 use api_types::public::{
     AcceleratorInfo, AcceleratorList, AccessToken, CaResponse, CreateRequest, CreateResponse,
     DedicatedInference, DedicatedInferenceEnvelope, EventInfo, EventList, GpuModelConfig,
-    GpuModelConfigsResponse, Links, Meta, QuotasResponse, RegionQuotas, Size, SizeGpu,
-    SizesResponse, TokenCreateRequest, TokenEnvelope, TokenList, UpdateRequest,
+    GpuModelConfigsResponse, Links, Meta, QuotasResponse, Size, SizeGpu, SizesResponse,
+    TokenCreateRequest, TokenEnvelope, TokenList, UpdateRequest,
 };
 use api_types::regional::{
-    self, Accelerator, CaCertificate, Event, NewToken, Page, Record, RecordEnvelope, Token,
+    self, NewToken, PageQuery, Record, RecordEnvelope, TeamQuery, TeamScoped,
 };
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -21,7 +21,6 @@ use central_store::{
     CreateBegin, CreateState, IdempotencyState, KeyedOperation, NewCreate, ReadModelUpdate,
     SealedAt, StoreError,
 };
-use reqwest::Method;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -158,6 +157,23 @@ fn store_failure(e: StoreError) -> OperationError {
 pub struct Paging {
     pub page: i64,
     pub per_page: i64,
+}
+
+impl Paging {
+    /// The region's query for this page of `team_id`'s things.
+    fn of(&self, team_id: Uuid) -> PageQuery {
+        PageQuery {
+            team_id,
+            page: self.page,
+            per_page: self.per_page,
+            slug: None,
+        }
+    }
+}
+
+/// The region's query for the principal's team.
+fn team(p: &Principal) -> TeamQuery {
+    TeamQuery { team_id: p.team_id }
 }
 
 /// How long a first response is replayed: for an Idempotency-Key, and for an identical create
@@ -468,14 +484,9 @@ impl App {
                 return Err(ApiError::internal(format!("create intent {problem}")));
             }
         };
-        let answer: Result<RecordEnvelope, _> = self
+        let answer = self
             .regions
-            .call(
-                &intent.request.spec.region,
-                Method::POST,
-                "/internal/v1/dedicated-inferences",
-                Some(&intent.request),
-            )
+            .create(&intent.request.spec.region, &intent.request)
             .await;
         match answer {
             Ok(RecordEnvelope { record }) => {
@@ -686,18 +697,16 @@ impl App {
 
     /// Sends an operation to its region and answers with the public reply.
     async fn run_operation(&self, op: &Operation) -> Result<Reply, OperationError> {
-        let path = format!("/internal/v1/dedicated-inferences/{}", op.di_id);
+        let scoped = |operation_id: &Uuid| TeamScoped {
+            team_id: op.team_id,
+            operation_id: Some(*operation_id),
+        };
         match &op.kind {
-            OperationKind::Patch(request) => self.run_patch(op, &path, request).await,
+            OperationKind::Patch(request) => self.run_patch(op, request).await,
             OperationKind::Delete { operation_id } => {
-                let answer: RecordEnvelope = self
+                let answer = self
                     .regions
-                    .call::<(), _>(
-                        &op.region,
-                        Method::DELETE,
-                        &format!("{path}?team_id={}&operation_id={operation_id}", op.team_id),
-                        None,
-                    )
+                    .delete(&op.region, op.di_id, &scoped(operation_id))
                     .await
                     .map_err(region_failure)?;
                 self.apply(&answer.record)
@@ -709,14 +718,9 @@ impl App {
                 request,
                 token_value,
             } => {
-                let token: Token = self
+                let token = self
                     .regions
-                    .call(
-                        &op.region,
-                        Method::POST,
-                        &format!("{path}/tokens"),
-                        Some(request),
-                    )
+                    .token_create(&op.region, op.di_id, request)
                     .await
                     .map_err(region_failure)?;
                 let mut public = AccessToken::from(&token);
@@ -731,15 +735,7 @@ impl App {
                 operation_id,
             } => {
                 self.regions
-                    .call::<(), serde_json::Value>(
-                        &op.region,
-                        Method::DELETE,
-                        &format!(
-                            "{path}/tokens/{token_id}?team_id={}&operation_id={operation_id}",
-                            op.team_id
-                        ),
-                        None,
-                    )
+                    .token_revoke(&op.region, op.di_id, *token_id, &scoped(operation_id))
                     .await
                     .map_err(region_failure)?;
                 Ok(Reply::empty(StatusCode::NO_CONTENT))
@@ -753,7 +749,6 @@ impl App {
     async fn run_patch(
         &self,
         op: &Operation,
-        path: &str,
         request: &regional::PatchRequest,
     ) -> Result<Reply, OperationError> {
         let current = self
@@ -773,10 +768,7 @@ impl App {
                 .await
                 .map_err(store_failure)?;
         }
-        let answer: Result<RecordEnvelope, _> = self
-            .regions
-            .call(&op.region, Method::PATCH, path, Some(request))
-            .await;
+        let answer = self.regions.patch(&op.region, op.di_id, request).await;
         match answer {
             Ok(RecordEnvelope { record }) => {
                 let public = self
@@ -983,16 +975,13 @@ impl App {
     ) -> Result<Reply, ApiError> {
         p.require("dedicated_inference:read")?;
         let owned = self.owned(p, id).await?;
-        let mut path = format!(
-            "/internal/v1/dedicated-inferences/{id}/accelerators?team_id={}&page={}&per_page={}",
-            p.team_id, paging.page, paging.per_page
-        );
-        if let Some(slug) = slug {
-            path.push_str(&format!("&slug={}", urlencode(slug)));
-        }
-        let page: Page<Accelerator> = self
+        let query = PageQuery {
+            slug: slug.map(str::to_string),
+            ..paging.of(p.team_id)
+        };
+        let page = self
             .regions
-            .call::<(), _>(&owned.region, Method::GET, &path, None)
+            .accelerators(&owned.region, id, &query)
             .await
             .map_err(region_error)?;
         let extra: Vec<(&str, &str)> = slug.map(|s| vec![("slug", s)]).unwrap_or_default();
@@ -1019,14 +1008,9 @@ impl App {
     ) -> Result<Reply, ApiError> {
         p.require("dedicated_inference:read")?;
         let owned = self.owned(p, id).await?;
-        let a: Accelerator = self
+        let a = self
             .regions
-            .call::<(), _>(
-                &owned.region,
-                Method::GET,
-                &format!("/internal/v1/dedicated-inferences/{id}/accelerators/{accelerator_id}?team_id={}", p.team_id),
-                None,
-            )
+            .accelerator(&owned.region, id, accelerator_id, &team(p))
             .await
             .map_err(region_error)?;
         Ok(Reply::json(StatusCode::OK, &AcceleratorInfo::from(&a)))
@@ -1035,17 +1019,9 @@ impl App {
     pub async fn ca(&self, p: &Principal, id: Uuid) -> Result<Reply, ApiError> {
         p.require("dedicated_inference:read")?;
         let owned = self.owned(p, id).await?;
-        let ca: CaCertificate = self
+        let ca = self
             .regions
-            .call::<(), _>(
-                &owned.region,
-                Method::GET,
-                &format!(
-                    "/internal/v1/dedicated-inferences/{id}/ca?team_id={}",
-                    p.team_id
-                ),
-                None,
-            )
+            .ca_certificate(&owned.region, id, &team(p))
             .await
             .map_err(region_error)?;
         let cert = base64::engine::general_purpose::STANDARD.encode(ca.cert_pem.as_bytes());
@@ -1055,17 +1031,9 @@ impl App {
     pub async fn tokens(&self, p: &Principal, id: Uuid, paging: Paging) -> Result<Reply, ApiError> {
         p.require("dedicated_inference_tokens:read")?;
         let owned = self.owned(p, id).await?;
-        let page: Page<Token> = self
+        let page = self
             .regions
-            .call::<(), _>(
-                &owned.region,
-                Method::GET,
-                &format!(
-                    "/internal/v1/dedicated-inferences/{id}/tokens?team_id={}&page={}&per_page={}",
-                    p.team_id, paging.page, paging.per_page
-                ),
-                None,
-            )
+            .tokens(&owned.region, id, &paging.of(p.team_id))
             .await
             .map_err(region_error)?;
         Ok(Reply::json(
@@ -1086,17 +1054,9 @@ impl App {
     pub async fn events(&self, p: &Principal, id: Uuid, paging: Paging) -> Result<Reply, ApiError> {
         p.require("dedicated_inference:read")?;
         let owned = self.owned(p, id).await?;
-        let page: Page<Event> = self
+        let page = self
             .regions
-            .call::<(), _>(
-                &owned.region,
-                Method::GET,
-                &format!(
-                    "/internal/v1/dedicated-inferences/{id}/events?team_id={}&page={}&per_page={}",
-                    p.team_id, paging.page, paging.per_page
-                ),
-                None,
-            )
+            .events(&owned.region, id, &paging.of(p.team_id))
             .await
             .map_err(region_error)?;
         Ok(Reply::json(
@@ -1156,12 +1116,13 @@ impl App {
     /// is listed as such rather than failing the others.
     pub async fn quotas(&self, p: &Principal) -> Result<Reply, ApiError> {
         p.require("dedicated_inference:read")?;
-        let path = format!("/internal/v1/quotas?team_id={}", p.team_id);
         let names = self.regions.names();
-        let answers = futures::future::join_all(names.iter().map(|region| {
-            self.regions
-                .call::<(), RegionQuotas>(region, Method::GET, &path, None)
-        }))
+        let query = team(p);
+        let answers = futures::future::join_all(
+            names
+                .iter()
+                .map(|region| self.regions.quotas(region, &query)),
+        )
         .await;
         let mut body = QuotasResponse {
             quotas: Vec::new(),

@@ -1,5 +1,7 @@
 //! Calls from central to the regional services, over HTTP or HTTPS (trusting `REGION_CA_FILE`)
-//! with each region's shared secret.
+//! with each region's shared secret: a typed client of the regional API, one method per
+//! operation of `openapi/regional.json` (held to it by a test), the only place a region's URL is
+//! built.
 //!
 //! Outcomes are sorted by what central may conclude: `Rejected` means the region answered and
 //! refused (nothing changed there); `Unavailable` means central cannot know whether the call took
@@ -8,10 +10,16 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use api_types::regional::{RegionError, SECRET_HEADER};
+use api_types::public::RegionQuotas;
+use api_types::regional::{
+    Accelerator, CaCertificate, Changes, ChangesQuery, CreateRequest, Event, Page, PageQuery,
+    PatchRequest, RecordEnvelope, RegionError, TeamQuery, TeamScoped, Token, TokenCreateRequest,
+    SECRET_HEADER,
+};
 use reqwest::Method;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use uuid::Uuid;
 
 #[derive(Debug)]
 pub enum RegionCallError {
@@ -86,21 +94,149 @@ impl Regions {
         names
     }
 
-    pub async fn call<B: Serialize, T: DeserializeOwned>(
+    // One method per operation of the regional API (`openapi/regional.json`), each with the
+    // types of the document; the test below holds the table of operations to the document.
+
+    pub async fn create(
         &self,
         region: &str,
-        method: Method,
-        path: &str,
+        request: &CreateRequest,
+    ) -> Result<RecordEnvelope, RegionCallError> {
+        self.send(region, &CREATE, &[], NO_QUERY, Some(request))
+            .await
+    }
+
+    pub async fn patch(
+        &self,
+        region: &str,
+        id: Uuid,
+        request: &PatchRequest,
+    ) -> Result<RecordEnvelope, RegionCallError> {
+        self.send(region, &PATCH, &[id], NO_QUERY, Some(request))
+            .await
+    }
+
+    pub async fn delete(
+        &self,
+        region: &str,
+        id: Uuid,
+        query: &TeamScoped,
+    ) -> Result<RecordEnvelope, RegionCallError> {
+        self.send(region, &DELETE, &[id], Some(query), NO_BODY)
+            .await
+    }
+
+    pub async fn accelerators(
+        &self,
+        region: &str,
+        id: Uuid,
+        query: &PageQuery,
+    ) -> Result<Page<Accelerator>, RegionCallError> {
+        self.send(region, &ACCELERATORS, &[id], Some(query), NO_BODY)
+            .await
+    }
+
+    pub async fn accelerator(
+        &self,
+        region: &str,
+        id: Uuid,
+        accelerator_id: Uuid,
+        query: &TeamQuery,
+    ) -> Result<Accelerator, RegionCallError> {
+        self.send(
+            region,
+            &ACCELERATOR,
+            &[id, accelerator_id],
+            Some(query),
+            NO_BODY,
+        )
+        .await
+    }
+
+    pub async fn ca_certificate(
+        &self,
+        region: &str,
+        id: Uuid,
+        query: &TeamQuery,
+    ) -> Result<CaCertificate, RegionCallError> {
+        self.send(region, &CA_CERTIFICATE, &[id], Some(query), NO_BODY)
+            .await
+    }
+
+    pub async fn events(
+        &self,
+        region: &str,
+        id: Uuid,
+        query: &PageQuery,
+    ) -> Result<Page<Event>, RegionCallError> {
+        self.send(region, &EVENTS, &[id], Some(query), NO_BODY)
+            .await
+    }
+
+    pub async fn tokens(
+        &self,
+        region: &str,
+        id: Uuid,
+        query: &PageQuery,
+    ) -> Result<Page<Token>, RegionCallError> {
+        self.send(region, &TOKENS, &[id], Some(query), NO_BODY)
+            .await
+    }
+
+    pub async fn token_create(
+        &self,
+        region: &str,
+        id: Uuid,
+        request: &TokenCreateRequest,
+    ) -> Result<Token, RegionCallError> {
+        self.send(region, &TOKEN_CREATE, &[id], NO_QUERY, Some(request))
+            .await
+    }
+
+    pub async fn token_revoke(
+        &self,
+        region: &str,
+        id: Uuid,
+        token_id: Uuid,
+        query: &TeamScoped,
+    ) -> Result<(), RegionCallError> {
+        self.send(region, &TOKEN_REVOKE, &[id, token_id], Some(query), NO_BODY)
+            .await
+    }
+
+    pub async fn quotas(
+        &self,
+        region: &str,
+        query: &TeamQuery,
+    ) -> Result<RegionQuotas, RegionCallError> {
+        self.send(region, &QUOTAS, &[], Some(query), NO_BODY).await
+    }
+
+    /// Long-polls the region's change feed (on a client whose timeout outlasts the wait).
+    pub async fn changes(
+        &self,
+        region: &str,
+        after: i64,
+        wait: Duration,
+    ) -> Result<Changes, RegionCallError> {
+        let query = ChangesQuery {
+            after,
+            limit: 200,
+            wait_ms: wait.as_millis() as u64,
+        };
+        let request = self.request(&self.long_poll, region, &CHANGES, &[], Some(&query))?;
+        CHANGES.answer(request.send().await).await
+    }
+
+    async fn send<Q: Serialize, B: Serialize, T: DeserializeOwned>(
+        &self,
+        region: &str,
+        operation: &Operation,
+        path: &[Uuid],
+        query: Option<&Q>,
         body: Option<&B>,
     ) -> Result<T, RegionCallError> {
-        let r = self
-            .by_name
-            .get(region)
-            .ok_or(RegionCallError::UnknownRegion)?;
-        let mut request = self
-            .http
-            .request(method, format!("{}{path}", r.base_url))
-            .header(SECRET_HEADER, &r.secret);
+        let mut request = self.request(&self.http, region, operation, path, query)?;
         request = request.header(common::request_id::HEADER, common::request_id::current());
         let mut trace = reqwest::header::HeaderMap::new();
         common::telemetry::inject(&mut trace);
@@ -108,39 +244,156 @@ impl Regions {
         if let Some(body) = body {
             request = request.json(body);
         }
-        let response = request
-            .send()
-            .await
-            .map_err(|e| RegionCallError::Unavailable(e.to_string()))?;
-        decode(response).await
+        operation.answer(request.send().await).await
     }
 
-    /// Long-polls the region's change feed.
-    pub async fn changes(
+    /// The request for `operation` in `region`: its path with `path`'s ids put in its
+    /// parameters in order, `query` as its query string, the region's secret.
+    fn request<Q: Serialize>(
         &self,
+        client: &reqwest::Client,
         region: &str,
-        after: i64,
-        wait: Duration,
-    ) -> Result<api_types::regional::Changes, RegionCallError> {
+        operation: &Operation,
+        path: &[Uuid],
+        query: Option<&Q>,
+    ) -> Result<reqwest::RequestBuilder, RegionCallError> {
         let r = self
             .by_name
             .get(region)
             .ok_or(RegionCallError::UnknownRegion)?;
-        let url = format!(
-            "{}/internal/v1/changes?after={after}&limit=200&wait_ms={}",
-            r.base_url,
-            wait.as_millis()
-        );
-        let response = self
-            .long_poll
-            .get(url)
-            .header(SECRET_HEADER, &r.secret)
-            .send()
-            .await
-            .map_err(|e| RegionCallError::Unavailable(e.to_string()))?;
-        decode(response).await
+        let mut request = client
+            .request(
+                operation.method.clone(),
+                format!("{}{}", r.base_url, operation.path_with(path)),
+            )
+            .header(SECRET_HEADER, &r.secret);
+        if let Some(query) = query {
+            request = request.query(query);
+        }
+        Ok(request)
     }
 }
+
+/// An operation of the regional API as `openapi/regional.json` names it.
+struct Operation {
+    id: &'static str,
+    method: Method,
+    /// With its parameters in braces, as in the document.
+    path: &'static str,
+}
+
+impl Operation {
+    /// The operation's answer, or why there is none (naming the operation).
+    async fn answer<T: DeserializeOwned>(
+        &self,
+        sent: reqwest::Result<reqwest::Response>,
+    ) -> Result<T, RegionCallError> {
+        let answered = match sent {
+            Ok(response) => decode(response).await,
+            Err(e) => Err(RegionCallError::Unavailable(e.to_string())),
+        };
+        answered.map_err(|e| match e {
+            RegionCallError::Unavailable(why) => {
+                RegionCallError::Unavailable(format!("{}: {why}", self.id))
+            }
+            other => other,
+        })
+    }
+
+    /// The path with each `{parameter}` replaced by the next of `values` (ids only: a UUID
+    /// needs no escaping).
+    fn path_with(&self, values: &[Uuid]) -> String {
+        let mut out = String::with_capacity(self.path.len() + 40 * values.len());
+        let mut values = values.iter();
+        for (i, part) in self.path.split('{').enumerate() {
+            match (i, part.split_once('}')) {
+                (0, _) | (_, None) => out.push_str(part),
+                (_, Some((_, rest))) => {
+                    let value = values.next().expect("a value for every path parameter");
+                    out.push_str(&value.to_string());
+                    out.push_str(rest);
+                }
+            }
+        }
+        debug_assert!(values.next().is_none(), "more values than path parameters");
+        out
+    }
+}
+
+const fn op(id: &'static str, method: Method, path: &'static str) -> Operation {
+    Operation { id, method, path }
+}
+
+const DIS: &str = "/internal/v1/dedicated-inferences";
+const CHANGES: Operation = op("changes", Method::GET, "/internal/v1/changes");
+const CREATE: Operation = op("create", Method::POST, DIS);
+const PATCH: Operation = op(
+    "patch",
+    Method::PATCH,
+    "/internal/v1/dedicated-inferences/{id}",
+);
+const DELETE: Operation = op(
+    "delete",
+    Method::DELETE,
+    "/internal/v1/dedicated-inferences/{id}",
+);
+const ACCELERATORS: Operation = op(
+    "accelerators",
+    Method::GET,
+    "/internal/v1/dedicated-inferences/{id}/accelerators",
+);
+const ACCELERATOR: Operation = op(
+    "accelerator",
+    Method::GET,
+    "/internal/v1/dedicated-inferences/{id}/accelerators/{accelerator_id}",
+);
+const CA_CERTIFICATE: Operation = op(
+    "ca_certificate",
+    Method::GET,
+    "/internal/v1/dedicated-inferences/{id}/ca",
+);
+const EVENTS: Operation = op(
+    "events",
+    Method::GET,
+    "/internal/v1/dedicated-inferences/{id}/events",
+);
+const TOKENS: Operation = op(
+    "tokens",
+    Method::GET,
+    "/internal/v1/dedicated-inferences/{id}/tokens",
+);
+const TOKEN_CREATE: Operation = op(
+    "token_create",
+    Method::POST,
+    "/internal/v1/dedicated-inferences/{id}/tokens",
+);
+const TOKEN_REVOKE: Operation = op(
+    "token_revoke",
+    Method::DELETE,
+    "/internal/v1/dedicated-inferences/{id}/tokens/{token_id}",
+);
+const QUOTAS: Operation = op("quotas", Method::GET, "/internal/v1/quotas");
+
+/// The operations central calls; `get_one` it does not (its change feed tells it every
+/// record).
+#[cfg(test)]
+const CALLED: [&Operation; 12] = [
+    &CHANGES,
+    &CREATE,
+    &PATCH,
+    &DELETE,
+    &ACCELERATORS,
+    &ACCELERATOR,
+    &CA_CERTIFICATE,
+    &EVENTS,
+    &TOKENS,
+    &TOKEN_CREATE,
+    &TOKEN_REVOKE,
+    &QUOTAS,
+];
+
+const NO_QUERY: Option<&()> = None;
+const NO_BODY: Option<&()> = None;
 
 /// The certificates of the PEM bundle at `path` (`REGION_CA_FILE`).
 pub fn roots(path: &std::path::Path) -> anyhow::Result<Vec<reqwest::Certificate>> {
@@ -190,4 +443,47 @@ async fn decode<T: DeserializeOwned>(response: reqwest::Response) -> Result<T, R
         status: status.as_u16(),
         error,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    /// Every operation of the regional API's document is one central calls with the method and
+    /// path the document gives, or `get_one`, which it does not need.
+    #[test]
+    fn the_operations_are_the_documents() {
+        let doc: Value =
+            serde_json::from_str(include_str!("../../../openapi/regional.json")).unwrap();
+        let mut documented = Vec::new();
+        for (path, operations) in doc["paths"].as_object().unwrap() {
+            for (method, operation) in operations.as_object().unwrap() {
+                let id = operation["operationId"].as_str().unwrap();
+                documented.push((id.to_string(), method.to_uppercase(), path.clone()));
+            }
+        }
+        documented.sort();
+        let mut called: Vec<(String, String, String)> = CALLED
+            .iter()
+            .map(|o| (o.id.to_string(), o.method.to_string(), o.path.to_string()))
+            .collect();
+        called.push((
+            "get_one".into(),
+            "GET".into(),
+            "/internal/v1/dedicated-inferences/{id}".into(),
+        ));
+        called.sort();
+        assert_eq!(called, documented);
+    }
+
+    #[test]
+    fn path_parameters_are_filled_in_order() {
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        assert_eq!(
+            TOKEN_REVOKE.path_with(&[a, b]),
+            format!("/internal/v1/dedicated-inferences/{a}/tokens/{b}")
+        );
+        assert_eq!(CREATE.path_with(&[]), DIS);
+    }
 }

@@ -4,15 +4,14 @@ use std::time::Duration;
 
 use api_types::public::RegionQuotas;
 use api_types::regional::{
-    Accelerator, CaCertificate, Changes, CreateRequest, Event, Page, PatchRequest, RecordEnvelope,
-    RegionError, TeamScoped, Token, TokenCreateRequest,
+    Accelerator, CaCertificate, Changes, ChangesQuery, CreateRequest, Event, Page, PageQuery,
+    PatchRequest, RecordEnvelope, RegionError, TeamQuery, TeamScoped, Token, TokenCreateRequest,
 };
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::Deserialize;
 use utoipa::OpenApi;
 use uuid::Uuid;
 
@@ -83,32 +82,13 @@ fn body<T>(payload: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
         .map_err(|e| ApiError::BadRequest(e.body_text()))
 }
 
-#[derive(Deserialize, utoipa::IntoParams)]
-pub struct PageQuery {
-    team_id: Uuid,
-    #[serde(default = "one")]
-    page: i64,
-    #[serde(default = "twenty")]
-    per_page: i64,
-    slug: Option<String>,
-}
-
-fn one() -> i64 {
-    1
-}
-fn twenty() -> i64 {
-    20
-}
-
-impl PageQuery {
-    fn checked(&self) -> Result<(i64, i64), ApiError> {
-        if self.page < 1 || !(1..=200).contains(&self.per_page) {
-            return Err(ApiError::BadRequest(
-                "page must be >= 1 and per_page within 1..=200".into(),
-            ));
-        }
-        Ok((self.page, self.per_page))
+fn checked_page(q: &PageQuery) -> Result<(i64, i64), ApiError> {
+    if q.page < 1 || !(1..=200).contains(&q.per_page) {
+        return Err(ApiError::BadRequest(
+            "page must be >= 1 and per_page within 1..=200".into(),
+        ));
     }
+    Ok((q.page, q.per_page))
 }
 
 /// Create a dedicated inference with a central-chosen id; idempotent on that id.
@@ -146,21 +126,16 @@ async fn create(
     Ok(Json(RecordEnvelope { record }))
 }
 
-#[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}", params(("id" = Uuid, Path), TeamScopedQuery),
+#[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}", params(("id" = Uuid, Path), TeamQuery),
     responses((status = 200, body = RecordEnvelope), (status = 404, body = RegionError)))]
 async fn get_one(
     State(state): State<AppState>,
     Path(id): Path<Uuid>,
-    Query(q): Query<TeamScopedQuery>,
+    Query(q): Query<TeamQuery>,
 ) -> ApiResult<RecordEnvelope> {
     Ok(Json(RecordEnvelope {
         record: state.store.dedicated_inference_get(id, q.team_id).await?,
     }))
-}
-
-#[derive(Deserialize, utoipa::IntoParams)]
-pub struct TeamScopedQuery {
-    team_id: Uuid,
 }
 
 #[utoipa::path(patch, path = "/internal/v1/dedicated-inferences/{id}", params(("id" = Uuid, Path)), request_body = PatchRequest,
@@ -230,21 +205,6 @@ async fn delete(
     }))
 }
 
-#[derive(Deserialize, utoipa::IntoParams)]
-pub struct ChangesQuery {
-    #[serde(default)]
-    after: i64,
-    #[serde(default = "hundred")]
-    limit: i64,
-    /// Hold the request up to this long when nothing changed yet (long poll).
-    #[serde(default)]
-    wait_ms: u64,
-}
-
-fn hundred() -> i64 {
-    100
-}
-
 /// The change feed: the latest state of every DI changed after `after`, including gone ones.
 #[utoipa::path(get, path = "/internal/v1/changes", params(ChangesQuery), responses((status = 200, body = Changes)))]
 async fn changes(
@@ -271,7 +231,7 @@ async fn accelerators(
     Path(id): Path<Uuid>,
     Query(q): Query<PageQuery>,
 ) -> ApiResult<Page<Accelerator>> {
-    let (page, per_page) = q.checked()?;
+    let (page, per_page) = checked_page(&q)?;
     Ok(Json(
         state
             .store
@@ -281,11 +241,11 @@ async fn accelerators(
 }
 
 #[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}/accelerators/{accelerator_id}",
-    params(("id" = Uuid, Path), ("accelerator_id" = Uuid, Path), TeamScopedQuery), responses((status = 200, body = Accelerator)))]
+    params(("id" = Uuid, Path), ("accelerator_id" = Uuid, Path), TeamQuery), responses((status = 200, body = Accelerator)))]
 async fn accelerator(
     State(state): State<AppState>,
     Path((id, accelerator_id)): Path<(Uuid, Uuid)>,
-    Query(q): Query<TeamScopedQuery>,
+    Query(q): Query<TeamQuery>,
 ) -> ApiResult<Accelerator> {
     Ok(Json(
         state
@@ -295,12 +255,12 @@ async fn accelerator(
     ))
 }
 
-#[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}/ca", params(("id" = Uuid, Path), TeamScopedQuery),
+#[utoipa::path(get, path = "/internal/v1/dedicated-inferences/{id}/ca", params(("id" = Uuid, Path), TeamQuery),
     responses((status = 200, body = CaCertificate)))]
 async fn ca_certificate(
     State(state): State<AppState>,
     Path(id): Path<Uuid>,
-    Query(q): Query<TeamScopedQuery>,
+    Query(q): Query<TeamQuery>,
 ) -> ApiResult<CaCertificate> {
     Ok(Json(CaCertificate {
         cert_pem: state.store.ca_certificate(id, q.team_id).await?,
@@ -314,7 +274,7 @@ async fn tokens(
     Path(id): Path<Uuid>,
     Query(q): Query<PageQuery>,
 ) -> ApiResult<Page<Token>> {
-    let (page, per_page) = q.checked()?;
+    let (page, per_page) = checked_page(&q)?;
     Ok(Json(
         state
             .store
@@ -362,7 +322,7 @@ async fn events(
     Path(id): Path<Uuid>,
     Query(q): Query<PageQuery>,
 ) -> ApiResult<Page<Event>> {
-    let (page, per_page) = q.checked()?;
+    let (page, per_page) = checked_page(&q)?;
     Ok(Json(
         state
             .store
@@ -372,11 +332,11 @@ async fn events(
 }
 
 /// The team's quotas in this region: each limit and what the team holds against it.
-#[utoipa::path(get, path = "/internal/v1/quotas", params(TeamScopedQuery),
+#[utoipa::path(get, path = "/internal/v1/quotas", params(TeamQuery),
     responses((status = 200, body = RegionQuotas), (status = 503, body = RegionError)))]
 async fn quotas(
     State(state): State<AppState>,
-    Query(q): Query<TeamScopedQuery>,
+    Query(q): Query<TeamQuery>,
 ) -> ApiResult<RegionQuotas> {
     Ok(Json(state.store.quota_use(q.team_id).await?))
 }
