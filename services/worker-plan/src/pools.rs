@@ -270,7 +270,7 @@ pub fn nodes_match(di_id: &Uuid, models: &[Model], observed: &[serde_json::Value
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::model::{models, tests::deployment};
+    use crate::model::{models, tests::deployment};
 
     const DI: &str = "0d1e2f3a-0000-4000-8000-00000000d1d1";
     const M1: &str = "aaaaaaaa-0000-4000-8000-000000000001";

@@ -558,8 +558,8 @@ pub fn assess(di_id: &Uuid, desired: &[Value], observed: &[Value]) -> Assessment
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::manifests::{manifests, ManifestInput, TlsPair};
-    use crate::plan::model::{models, tests::deployment};
+    use crate::manifests::{manifests, ManifestInput, TlsPair};
+    use crate::model::{models, tests::deployment};
     use serde_json::json;
 
     const DI: &str = "0d1e2f3a-0000-4000-8000-00000000d1d1";

@@ -960,45 +960,6 @@ mod tests {
         assert!(o.decision.is_none(), "{:?}", o.decision);
     }
 
-    /// The endpoint picker's pod carries the deployment's model-id label, so `ready_servers`
-    /// counts it as a model server: its port 8000 never answers, every look has `unread` >= 1,
-    /// and the deployment never scales down or to zero (and GET shows ready = replicas + 1).
-    #[test]
-    fn the_endpoint_picker_is_not_a_model_server() {
-        use crate::plan::model::{models, tests::deployment};
-        use crate::plan::{manifests, names};
-        const M1: &str = "aaaaaaaa-0000-4000-8000-000000000001";
-        let di: uuid::Uuid = "0d1e2f3a-0000-4000-8000-00000000d1d1".parse().unwrap();
-        let model_id: uuid::Uuid = M1.parse().unwrap();
-        let mut md = deployment(M1, "meta-llama/Llama-3.1-8B-Instruct", "gpu-h100x1-80gb", 1);
-        md.workload_config =
-            serde_json::json!({"autoscaling": {"min_replicas": 0, "max_replicas": 2}});
-        let input = manifests::ManifestInput::new(
-            di,
-            models(&[md]).unwrap(),
-            false,
-            manifests::TlsPair {
-                cert_pem: "CERT".into(),
-                key_pem: "KEY".into(),
-            },
-        );
-        let objs = crate::plan::manifests(&input);
-        let epp = objs
-            .iter()
-            .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == names::epp(&model_id))
-            .expect("the EPP Deployment");
-        let pod = serde_json::json!({
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "epp-xyz", "labels": epp["spec"]["template"]["metadata"]["labels"]},
-            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
-        });
-        assert_eq!(
-            crate::scaling::ready_servers(&[pod], &model_id),
-            Vec::<String>::new()
-        );
-    }
-
     /// Right after a wake from zero the replica is still getting a GPU node and loading its
     /// model (minutes); the held request gave up after 30 s. The idle clock must not send the
     /// deployment back to zero before a replica has ever served.
