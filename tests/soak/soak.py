@@ -411,7 +411,7 @@ class Customer(threading.Thread):
 
     def create_with_pydo(self, body, region):
         import pydo
-        from azure.core.exceptions import HttpResponseError, ServiceRequestError
+        from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
         from azure.core.pipeline.policies import HeadersPolicy
         client = pydo.Client(self.token, endpoint=self.soak.api,
                              authentication_policy=HeadersPolicy(
@@ -434,7 +434,10 @@ class Customer(threading.Thread):
             elif status < 500:
                 self.soak.violate("no-unexpected-4xx", f"pydo create: {status} {e.message}")
             return None
-        except ServiceRequestError as e:
+        except (ServiceRequestError, ServiceResponseError):
+            # No answer: never sent, or sent and its answer lost (pydo does not retry a POST
+            # whose connection dropped mid-answer, as when central restarts). A customer sends
+            # the same create again, which must find the one that may have been made.
             self.soak.count("pydo create -> no answer")
             return self.create_with_retries(body, region, "after-pydo")
 
