@@ -571,6 +571,228 @@ const TOKEN_REVOKE: Operation = op(
     "/v2/dedicated-inferences/{dedicated_inference_id}/tokens/{token_id}",
 );
 
+/// Every operation the client has a method for.
+#[cfg(test)]
+const OPERATIONS: [&Operation; 15] = [
+    &LIST,
+    &CREATE,
+    &GPU_MODEL_CONFIG,
+    &QUOTAS,
+    &SIZES,
+    &GET,
+    &DELETE,
+    &PATCH,
+    &ACCELERATORS,
+    &ACCELERATOR,
+    &CA,
+    &EVENTS,
+    &TOKENS,
+    &TOKEN_CREATE,
+    &TOKEN_REVOKE,
+];
+
 const NO_QUERY: Option<&()> = None;
 const NO_BODY: Option<&()> = None;
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Every operation of the public API's document has its method here, with the method and
+    /// path the document gives, and the client has no operation the document lacks.
+    #[test]
+    fn the_operations_are_the_documents() {
+        let doc: Value =
+            serde_json::from_str(include_str!("../../../openapi/public.json")).unwrap();
+        let mut documented = Vec::new();
+        for (path, operations) in doc["paths"].as_object().unwrap() {
+            for (method, operation) in operations.as_object().unwrap() {
+                let id = operation["operationId"].as_str().unwrap();
+                documented.push((id.to_string(), method.to_uppercase(), path.clone()));
+            }
+        }
+        documented.sort();
+        let mut ours: Vec<(String, String, String)> = OPERATIONS
+            .iter()
+            .map(|o| (o.id.to_string(), o.method.to_string(), o.path.to_string()))
+            .collect();
+        ours.sort();
+        assert_eq!(ours, documented);
+    }
+
+    #[test]
+    fn path_parameters_are_filled_in_order() {
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        assert_eq!(
+            TOKEN_REVOKE.path_with(&[&Id::from(a), &Id::from(b)]),
+            format!("/v2/dedicated-inferences/{a}/tokens/{b}")
+        );
+        assert_eq!(LIST.path_with(&[]), "/v2/dedicated-inferences");
+    }
+
+    #[test]
+    fn ids_cannot_change_the_path() {
+        assert!(Id::parse("../sizes").is_err());
+        assert!(Id::parse("a/b").is_err());
+        assert!(Id::parse("a?b").is_err());
+        assert!(Id::parse("a%2Fb").is_err());
+        assert!(Id::parse("").is_err());
+        assert!(Id::parse("7e5c619c-359c-44ca-87e2-47e98170c012").is_ok());
+    }
+
+    /// What the fake API was sent: the request line and the Idempotency-Key.
+    type Sent = Arc<Mutex<Vec<(String, Option<String>)>>>;
+
+    /// An API on a local port that answers each request with the next of `answers` (status and
+    /// body; `Retry-After: 0`, so a retry after 503 does not wait) and records what it was sent.
+    async fn fake_api(answers: Vec<(u16, String)>) -> (Client, Sent) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let sent: Sent = Arc::default();
+        let record = sent.clone();
+        tokio::spawn(async move {
+            for (status, body) in answers {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                // The requests under test have no body: the head is the whole request.
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let n = socket.read(&mut buf).await.unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    request.extend_from_slice(&buf[..n]);
+                }
+                let head = String::from_utf8_lossy(&request).into_owned();
+                let line = head.lines().next().unwrap().to_string();
+                let key = head.lines().find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("idempotency-key: ")
+                        .map(str::to_owned)
+                });
+                record.lock().unwrap().push((line, key));
+                let answer = format!(
+                    "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\nretry-after: 0\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                socket.write_all(answer.as_bytes()).await.unwrap();
+                socket.shutdown().await.unwrap();
+            }
+        });
+        (Client::new(&base, "dia_v1_test".into()).unwrap(), sent)
+    }
+
+    #[tokio::test]
+    async fn a_write_keeps_its_key_through_retries_and_the_next_write_has_another() {
+        let answers = [(503, ""), (204, ""), (202, ""), (200, "{")];
+        let (client, sent) = fake_api(answers.map(|(s, b)| (s, b.to_string())).into()).await;
+        let (di, token) = (Id::from(Uuid::new_v4()), Id::from(Uuid::new_v4()));
+        let revoked = client.token_revoke(&di, &token).await.unwrap();
+        assert_eq!(revoked.raw, "");
+        client.delete(&di).await.unwrap();
+        let not_json = client.get(&di).await.err().unwrap();
+        assert!(
+            matches!(&not_json, Failure::Api { status: 200, id, .. } if id == "invalid_response"),
+            "{not_json:?}"
+        );
+        let sent = sent.lock().unwrap().clone();
+        let lines: Vec<&str> = sent.iter().map(|(l, _)| l.as_str()).collect();
+        assert_eq!(
+            lines,
+            [
+                format!(
+                    "DELETE /v2/dedicated-inferences/{}/tokens/{} HTTP/1.1",
+                    di.0, token.0
+                ),
+                format!(
+                    "DELETE /v2/dedicated-inferences/{}/tokens/{} HTTP/1.1",
+                    di.0, token.0
+                ),
+                format!("DELETE /v2/dedicated-inferences/{} HTTP/1.1", di.0),
+                format!("GET /v2/dedicated-inferences/{} HTTP/1.1", di.0),
+            ]
+        );
+        let keys: Vec<Option<&str>> = sent.iter().map(|(_, k)| k.as_deref()).collect();
+        assert!(keys[0].is_some());
+        assert_eq!(keys[0], keys[1], "a retry sends the same key");
+        assert!(
+            keys[2].is_some() && keys[2] != keys[0],
+            "a new write, a new key"
+        );
+        assert_eq!(keys[3], None, "a read has no key");
+    }
+
+    #[tokio::test]
+    async fn answers_are_checked_against_the_document_and_kept_as_sent() {
+        let sizes = r#"{"enabled_regions": ["atl1"], "sizes": [], "newer_field": 1}"#;
+        let (client, _) = fake_api(vec![
+            (200, sizes.to_string()),
+            (200, r#"{"dedicated_inference": {}}"#.to_string()),
+        ])
+        .await;
+        let answer = client.sizes().await.unwrap();
+        assert_eq!(answer.raw, sizes, "--output json prints the text as sent");
+        assert_eq!(answer.typed.enabled_regions, ["atl1"]);
+        assert_eq!(answer.body["newer_field"], 1);
+        let wrong = client.get(&Id::from(Uuid::new_v4())).await.err().unwrap();
+        assert!(
+            matches!(&wrong, Failure::Api { status: 200, id, message, .. }
+                if id == "invalid_response" && message.contains("dedicatedInferences_get")),
+            "{wrong:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn lists_send_their_filters_and_follow_pages() {
+        let token = json!({"id": Uuid::new_v4(), "name": "t", "is_managed": false,
+                           "created_at": "2026-01-01T00:00:00Z"});
+        let page = |n: usize| {
+            json!({"tokens": vec![token.clone(); n], "links": {"pages": {}}, "meta": {"total": 3}})
+                .to_string()
+        };
+        let none =
+            json!({"dedicated_inferences": [], "links": {"pages": {}}, "meta": {"total": 0}});
+        let (mut client, sent) = fake_api(vec![
+            (200, none.to_string()),
+            (200, page(2)),
+            (200, page(1)),
+        ])
+        .await;
+        client.per_page = 2;
+        let filter = ListFilter {
+            region: Some("nyc2".into()),
+            name: Some("a b".into()),
+        };
+        let (listed, total) = client
+            .every_page(|page| client.list(&filter, page))
+            .await
+            .unwrap();
+        assert_eq!((listed.len(), total), (0, 0));
+        let id = Id::from(Uuid::new_v4());
+        let (tokens, total) = client
+            .every_page(|page| client.tokens(&id, page))
+            .await
+            .unwrap();
+        assert_eq!((tokens.len(), total), (3, 3));
+        let sent = sent.lock().unwrap().clone();
+        let lines: Vec<&str> = sent.iter().map(|(l, _)| l.as_str()).collect();
+        assert_eq!(
+            lines,
+            [
+                "GET /v2/dedicated-inferences?region=nyc2&name=a+b&page=1&per_page=2 HTTP/1.1"
+                    .to_string(),
+                format!(
+                    "GET /v2/dedicated-inferences/{}/tokens?page=1&per_page=2 HTTP/1.1",
+                    id.0
+                ),
+                format!(
+                    "GET /v2/dedicated-inferences/{}/tokens?page=2&per_page=2 HTTP/1.1",
+                    id.0
+                ),
+            ]
+        );
+    }
+}
