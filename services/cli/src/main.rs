@@ -17,10 +17,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use reqwest::Method;
 use serde_json::{json, Map, Value};
 
-use client::Client;
+use client::{Client, Id, ListFilter};
 use render::s;
 use wait::{EventCursor, Goal, Outcome};
 
@@ -267,7 +266,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 // Helpers
 
 /// The API's answer exactly as it came (nothing for an empty body).
-fn print_raw(answer: &client::Answer) {
+fn print_raw<T>(answer: &client::Answer<T>) {
     let raw = answer.raw.trim_end();
     if !raw.is_empty() {
         println!("{raw}");
@@ -278,22 +277,6 @@ fn print_raw(answer: &client::Answer) {
 /// like the API's own answers.
 fn print_json(v: &Value) {
     println!("{v}");
-}
-
-/// Path segments come from the user; anything but a plain id would change the URL's meaning.
-fn segment(id: &str) -> Result<&str, Failure> {
-    if id.is_empty()
-        || !id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-    {
-        return Err(Failure::Usage(format!("{id:?} is not a valid id")));
-    }
-    Ok(id)
-}
-
-fn di_path(id: &str) -> Result<String, Failure> {
-    Ok(format!("/v2/dedicated-inferences/{}", segment(id)?))
 }
 
 /// Reads a JSON object from a file or stdin (`-`).
@@ -378,13 +361,7 @@ async fn create(
     if let Some(Value::Object(spec)) = body.get_mut("spec") {
         spec.entry("version").or_insert(json!(1));
     }
-    let answer = client
-        .write(
-            Method::POST,
-            "/v2/dedicated-inferences",
-            Some(&Value::Object(body)),
-        )
-        .await?;
+    let answer = client.create(&body).await?;
     let mut created = answer.body.clone();
     let di = created["dedicated_inference"].clone();
     let id = s(&di["id"]);
@@ -413,7 +390,7 @@ async fn create(
     }
     let outcome = wait::wait(
         client,
-        &id,
+        &Id::from(answer.typed.dedicated_inference.id),
         Goal::Ready,
         wait.timeout,
         EventCursor::default(),
@@ -451,7 +428,7 @@ async fn create(
 }
 
 async fn get(client: &Client, out: Output, id: &str) -> Result<(), Failure> {
-    let answer = client.fetch(&di_path(id)?, &[]).await?;
+    let answer = client.get(&Id::parse(id)?).await?;
     match out {
         Output::Json => print_raw(&answer),
         Output::Text => print!("{}", render::di(&answer.body["dedicated_inference"])),
@@ -465,15 +442,9 @@ async fn list(
     region: Option<String>,
     name: Option<String>,
 ) -> Result<(), Failure> {
-    let mut query = Vec::new();
-    if let Some(r) = region {
-        query.push(("region", r));
-    }
-    if let Some(n) = name {
-        query.push(("name", n));
-    }
+    let filter = &ListFilter { region, name };
     let (items, total) = client
-        .get_all("/v2/dedicated-inferences", "dedicated_inferences", &query)
+        .every_page(move |page| client.list(filter, page))
         .await?;
     match out {
         Output::Json => print_json(&json!({
@@ -559,10 +530,10 @@ async fn update(
     file: &PathBuf,
     wait: &WaitArgs,
 ) -> Result<(), Failure> {
-    let path = di_path(id)?;
+    let di_id = Id::parse(id)?;
     let mut body = as_body(read_object(file)?);
-    let current = client.get(&path, &[]).await?;
-    let di = &current["dedicated_inference"];
+    let current = client.get(&di_id).await?;
+    let di = &current.body["dedicated_inference"];
     if let Some(Value::Object(spec)) = body.get_mut("spec") {
         // The latest spec: the pending one while a rollout runs, else the current one.
         let latest = if di["pending_deployment_spec"].is_object() {
@@ -576,13 +547,11 @@ async fn update(
         }
     }
     let cursor = if wait.wait {
-        EventCursor::snapshot(client, id).await
+        EventCursor::snapshot(client, &di_id).await
     } else {
         EventCursor::default()
     };
-    let answer = client
-        .write(Method::PATCH, &path, Some(&Value::Object(body)))
-        .await?;
+    let answer = client.patch(&di_id, &body).await?;
     let new = &answer.body["dedicated_inference"];
     if out == Output::Text {
         match new["pending_deployment_spec"]["version"].as_i64() {
@@ -601,7 +570,7 @@ async fn update(
         }
         return Ok(());
     }
-    let outcome = wait::wait(client, id, Goal::Ready, wait.timeout, cursor).await?;
+    let outcome = wait::wait(client, &di_id, Goal::Ready, wait.timeout, cursor).await?;
     let (last, result) = done_or(outcome, "update");
     match out {
         Output::Json => print_json(&json!({
@@ -642,11 +611,11 @@ async fn delete(
     force: bool,
     wait: &WaitArgs,
 ) -> Result<(), Failure> {
-    let path = di_path(id)?;
+    let di_id = Id::parse(id)?;
     if !force && std::io::stdin().is_terminal() {
         // Name it, so the person confirms the right one (and a wrong id fails here, not later).
-        let current = client.get(&path, &[]).await?;
-        let di = &current["dedicated_inference"];
+        let current = client.get(&di_id).await?;
+        let di = &current.body["dedicated_inference"];
         let question = format!(
             "Delete dedicated inference {} ({id}) in {}? Its endpoint and tokens stop working.",
             s(&di["name"]),
@@ -657,11 +626,11 @@ async fn delete(
         }
     }
     let cursor = if wait.wait {
-        EventCursor::snapshot(client, id).await
+        EventCursor::snapshot(client, &di_id).await
     } else {
         EventCursor::default()
     };
-    let answer = client.write(Method::DELETE, &path, None).await?;
+    let answer = client.delete(&di_id).await?;
     if !wait.wait {
         match out {
             Output::Json => print_raw(&answer),
@@ -675,7 +644,7 @@ async fn delete(
         println!("Deletion of {id} accepted.");
         let _ = std::io::stdout().flush();
     }
-    let outcome = wait::wait(client, id, Goal::Gone, wait.timeout, cursor).await?;
+    let outcome = wait::wait(client, &di_id, Goal::Gone, wait.timeout, cursor).await?;
     let (last, result) = done_or(outcome, "delete");
     match out {
         Output::Json => {
@@ -695,8 +664,10 @@ async fn delete(
 async fn tokens(client: &Client, out: Output, command: TokensCommand) -> Result<(), Failure> {
     match command {
         TokensCommand::List { id } => {
-            let path = format!("{}/tokens", di_path(&id)?);
-            let (items, total) = client.get_all(&path, "tokens", &[]).await?;
+            let id = &Id::parse(&id)?;
+            let (items, total) = client
+                .every_page(move |page| client.tokens(id, page))
+                .await?;
             match out {
                 Output::Json => print_json(&json!({
                     "tokens": items, "links": {"pages": {}}, "meta": {"total": total}
@@ -721,10 +692,7 @@ async fn tokens(client: &Client, out: Output, command: TokensCommand) -> Result<
             }
         }
         TokensCommand::Create { id, name } => {
-            let path = format!("{}/tokens", di_path(&id)?);
-            let answer = client
-                .write(Method::POST, &path, Some(&json!({ "name": name })))
-                .await?;
+            let answer = client.token_create(&Id::parse(&id)?, &name).await?;
             match out {
                 Output::Json => print_raw(&answer),
                 Output::Text => {
@@ -739,8 +707,8 @@ async fn tokens(client: &Client, out: Output, command: TokensCommand) -> Result<
             }
         }
         TokensCommand::Delete { id, token_id } => {
-            let path = format!("{}/tokens/{}", di_path(&id)?, segment(&token_id)?);
-            let answer = client.write(Method::DELETE, &path, None).await?;
+            let di_id = Id::parse(&id)?;
+            let answer = client.token_revoke(&di_id, &Id::parse(&token_id)?).await?;
             match out {
                 Output::Json => print_raw(&answer),
                 Output::Text => println!("Revoked token {token_id}."),
@@ -751,7 +719,7 @@ async fn tokens(client: &Client, out: Output, command: TokensCommand) -> Result<
 }
 
 async fn sizes(client: &Client, out: Output) -> Result<(), Failure> {
-    let answer = client.fetch("/v2/dedicated-inferences/sizes", &[]).await?;
+    let answer = client.sizes().await?;
     if out == Output::Json {
         print_raw(&answer);
         return Ok(());
@@ -780,9 +748,7 @@ async fn sizes(client: &Client, out: Output) -> Result<(), Failure> {
 }
 
 async fn gpu_model_config(client: &Client, out: Output) -> Result<(), Failure> {
-    let answer = client
-        .fetch("/v2/dedicated-inferences/gpu-model-config", &[])
-        .await?;
+    let answer = client.gpu_model_config().await?;
     if out == Output::Json {
         print_raw(&answer);
         return Ok(());
@@ -812,8 +778,10 @@ async fn gpu_model_config(client: &Client, out: Output) -> Result<(), Failure> {
 }
 
 async fn events(client: &Client, out: Output, id: &str) -> Result<(), Failure> {
-    let path = format!("{}/events", di_path(id)?);
-    let (items, total) = client.get_all(&path, "events", &[]).await?;
+    let id = &Id::parse(id)?;
+    let (items, total) = client
+        .every_page(move |page| client.events(id, page))
+        .await?;
     match out {
         Output::Json => print_json(&json!({
             "events": items, "links": {"pages": {}}, "meta": {"total": total}
@@ -847,10 +815,12 @@ fn is_scaling(e: &Value) -> bool {
 }
 
 async fn replicas(client: &Client, out: Output, id: &str, last: usize) -> Result<(), Failure> {
-    let answer = client.fetch(&di_path(id)?, &[]).await?;
+    let id = &Id::parse(id)?;
+    let answer = client.get(id).await?;
     let di = &answer.body["dedicated_inference"];
-    let path = format!("{}/events", di_path(id)?);
-    let (items, _) = client.get_all(&path, "events", &[]).await?;
+    let (items, _) = client
+        .every_page(move |page| client.events(id, page))
+        .await?;
     let scaling: Vec<&Value> = items.iter().filter(|e| is_scaling(e)).collect();
     let recent = &scaling[scaling.len().saturating_sub(last)..];
     match out {
@@ -898,8 +868,10 @@ async fn replicas(client: &Client, out: Output, id: &str, last: usize) -> Result
 }
 
 async fn accelerators(client: &Client, out: Output, id: &str) -> Result<(), Failure> {
-    let path = format!("{}/accelerators", di_path(id)?);
-    let (items, total) = client.get_all(&path, "accelerators", &[]).await?;
+    let id = &Id::parse(id)?;
+    let (items, total) = client
+        .every_page(move |page| client.accelerators(id, page))
+        .await?;
     match out {
         Output::Json => print_json(&json!({
             "accelerators": items, "links": {"pages": {}}, "meta": {"total": total}
@@ -933,7 +905,7 @@ async fn accelerators(client: &Client, out: Output, id: &str) -> Result<(), Fail
 
 async fn ca(client: &Client, out: Output, id: &str) -> Result<(), Failure> {
     use base64::Engine;
-    let answer = client.fetch(&format!("{}/ca", di_path(id)?), &[]).await?;
+    let answer = client.ca(&Id::parse(id)?).await?;
     if out == Output::Json {
         print_raw(&answer);
         return Ok(());
@@ -1048,14 +1020,6 @@ mod tests {
         complete_spec(&mut spec, &latest);
         assert_eq!(spec["version"], 2);
         assert!(!spec.contains_key("vpc"));
-    }
-
-    #[test]
-    fn ids_cannot_change_the_path() {
-        assert!(segment("../sizes").is_err());
-        assert!(segment("a/b").is_err());
-        assert!(segment("").is_err());
-        assert!(segment("7e5c619c-359c-44ca-87e2-47e98170c012").is_ok());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::client::Client;
+use crate::client::{Client, Id, Listing};
 use crate::Failure;
 
 const POLL: Duration = Duration::from_secs(1);
@@ -43,7 +43,7 @@ pub struct EventCursor {
 impl EventCursor {
     /// Marks every event that exists now as seen. Errors are ignored: the snapshot only keeps
     /// old events off the screen.
-    pub async fn snapshot(client: &Client, id: &str) -> EventCursor {
+    pub async fn snapshot(client: &Client, id: &Id) -> EventCursor {
         let mut cursor = EventCursor::default();
         let _ = cursor.fetch(client, id).await;
         cursor.last_error = None;
@@ -51,13 +51,13 @@ impl EventCursor {
     }
 
     /// Fetches the events after the cursor and advances it.
-    async fn fetch(&mut self, client: &Client, id: &str) -> Result<Vec<Value>, Failure> {
-        let path = format!("/v2/dedicated-inferences/{id}/events");
+    async fn fetch(&mut self, client: &Client, id: &Id) -> Result<Vec<Value>, Failure> {
         let per_page = client.per_page();
         let mut fresh = Vec::new();
         let mut page = self.seen / per_page + 1;
         loop {
-            let (items, total) = client.page(&path, "events", page).await?;
+            let answer = client.events(id, page).await?;
+            let (items, total) = (answer.items(), answer.typed.total().max(0) as usize);
             let full = items.len() == per_page;
             self.seen = self.seen.max((page - 1) * per_page + items.len());
             for e in items {
@@ -187,7 +187,7 @@ fn describe(di: &Value) -> String {
 /// and polling goes on until the timeout; other API errors end the wait.
 pub async fn wait(
     client: &Client,
-    id: &str,
+    id: &Id,
     goal: Goal,
     timeout: Duration,
     mut cursor: EventCursor,
@@ -200,15 +200,14 @@ pub async fn wait(
         frame: 0,
     };
     let mut last: Option<Value> = None;
-    let path = format!("/v2/dedicated-inferences/{id}");
     let mut trouble = false;
     loop {
         let tick = Instant::now();
-        let got = client.get(&path, &[]).await;
+        let got = client.get(id).await;
         let di = match got {
-            Ok(body) => {
+            Ok(answer) => {
                 trouble = false;
-                Some(body["dedicated_inference"].clone())
+                Some(answer.body["dedicated_inference"].clone())
             }
             Err(Failure::Api { status: 404, .. }) if goal == Goal::Gone => {
                 // Show the last events (e.g. "Deleted") if they are still readable; they are not
