@@ -1,7 +1,7 @@
 //! Central's application methods: one per public operation. Each authorises, validates, talks to
 //! central's store and the owning region, and returns a `Reply` (status + JSON bytes) so that
-//! idempotent replays can return the stored bytes unchanged. Creates ([`creates`]), writes to an
-//! existing DI ([`operations`]) and reads ([`reads`]) each have a module; what they share is here.
+//! idempotent replays can return the stored bytes unchanged. Creates (`creates`), writes to an
+//! existing DI (`operations`) and reads (`reads`) each have a module; what they share is here.
 
 use std::sync::Arc;
 use std::time::Duration;
