@@ -13,6 +13,7 @@ pub mod model;
 pub mod names;
 pub mod pools;
 pub mod readiness;
+pub mod waiting;
 
 pub use certificates::{issue, needs_reissue, signing_ca};
 pub use manifests::{
@@ -26,3 +27,4 @@ pub use pools::{
 pub use readiness::{
     assess, load_failure, Assessment, LoadFailure, ObservedAccelerator, Progress, MODEL_LOAD_FAILED,
 };
+pub use waiting::{ClusterWait, Waiting};

@@ -17,6 +17,9 @@ use tokio::sync::oneshot;
 pub const PASS_DURATION: &str = "worker_reconcile_duration_seconds";
 /// `worker_reconcile_passes_total{phase, outcome}`.
 pub const PASSES: &str = "worker_reconcile_passes_total";
+/// `worker_reconcile_waits_total{reason}`: passes that left a DI waiting, by what it waits for
+/// (`plan::Waiting::kind`).
+pub const WAITS: &str = "worker_reconcile_waits_total";
 /// `worker_queue_depth{state}`: `ready` or `leased` DIs in the region's work queue.
 pub const QUEUE_DEPTH: &str = "worker_queue_depth";
 /// `worker_lease_expiries_total`: claims that took over an expired lease.
@@ -117,6 +120,16 @@ pub fn pass(phase: Phase, outcome: Outcome, elapsed: Duration) {
         PASSES,
         "Reconcile passes by phase and outcome",
         labels(),
+        1.0,
+    );
+}
+
+/// Counts a pass that left its DI waiting, by the kind of what it waits for.
+pub fn waiting(reason: &'static str) {
+    common::metrics::counter_add(
+        WAITS,
+        "Reconcile passes that left their DI waiting, by what it waits for",
+        vec![("reason", reason.to_string())],
         1.0,
     );
 }

@@ -26,7 +26,9 @@ use uuid::Uuid;
 
 use crate::cluster_clients::{self, ClusterClients};
 use crate::metrics::{self, Outcome, Phase};
-use crate::plan::{self, names, AccessTokenHash, Images, ManifestInput, PoolAction, TlsPair};
+use crate::plan::{
+    self, names, AccessTokenHash, ClusterWait, Images, ManifestInput, PoolAction, TlsPair, Waiting,
+};
 use crate::scaling;
 
 /// Ledger kinds (see the `teardown_ledger` table).
@@ -243,7 +245,7 @@ pub struct Pass {
     /// The spec version the pass worked towards (pending, else current), if any.
     pub version: Option<i32>,
     /// What the DI still waits for; `None` when it is converged (or there is nothing to do).
-    pub waiting: Option<String>,
+    pub waiting: Option<Waiting>,
     /// When to look again (sooner if the DI changes).
     pub next_check: Duration,
     /// Mutating DigitalOcean calls made.
@@ -272,8 +274,8 @@ impl Pass {
         }
     }
 
-    fn wait(mut self, what: impl Into<String>, next_check: Duration) -> Self {
-        self.waiting = Some(what.into());
+    fn wait(mut self, what: Waiting, next_check: Duration) -> Self {
+        self.waiting = Some(what);
         self.next_check = next_check;
         self
     }
@@ -585,6 +587,9 @@ impl Reconciler {
             Err(ReconcileError::Permanent { .. }) => Outcome::Error,
         };
         metrics::pass(phase, outcome, started.elapsed());
+        if let Some(waiting) = result.as_ref().ok().and_then(|p| p.waiting.as_ref()) {
+            metrics::waiting(waiting.kind());
+        }
         if let Ok(pass) = &result {
             span.record("status", pass.status.map_or("gone", Status::as_str));
         }
@@ -716,7 +721,10 @@ impl Reconciler {
             Some((cluster_id, kube)) => {
                 if !ledger.use_cluster(&cluster_name, &cluster_id).await? {
                     self.distrust_cluster(&cluster_name, &cluster_id);
-                    let wait = format!("cluster {cluster_name}: being deleted");
+                    let wait = Waiting::Cluster {
+                        name: cluster_name,
+                        state: ClusterWait::BeingDeleted,
+                    };
                     return Ok(pass.wait(wait, s.poll));
                 }
                 (cluster_id, kube)
@@ -820,7 +828,10 @@ impl Reconciler {
                         return Err(e);
                     };
                     self.record_replicas(id, &back, &observed, &[]).await?;
-                    return Ok(pass.wait(format!("scale-up refused: {message}"), s.poll));
+                    let wait = Waiting::ScaleUpRefused {
+                        message: message.clone(),
+                    };
+                    return Ok(pass.wait(wait, s.poll));
                 }
                 Err(e) => return Err(e),
             }
@@ -892,10 +903,11 @@ impl Reconciler {
             }
         }
         if writes > 0 {
-            return Ok(pass.wait(format!("applied {writes} changes"), s.poll));
+            return Ok(pass.wait(Waiting::Applied { changes: writes }, s.poll));
         }
         if !assessment.progress.ready {
-            return Ok(pass.wait(assessment.progress.waiting_for.join("; "), s.poll));
+            let waiting_for = assessment.progress.waiting_for;
+            return Ok(pass.wait(Waiting::Rollout { waiting_for }, s.poll));
         }
         let endpoints = Endpoints {
             public_fqdn: assessment.public_endpoint.clone(),
@@ -928,10 +940,10 @@ impl Reconciler {
             .clone()
             .or_else(|| assessment.private_endpoint.clone())
         else {
-            return Ok(pass.wait("waiting for an endpoint address", s.poll));
+            return Ok(pass.wait(Waiting::EndpointAddress, s.poll));
         };
         if let Err(why) = self.probe(&url, &inputs.cas, &probe_value).await {
-            return Ok(pass.wait(format!("endpoint {url}: {why}"), s.poll));
+            return Ok(pass.wait(Waiting::Probe { url, why }, s.poll));
         }
         match self.store.rollout_complete(id, version, &endpoints).await {
             // The pass leaves the DI active (its span says so): no later pass is needed to see it.
@@ -940,7 +952,9 @@ impl Reconciler {
                 Ok(settled(done.status))
             }
             // Superseded by a newer spec (or deleted) meanwhile: the next pass converges on it.
-            Err(StoreError::Conflict(why)) => Ok(pass.wait(why, Duration::ZERO)),
+            Err(StoreError::Conflict(why)) => {
+                Ok(pass.wait(Waiting::Superseded { why }, Duration::ZERO))
+            }
             Err(e) => Err(e.into()),
         }
     }
@@ -1101,7 +1115,10 @@ impl Reconciler {
                     // Another DI of the VPC (or a retried attempt) created it first: look again
                     // at the next check, not after a failure's backoff.
                     Err(e) if e.is_already_exists() => {
-                        let wait = format!("cluster {name}: being created");
+                        let wait = Waiting::Cluster {
+                            name: name.to_string(),
+                            state: ClusterWait::BeingCreated,
+                        };
                         return Ok(Err(pass.clone().wait(wait, poll)));
                     }
                     Err(e) => return Err(e.into()),
@@ -1112,21 +1129,28 @@ impl Reconciler {
                     .insert(name.to_string(), c.id.clone());
                 // Nobody can be retiring a cluster this pass just made.
                 ledger.use_cluster(name, &c.id).await?;
-                return Ok(Err(pass
-                    .clone()
-                    .wait(format!("cluster {name}: creating"), poll)));
+                let wait = Waiting::Cluster {
+                    name: name.to_string(),
+                    state: ClusterWait::Creating,
+                };
+                return Ok(Err(pass.clone().wait(wait, poll)));
             }
         };
         if !ledger.use_cluster(name, &cluster.id).await? {
             // The last DI of the VPC is deleting it: once it is going, a new one is made.
-            let wait = format!("cluster {name}: being deleted");
+            let wait = Waiting::Cluster {
+                name: name.to_string(),
+                state: ClusterWait::BeingDeleted,
+            };
             return Ok(Err(pass.clone().wait(wait, poll)));
         }
         if cluster.status.state != ClusterState::Running {
             let state = format!("{:?}", cluster.status.state).to_lowercase();
-            return Ok(Err(pass
-                .clone()
-                .wait(format!("cluster {name}: {state}"), poll)));
+            let wait = Waiting::Cluster {
+                name: name.to_string(),
+                state: ClusterWait::State(state),
+            };
+            return Ok(Err(pass.clone().wait(wait, poll)));
         }
         Ok(Ok((cluster.id.clone(), self.kube_for(&cluster.id).await?)))
     }
@@ -1374,7 +1398,7 @@ impl Reconciler {
                     let Some(c) = cluster.filter(|c| c.status.state == ClusterState::Running)
                     else {
                         if cluster.is_some_and(|c| c.status.state == ClusterState::Provisioning) {
-                            return Ok(pass.wait("cluster not reachable yet", s.poll));
+                            return Ok(pass.wait(Waiting::ClusterUnreachable, s.poll));
                         }
                         // The cluster is gone or going: so is the namespace.
                         self.store.ledger_remove(id, &e.kind, &e.name).await?;
@@ -1386,7 +1410,8 @@ impl Reconciler {
                         self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
                     }
                     if deleted == Deleted::Deleting {
-                        return Ok(pass.wait(format!("namespace {}: terminating", e.name), s.poll));
+                        let name = e.name.clone();
+                        return Ok(pass.wait(Waiting::NamespaceTerminating { name }, s.poll));
                     }
                     self.store.ledger_remove(id, &e.kind, &e.name).await?;
                 }
@@ -1450,7 +1475,11 @@ impl Reconciler {
                         self.forget_kube(&c.id);
                         tracing::info!(di = %id, cluster = %c.name, "cluster deleting");
                     }
-                    return Ok(pass.wait(format!("cluster {}: deleting", c.name), s.poll));
+                    let wait = Waiting::Cluster {
+                        name: c.name.clone(),
+                        state: ClusterWait::Deleting,
+                    };
+                    return Ok(pass.wait(wait, s.poll));
                 }
                 other => {
                     tracing::warn!(di = %id, kind = other, "unknown ledger entry; forgetting it");

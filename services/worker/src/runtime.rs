@@ -22,6 +22,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::metrics;
+use crate::plan::Waiting;
 use crate::queue::{self, Queue};
 use crate::reconcile::{Pass, ReconcileError, Reconciler, Settings};
 
@@ -440,7 +441,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
                     .as_ref()
                     .and_then(|r| r.pending_spec.as_ref().or(r.spec.as_ref()))
                     .map(|s| s.version),
-                waiting: Some(RETRYING.into()),
+                waiting: Some(Waiting::Retrying),
                 next_check: Duration::ZERO,
                 do_writes: 0,
                 kube_writes: 0,
@@ -492,9 +493,6 @@ async fn sample_queue_depth(shared: Arc<Shared>, mut stop: watch::Receiver<bool>
     }
 }
 
-/// What a pass that failed transiently waits for (its progress fingerprint).
-const RETRYING: &str = "retrying after transient failures";
-
 /// Progress tracking, from the fingerprint a pass leaves (phase + what it waits for).
 /// - Stalls: a DI in a moving phase whose fingerprint has not changed for half the stall
 ///   timeout gets an event; for the whole timeout, `error`.
@@ -516,9 +514,9 @@ async fn watch_progress(
         Some(Status::New | Status::Provisioning | Status::Updating | Status::Deleting)
     );
     let repairing = pass.status == Some(Status::Active)
-        && pass.waiting.as_deref().is_some_and(|w| w != RETRYING);
+        && pass.waiting.as_ref().is_some_and(|w| !w.is_retrying());
     let key = match (&pass.waiting, pass.status) {
-        (Some(w), Some(status)) if moving || repairing => progress_key(status, w),
+        (Some(w), Some(status)) if moving || repairing => progress_key(status, &w.to_string()),
         _ => region_store::PROGRESS_IDLE.to_string(),
     };
     let stall = match store.work_progress(id, &key).await {
@@ -529,7 +527,11 @@ async fn watch_progress(
         }
     };
     let was_repairing = stall.previous.as_deref().and_then(progress_status) == Some(Status::Active);
-    let waiting = pass.waiting.as_deref().unwrap_or("");
+    let waiting = pass
+        .waiting
+        .as_ref()
+        .map(Waiting::to_string)
+        .unwrap_or_default();
     if repairing && !was_repairing {
         let msg = format!("Out of step with its spec; repairing: {waiting}");
         let _ = store.event_append(id, "Repairing", &msg).await;

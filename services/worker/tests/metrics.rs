@@ -153,6 +153,37 @@ async fn metrics_count_passes_queue_leases_and_cloud_calls() {
     assert!(passes("deleting", "progress") >= 1.0, "{text}");
     assert_eq!(passes("deleting", "converged"), 1.0, "{text}");
     assert_eq!(passes("provisioning", "error"), 0.0, "{text}");
+    // Every pass that leaves its DI waiting says what for: the provisioning waited for the
+    // cluster it created, the teardown for the cluster's deletion.
+    let waits = |reason: &str| {
+        value(&text, "worker_reconcile_waits_total", &[("reason", reason)]).unwrap_or(0.0)
+    };
+    let phases = [
+        "provisioning",
+        "updating",
+        "deleting",
+        "resync",
+        "idle",
+        "unknown",
+    ];
+    let waiting_passes: f64 = phases.iter().map(|p| passes(p, "progress")).sum();
+    let reasons = [
+        "cluster",
+        "cluster_unreachable",
+        "scale_up_refused",
+        "applied",
+        "rollout",
+        "endpoint_address",
+        "probe",
+        "superseded",
+        "namespace_terminating",
+    ];
+    assert_eq!(
+        reasons.iter().map(|r| waits(r)).sum::<f64>(),
+        waiting_passes,
+        "{text}"
+    );
+    assert!(waits("cluster") >= 2.0, "{text}");
     for (phase, outcome) in [("provisioning", "progress"), ("deleting", "converged")] {
         let labels = [("phase", phase), ("outcome", outcome)];
         let count = must(&text, "worker_reconcile_duration_seconds_count", &labels);
