@@ -443,8 +443,10 @@ class Customer(threading.Thread):
 
     def create_with_retries(self, body, region, style):
         """godo's retry policy (5xx and 429, honouring Retry-After), as a plain loop: the same body
-        again, with the same key when there is one. The impatient client gives up after 0.3 s on
-        its first try, as a client with a short timeout or a dropped connection does."""
+        again, with the same key when there is one. The impatient client gives up after 20 to 300 ms
+        on its first try, as a client with a short timeout or a dropped connection does: most
+        creates take longer than the shortest of those, so every run retries some creates whose
+        first attempt may have landed (what `retries-find-their-create` checks)."""
         headers = {}
         if style == "keyed":
             headers["Idempotency-Key"] = f"soak-{uuid.uuid4()}"
@@ -452,7 +454,7 @@ class Customer(threading.Thread):
         deadline = now() + 120
         first = True
         while now() < deadline:
-            timeout = 0.3 if (style == "impatient" and first) else 30
+            timeout = self.rng.uniform(0.02, 0.3) if (style == "impatient" and first) else 30
             first = False
             resp = self.soak.request(self.client, "POST", "/v2/dedicated-inferences", region=region,
                                      what="create", cloud=True, json=body, headers=headers, timeout=timeout)
