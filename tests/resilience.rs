@@ -750,3 +750,85 @@ async fn recovery_leaves_a_create_alone_while_a_request_sends_it() {
     .await;
     assert_eq!(region_rows(&sys, "atl1").await, 1);
 }
+
+/// A keyed PATCH's retry waits while the first attempt of its operation is in flight. When the
+/// region refuses that attempt (here: over the team's GPU quota) the key is released; the retry
+/// then runs its own attempt and gets the refusal too. It used to find the key gone, fail to
+/// drive an operation that was never stored, and answer 409 once its patience ran out, which
+/// clients do not retry (found by review).
+#[tokio::test]
+async fn a_keyed_retry_whose_first_attempt_is_refused_gets_the_refusal() {
+    let mut sys = System::start_with(Options {
+        background: false,
+        ..Options::default()
+    })
+    .await;
+    let team = Uuid::new_v4();
+    let token = sys.token(team, &[]).await;
+    let (id, created) = sys.create_di(&token, "over-quota", "atl1").await;
+    // It holds 2 GPUs; 2 in all is its team's limit.
+    sys.region("atl1")
+        .store()
+        .quota_overrides_set(
+            team,
+            &region_store::QuotaOverrides {
+                gpus: Some(2),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let mut spec = created["dedicated_inference"]["spec"].clone();
+    spec["model_deployments"][0]["accelerators"][0]["scale"] = json!(3);
+    let body = json!({ "spec": spec });
+    let path = format!("/v2/dedicated-inferences/{id}");
+    sys.proxy("atl1")
+        .set_mode(Mode::SlowResponses(Duration::from_secs(1)));
+    let keyed = Keyed {
+        sys: &sys,
+        token: &token,
+    };
+    let (first, retry) = tokio::join!(
+        keyed.send(Method::PATCH, &path, "refused", Some(&body)),
+        async {
+            // Sent while the first attempt waits for the region's answer.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            keyed.send(Method::PATCH, &path, "refused", Some(&body)).await
+        }
+    );
+    first.assert_error(422, "unprocessable_entity");
+    retry.assert_error(422, "unprocessable_entity");
+}
+
+/// A keyed create's retry whose first attempt is still being sent by another driver (a replica
+/// that took the drive as it lapsed, and a slow region) waits as long as its patience, then is
+/// answered 503 with Retry-After, which clients retry; never 409, which they do not (found by
+/// review).
+#[tokio::test]
+async fn a_keyed_create_retry_that_outwaits_its_patience_is_told_to_retry() {
+    let mut sys = System::start_with(Options {
+        background: false,
+        region_timeout: Duration::from_secs(1),
+        ..Options::default()
+    })
+    .await;
+    let token = sys.token(Uuid::new_v4(), &[]).await;
+    let body = create_body("held", "tor1");
+    sys.region("tor1").go_down();
+    post_with_key(&sys, &token, "held-1", &body)
+        .await
+        .assert_error(503, "service_unavailable");
+    sys.region("tor1").come_back();
+    // Another driver holds the create's drive for longer than a retry waits.
+    sqlx::query("UPDATE pending_creates SET driven_until = now() + interval '1 hour'")
+        .execute(sys.central.app.store.pool())
+        .await
+        .unwrap();
+    let retried = post_with_key(&sys, &token, "held-1", &body).await;
+    retried.assert_error(503, "service_unavailable");
+    assert!(
+        retried.headers.get("retry-after").is_some(),
+        "{:?}",
+        retried.headers
+    );
+}

@@ -82,14 +82,19 @@ impl App {
                                 .into(),
                         ))
                     }
+                    // Past the retry's patience its first attempt may still run (another driver
+                    // took the drive as it lapsed): 503, which clients retry, not 409.
                     IdempotencyState::Unfinished {
                         di_id: Some(id), ..
                     } => (
                         id,
-                        self.drive_create(id, p.team_id, self.drive_lease, key_in_progress)
+                        self.drive_create(id, p.team_id, self.drive_lease, busy)
                             .await,
                     ),
-                    IdempotencyState::Unfinished { di_id: None, .. } | IdempotencyState::Fresh => {
+                    // The create the key stood for was refused in between: start afresh.
+                    IdempotencyState::Fresh if !afresh => continue,
+                    IdempotencyState::Fresh => return Err(busy()),
+                    IdempotencyState::Unfinished { di_id: None, .. } => {
                         return Err(key_in_progress())
                     }
                 },

@@ -19,29 +19,32 @@ impl App {
             return Ok(self.run_operation(&operation).await?);
         };
         let team_id = operation.team_id;
-        let sealed = self.sealer.seal(
+        let own = self.sealer.seal(
             &serde_json::to_vec(&operation).expect("operations serialise"),
             operation_aad(team_id, key).as_bytes(),
         );
-        let mut state = self
-            .store
-            .idempotency_begin(
+        // Claims the key for this request's operation, or reads what it stands for.
+        let begin = || {
+            self.store.idempotency_begin(
                 team_id,
                 key,
                 &fp,
                 Some(KeyedOperation {
                     di_id: operation.di_id,
-                    sealed: &sealed,
+                    sealed: &own,
                 }),
             )
-            .await?;
+        };
+        let mut state = begin().await?;
         // A retry while another attempt of the operation is in flight (recovery's, after the
         // first one's answer was lost) waits for it and replays its answer: clients do not
-        // retry a 409.
+        // retry a 409. Should that attempt change nothing (the key is released), the retry
+        // claims the key again and runs its own; should it run past the retry's patience, the
+        // retry is answered 503, which clients retry.
         let give_up = tokio::time::Instant::now() + self.drive_lease;
         loop {
             let sealed = match state {
-                IdempotencyState::Fresh => sealed.clone(),
+                IdempotencyState::Fresh => own.clone(),
                 IdempotencyState::Unfinished {
                     sealed_operation: Some(first),
                     ..
@@ -65,10 +68,10 @@ impl App {
                 .map_err(ApiError::internal)?;
             match driven {
                 Some(reply) => return reply,
-                None if tokio::time::Instant::now() >= give_up => return Err(key_in_progress()),
+                None if tokio::time::Instant::now() >= give_up => return Err(busy()),
                 None => {
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    state = self.store.idempotency_state(team_id, key, &fp).await?;
+                    state = begin().await?;
                 }
             }
         }
