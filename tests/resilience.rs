@@ -793,7 +793,9 @@ async fn a_keyed_retry_whose_first_attempt_is_refused_gets_the_refusal() {
         async {
             // Sent while the first attempt waits for the region's answer.
             tokio::time::sleep(Duration::from_millis(300)).await;
-            keyed.send(Method::PATCH, &path, "refused", Some(&body)).await
+            keyed
+                .send(Method::PATCH, &path, "refused", Some(&body))
+                .await
         }
     );
     first.assert_error(422, "unprocessable_entity");

@@ -463,8 +463,13 @@ impl CentralStore {
         .bind(sealed_response)
         .execute(&mut *tx)
         .await?;
+        // The create's keys: its response, or, for a DI gone since (deleted before this confirm
+        // arrived), only its status: they read as erased and keep no managed token.
         sqlx::query(
-            "UPDATE idempotency_keys SET status_code = $2, sealed_body = $3 WHERE di_id = $1 AND status_code IS NULL",
+            "UPDATE idempotency_keys SET status_code = $2,
+                 sealed_body = CASE WHEN EXISTS (SELECT 1 FROM dedicated_inferences WHERE id = $1 AND state = 'gone')
+                                    THEN NULL ELSE $3 END
+             WHERE di_id = $1 AND status_code IS NULL",
         )
         .bind(update.id)
         .bind(status_code as i32)

@@ -683,3 +683,47 @@ async fn a_gone_di_leaves_no_sealed_value(pool: PgPool) {
     // The other DI keeps everything.
     assert_eq!(sealed_values_of(&pool, other).await, 4);
 }
+
+/// A create whose DI was deleted and is gone before its driver confirmed it (the feed made it
+/// live first, so its customer could delete it): the confirm keeps no sealed response anywhere,
+/// and the create's key reads as erased rather than replaying the managed token (found by
+/// review).
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn a_create_confirmed_after_its_di_is_gone_keeps_no_response(pool: PgPool) {
+    let store = CentralStore::new(pool.clone());
+    let (team, id) = (Uuid::new_v4(), Uuid::new_v4());
+    store
+        .create_begin(&new_create(id, team, "late", Some("create-late")))
+        .await
+        .unwrap();
+    let live = json!({"id": id, "status": "provisioning"});
+    store
+        .read_model_apply(&update(id, team, "late", "provisioning", &live, 1))
+        .await
+        .unwrap();
+    let gone = json!({"id": id, "status": "deleting"});
+    store
+        .read_model_apply(&ReadModelUpdate {
+            gone: true,
+            ..update(id, team, "late", "deleting", &gone, 5)
+        })
+        .await
+        .unwrap();
+    // The driver's confirm arrives with the region's answer from before the delete.
+    store
+        .create_confirm(
+            &update(id, team, "late", "new", &live, 1),
+            202,
+            b"sealed-token",
+        )
+        .await
+        .unwrap();
+    assert_eq!(sealed_values_of(&pool, id).await, 0);
+    assert!(matches!(
+        store
+            .idempotency_state(team, "create-late", b"fp")
+            .await
+            .unwrap(),
+        IdempotencyState::Erased { di_id: Some(d) } if d == id
+    ));
+}
