@@ -229,10 +229,15 @@ fn region_error(e: RegionCallError) -> ApiError {
             404 => ApiError::NotFound,
             409 => ApiError::Conflict(error.message),
             422 => ApiError::Unprocessable(error.message),
-            400 => ApiError::internal(format!(
-                "region refused central's request: {}",
-                error.message
-            )),
+            // The region refused central itself (a shared secret rotated on one side only) or
+            // something in front of it limited the rate: nothing changed there, and the
+            // customer's retry works once that passes.
+            401 | 403 | 429 => {
+                tracing::error!(status, message = %error.message, "region refused central");
+                ApiError::ServiceUnavailable {
+                    retry_after_secs: RETRY_AFTER_SECS,
+                }
+            }
             _ => ApiError::internal(format!("region answered {status}: {}", error.message)),
         },
     }
@@ -394,4 +399,36 @@ fn urlencode(s: &str) -> String {
     serde_urlencoded::to_string([("", s)])
         .map(|e| e.trim_start_matches('=').to_string())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api_types::regional::RegionError;
+
+    fn rejected(status: u16) -> ApiError {
+        region_error(RegionCallError::Rejected {
+            status,
+            error: RegionError {
+                id: "x".into(),
+                message: "refused".into(),
+            },
+        })
+    }
+
+    /// What a region's refusal becomes for the customer: its own 4xx for what the customer
+    /// asked, 503 (retried by clients) when the region refused central itself or was rate
+    /// limited, 500 only for a request central should never have sent.
+    #[test]
+    fn a_region_refusing_central_is_a_503() {
+        for status in [401, 403, 429] {
+            assert!(
+                matches!(rejected(status), ApiError::ServiceUnavailable { .. }),
+                "{status}"
+            );
+        }
+        assert!(matches!(rejected(404), ApiError::NotFound));
+        assert!(matches!(rejected(422), ApiError::Unprocessable(_)));
+        assert!(matches!(rejected(400), ApiError::Internal(_)));
+    }
 }
