@@ -1,0 +1,397 @@
+//! One reconcile pass over one dedicated inference: observe the cloud (DigitalOcean and the VPC
+//! cluster's Kubernetes API), plan with the pure functions of [`crate::plan`], apply, and record
+//! progress and status in the regional store. A pass never blocks on the cloud: when something
+//! is still on its way (a cluster provisioning, pods loading a model) it says what it waits for
+//! and when to look again.
+
+mod clusters;
+mod converge;
+mod errors;
+mod ledger;
+mod teardown;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use api_types::lifecycle::Status;
+use api_types::regional::Record;
+use cloud_clients::{DoClient, KubeClientOptions};
+use region_store::{Store, StoreError};
+use serde_json::Value;
+use uuid::Uuid;
+
+pub use converge::probe_token_hash;
+pub use errors::ReconcileError;
+
+use crate::cluster_clients::ClusterClients;
+use crate::metrics::{self, Outcome, Phase};
+use crate::plan::{self, names, AccessTokenHash, Images, Waiting};
+
+/// Ledger kinds (see the `teardown_ledger` table).
+pub const LEDGER_CLUSTER: &str = "cluster";
+pub const LEDGER_NODE_POOL: &str = "node_pool";
+pub const LEDGER_NAMESPACE: &str = "namespace";
+
+/// How soon a DI whose node pools wait for pods (to be placed, or to leave) is looked at again.
+const POOLS_HELD_RECHECK: Duration = Duration::from_secs(10);
+
+/// The kinds the worker renders, observed for readiness and pruning: (apiVersion, kind).
+const RENDERED_KINDS: &[(&str, &str)] = &[
+    ("v1", "Secret"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("v1", "ConfigMap"),
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("gateway.networking.k8s.io/v1", "Gateway"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+];
+
+/// What a worker needs beyond its clients.
+#[derive(Clone)]
+pub struct Settings {
+    pub region: String,
+    /// The Kubernetes field manager every object is applied under.
+    pub field_manager: String,
+    pub gateway_class: String,
+    pub images: Images,
+    /// DOKS version slug for new clusters (`latest` or e.g. `1.33.1-do.3`).
+    pub kubernetes_version: String,
+    /// The CPU node pool every new cluster gets (DOKS needs one; the EPP and gateway run there).
+    pub system_pool_size: String,
+    pub system_pool_count: u32,
+    /// The Hugging Face Hub model servers download from; `None`: the public Hub.
+    pub hub_endpoint: Option<String>,
+    pub probe_timeout: Duration,
+    /// How soon to look again while waiting for the cloud.
+    pub poll: Duration,
+    /// How soon to look again at a converged DI (periodic resync).
+    pub resync: Duration,
+    /// How often the autoscaler looks at a converged DI that declares `autoscaling`.
+    pub autoscale_interval: Duration,
+    /// How long the load must have fit in one replica fewer before the autoscaler removes one.
+    pub scale_down_window: Duration,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("region", &self.region)
+            .field("field_manager", &self.field_manager)
+            .field("gateway_class", &self.gateway_class)
+            .field("kubernetes_version", &self.kubernetes_version)
+            .field("system_pool_size", &self.system_pool_size)
+            .field("system_pool_count", &self.system_pool_count)
+            .field("poll", &self.poll)
+            .field("resync", &self.resync)
+            .field("autoscale_interval", &self.autoscale_interval)
+            .field("scale_down_window", &self.scale_down_window)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Settings {
+    /// Defaults for everything but the region.
+    pub fn new(region: &str) -> Self {
+        Settings {
+            region: region.to_string(),
+            field_manager: names::MANAGED_BY.to_string(),
+            gateway_class: plan::manifests::DEFAULT_GATEWAY_CLASS.to_string(),
+            images: Images::default(),
+            kubernetes_version: "latest".to_string(),
+            system_pool_size: "s-4vcpu-8gb".to_string(),
+            system_pool_count: 2,
+            hub_endpoint: None,
+            probe_timeout: Duration::from_secs(5),
+            poll: Duration::from_secs(2),
+            resync: Duration::from_secs(300),
+            autoscale_interval: Duration::from_secs(10),
+            scale_down_window: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Why a pass failed. Transient failures are retried with backoff; permanent ones put the DI in
+/// The result of a successful pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pass {
+    /// The DI's status as the pass left it; `None` once the DI exists no more.
+    pub status: Option<Status>,
+    /// The spec version the pass worked towards (pending, else current), if any.
+    pub version: Option<i32>,
+    /// What the DI still waits for; `None` when it is converged (or there is nothing to do).
+    pub waiting: Option<Waiting>,
+    /// When to look again (sooner if the DI changes).
+    pub next_check: Duration,
+    /// Mutating DigitalOcean calls made.
+    pub do_writes: u64,
+    /// Kubernetes writes that changed something (applies that changed an object, deletes).
+    pub kube_writes: u64,
+}
+
+impl Pass {
+    fn new(status: Status, next_check: Duration) -> Self {
+        Pass {
+            status: Some(status),
+            version: None,
+            waiting: None,
+            next_check,
+            do_writes: 0,
+            kube_writes: 0,
+        }
+    }
+
+    /// A pass over a DI that exists no more.
+    fn gone(next_check: Duration) -> Self {
+        Pass {
+            status: None,
+            ..Pass::new(Status::Deleting, next_check)
+        }
+    }
+
+    fn wait(mut self, what: Waiting, next_check: Duration) -> Self {
+        self.waiting = Some(what);
+        self.next_check = next_check;
+        self
+    }
+}
+
+/// Reconciles DIs of one region. Cheap to share: one per worker, used by every concurrent pass;
+/// each pass of the worker's runs on a copy whose store writes under that pass's lease (see
+/// [`Reconciler::under_lease`]).
+pub struct Reconciler {
+    store: Store,
+    shared: Arc<Clients>,
+}
+
+/// What every pass of a worker shares: its clients and what they learned.
+pub struct Clients {
+    cloud: DoClient,
+    settings: Settings,
+    /// A client per cluster, renewed before its credentials expire.
+    kube: ClusterClients,
+    /// Cluster ids by name, so that a pass reads its one cluster instead of listing them all.
+    cluster_ids: Mutex<HashMap<String, String>>,
+    kube_writes_total: AtomicU64,
+}
+
+impl std::ops::Deref for Reconciler {
+    type Target = Clients;
+    fn deref(&self) -> &Clients {
+        &self.shared
+    }
+}
+
+type Result<T> = std::result::Result<T, ReconcileError>;
+/// The tokens the gateway must accept: the DI's live access tokens and the worker's probe token
+/// of this DI.
+fn access_tokens(
+    id: Uuid,
+    hashes: Vec<(Uuid, String)>,
+    probe_value: &str,
+) -> Result<Vec<AccessTokenHash>> {
+    let mut tokens: Vec<AccessTokenHash> = hashes
+        .into_iter()
+        .map(|(tid, hash)| AccessTokenHash::new(tid, &hash))
+        .collect::<std::result::Result<_, _>>()?;
+    tokens.push(probe_token_hash(id, probe_value));
+    Ok(tokens)
+}
+
+/// The listed copy of `obj` (same kind and name; everything listed is in the DI's namespace).
+fn listed<'a>(listed: &'a [Value], obj: &Value) -> Option<&'a Value> {
+    listed.iter().find(|o| {
+        o["kind"] == obj["kind"]
+            && o["apiVersion"] == obj["apiVersion"]
+            && o.pointer("/metadata/name") == obj.pointer("/metadata/name")
+    })
+}
+
+fn label_selector(di_id: Uuid) -> String {
+    format!(
+        "{}={},{}={}",
+        names::MANAGED_BY_LABEL,
+        names::MANAGED_BY,
+        names::DI_ID_LABEL,
+        di_id
+    )
+}
+
+impl Reconciler {
+    pub fn new(store: Store, cloud: DoClient, settings: Settings) -> Self {
+        Reconciler {
+            store,
+            shared: Arc::new(Clients {
+                cloud,
+                kube: ClusterClients::new(&settings.field_manager, KubeClientOptions::default()),
+                cluster_ids: Mutex::new(HashMap::new()),
+                kube_writes_total: AtomicU64::new(0),
+                settings,
+            }),
+        }
+    }
+
+    /// This reconciler for one pass over DI `claim.di_id` under `claim`'s lease: every store
+    /// write the pass makes is fenced by it (see [`Store::under_lease`]), so that a pass that
+    /// outlived its lease writes nothing. The clients are shared.
+    pub fn under_lease(&self, claim: &region_store::Claim) -> Reconciler {
+        Reconciler {
+            store: self.store.under_lease(claim.di_id, claim.lease_token),
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// The same reconciler, making its cluster clients with `options` (the DigitalOcean client
+    /// comes configured; tests that drive passes one by one want few or quick retries).
+    pub fn with_kube_options(mut self, options: KubeClientOptions) -> Self {
+        Arc::get_mut(&mut self.shared)
+            .expect("options are set before the reconciler is shared")
+            .kube
+            .set_options(options);
+        self
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Mutating DigitalOcean calls this reconciler's client sent (attempts, retries included).
+    pub fn do_mutations(&self) -> u64 {
+        self.cloud.mutating_calls()
+    }
+
+    /// Kubernetes writes that changed something, over every pass so far.
+    pub fn kube_writes(&self) -> u64 {
+        self.kube_writes_total.load(Ordering::SeqCst)
+    }
+
+    /// One pass over DI `id`, recorded in the pass metrics by phase and outcome.
+    pub async fn reconcile(&self, id: Uuid) -> Result<Pass> {
+        let started = Instant::now();
+        // Fields of the pass's span (see `runtime::run_one`): the status it found and left.
+        let span = tracing::Span::current();
+        let (phase, result) = match self.store.dedicated_inference_any(id).await {
+            Ok(rec) => {
+                span.record("phase", rec.status.as_str());
+                let phase = if rec.gone {
+                    Phase::Idle
+                } else {
+                    Phase::of(rec.status, rec.pending_spec.is_some())
+                };
+                (phase, self.reconcile_record(&rec).await)
+            }
+            Err(StoreError::NotFound) => (Phase::Idle, Ok(Pass::gone(self.settings.resync))),
+            Err(e) => (Phase::Unknown, Err(e.into())),
+        };
+        let outcome = match &result {
+            Ok(pass) if pass.waiting.is_none() => Outcome::Converged,
+            Ok(_) => Outcome::Progress,
+            Err(ReconcileError::Transient(_) | ReconcileError::CredentialsRefused(_)) => {
+                Outcome::Retry
+            }
+            Err(ReconcileError::LeaseLost) => Outcome::LeaseLost,
+            Err(ReconcileError::Permanent { .. }) => Outcome::Error,
+        };
+        metrics::pass(phase, outcome, started.elapsed());
+        if let Some(waiting) = result.as_ref().ok().and_then(|p| p.waiting.as_ref()) {
+            metrics::waiting(waiting.kind());
+        }
+        if let Ok(pass) = &result {
+            span.record("status", pass.status.map_or("gone", Status::as_str));
+        }
+        span.record("outcome", outcome.as_str());
+        result
+    }
+
+    async fn reconcile_record(&self, rec: &Record) -> Result<Pass> {
+        if rec.gone {
+            return Ok(Pass::gone(self.settings.resync));
+        }
+        let kube_before = self.kube_writes();
+        let do_before = self.cloud.mutating_calls();
+        let target = |rec: &Record| {
+            rec.pending_spec
+                .as_ref()
+                .or(rec.spec.as_ref())
+                .map(|s| s.version)
+        };
+        let mut version = target(rec);
+        let mut pass = match self.pass_for(rec, version).await {
+            Err(ReconcileError::CredentialsRefused(why)) => {
+                // The cluster's credentials lapsed or were revoked under this pass. The client
+                // that met the 401 is never handed out again, so running the pass again fetches
+                // fresh ones; nothing else was wrong, so it runs now rather than after a
+                // failure's backoff. Passes are idempotent: what the first one did is found done;
+                // the DI is read again, as the first one may have moved its status.
+                tracing::info!(di = %rec.id, reason = %why, "cluster credentials refused; running the pass again with fresh ones");
+                let rec = self.store.dedicated_inference_any(rec.id).await?;
+                if rec.gone {
+                    return Ok(Pass::gone(self.settings.resync));
+                }
+                version = target(&rec);
+                match self.pass_for(&rec, version).await {
+                    Err(ReconcileError::CredentialsRefused(why)) => Err(ReconcileError::Transient(
+                        format!("fresh cluster credentials refused too: {why}"),
+                    )),
+                    r => r,
+                }
+            }
+            r => r,
+        }?;
+        pass.version = version;
+        pass.kube_writes = self.kube_writes() - kube_before;
+        pass.do_writes = self.cloud.mutating_calls() - do_before;
+        Ok(pass)
+    }
+
+    /// The pass the DI's status calls for.
+    async fn pass_for(&self, rec: &Record, version: Option<i32>) -> Result<Pass> {
+        Ok(match rec.status {
+            // Deletion wins over everything: a refusal while tearing down is retried, never
+            // parked in `error` (the store would not apply it to a deleting DI anyway).
+            Status::Deleting => self.teardown(rec).await.map_err(|e| match e {
+                ReconcileError::Permanent {
+                    reason, message, ..
+                } => ReconcileError::Transient(format!("{reason}: {message}")),
+                e => e,
+            })?,
+            Status::Error => self
+                .refresh_credentials(rec)
+                .await
+                .map_err(|e| e.during(version))?,
+            Status::New | Status::Provisioning | Status::Active | Status::Updating => {
+                self.converge(rec).await.map_err(|e| e.during(version))?
+            }
+        })
+    }
+}
+
+/// A shared reconciler.
+pub type SharedReconciler = Arc<Reconciler>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_probe_token_keeps_its_key_across_rotations_and_differs_per_di() {
+        let di = Uuid::new_v4();
+        let (old, new) = (
+            probe_token_hash(di, "di_old"),
+            probe_token_hash(di, "di_new"),
+        );
+        assert_eq!(old.id(), new.id(), "a rotation replaces the value in place");
+        assert_ne!(old.sha256_hex(), new.sha256_hex());
+        assert_eq!(old, AccessTokenHash::from_value(old.id(), "di_old"));
+        assert_ne!(probe_token_hash(Uuid::new_v4(), "di_old").id(), old.id());
+    }
+}
