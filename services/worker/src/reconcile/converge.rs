@@ -94,9 +94,6 @@ fn tls(cas: &[NewCa], observed: &[Value]) -> Result<TlsPair> {
     }
 }
 
-/// A DI's teardown ledger as read at the start of a pass (the pass's lease makes it the only
-/// writer): an entry already recorded is not written again, so a pass over a converged DI
-
 impl Reconciler {
     // -----------------------------------------------------------------------------------------
     // Converge

@@ -5,6 +5,8 @@ use uuid::Uuid;
 
 use super::{Result, LEDGER_CLUSTER};
 
+/// A DI's teardown ledger as read at the start of a pass (the pass's lease makes it the only
+/// writer): an entry already recorded is not written again, so a pass over a converged DI
 /// writes nothing to the ledger.
 pub(super) struct Ledger<'a> {
     pub(super) store: &'a Store,
