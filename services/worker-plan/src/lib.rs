@@ -13,6 +13,7 @@ pub mod model;
 pub mod names;
 pub mod pools;
 pub mod readiness;
+pub mod step;
 pub mod waiting;
 
 pub use certificates::{issue, needs_reissue, signing_ca};

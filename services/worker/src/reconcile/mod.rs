@@ -6,8 +6,12 @@
 
 mod clusters;
 mod converge;
+mod endpoint;
 mod errors;
+mod kube_objects;
 mod ledger;
+mod node_pools;
+mod records;
 mod teardown;
 
 use std::collections::HashMap;
@@ -19,38 +23,19 @@ use api_types::lifecycle::Status;
 use api_types::regional::Record;
 use cloud_clients::{DoClient, KubeClientOptions};
 use region_store::{Store, StoreError};
-use serde_json::Value;
 use uuid::Uuid;
 
-pub use converge::probe_token_hash;
+pub use endpoint::probe_token_hash;
 pub use errors::ReconcileError;
 
 use crate::cluster_clients::ClusterClients;
 use crate::metrics::{self, Outcome, Phase};
-use crate::plan::{self, names, AccessTokenHash, Images, Waiting};
+use crate::plan::{self, names, Images, Waiting};
 
 /// Ledger kinds (see the `teardown_ledger` table).
 pub const LEDGER_CLUSTER: &str = "cluster";
 pub const LEDGER_NODE_POOL: &str = "node_pool";
 pub const LEDGER_NAMESPACE: &str = "namespace";
-
-/// How soon a DI whose node pools wait for pods (to be placed, or to leave) is looked at again.
-const POOLS_HELD_RECHECK: Duration = Duration::from_secs(10);
-
-/// The kinds the worker renders, observed for readiness and pruning: (apiVersion, kind).
-const RENDERED_KINDS: &[(&str, &str)] = &[
-    ("v1", "Secret"),
-    ("networking.k8s.io/v1", "NetworkPolicy"),
-    ("v1", "ConfigMap"),
-    ("v1", "ServiceAccount"),
-    ("rbac.authorization.k8s.io/v1", "Role"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-    ("v1", "Service"),
-    ("apps/v1", "Deployment"),
-    ("inference.networking.k8s.io/v1", "InferencePool"),
-    ("gateway.networking.k8s.io/v1", "Gateway"),
-    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
-];
 
 /// What a worker needs beyond its clients.
 #[derive(Clone)]
@@ -188,40 +173,6 @@ impl std::ops::Deref for Reconciler {
 }
 
 type Result<T> = std::result::Result<T, ReconcileError>;
-/// The tokens the gateway must accept: the DI's live access tokens and the worker's probe token
-/// of this DI.
-fn access_tokens(
-    id: Uuid,
-    hashes: Vec<(Uuid, String)>,
-    probe_value: &str,
-) -> Result<Vec<AccessTokenHash>> {
-    let mut tokens: Vec<AccessTokenHash> = hashes
-        .into_iter()
-        .map(|(tid, hash)| AccessTokenHash::new(tid, &hash))
-        .collect::<std::result::Result<_, _>>()?;
-    tokens.push(probe_token_hash(id, probe_value));
-    Ok(tokens)
-}
-
-/// The listed copy of `obj` (same kind and name; everything listed is in the DI's namespace).
-fn listed<'a>(listed: &'a [Value], obj: &Value) -> Option<&'a Value> {
-    listed.iter().find(|o| {
-        o["kind"] == obj["kind"]
-            && o["apiVersion"] == obj["apiVersion"]
-            && o.pointer("/metadata/name") == obj.pointer("/metadata/name")
-    })
-}
-
-fn label_selector(di_id: Uuid) -> String {
-    format!(
-        "{}={},{}={}",
-        names::MANAGED_BY_LABEL,
-        names::MANAGED_BY,
-        names::DI_ID_LABEL,
-        di_id
-    )
-}
-
 impl Reconciler {
     pub fn new(store: Store, cloud: DoClient, settings: Settings) -> Self {
         Reconciler {
@@ -377,21 +328,3 @@ impl Reconciler {
 
 /// A shared reconciler.
 pub type SharedReconciler = Arc<Reconciler>;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_probe_token_keeps_its_key_across_rotations_and_differs_per_di() {
-        let di = Uuid::new_v4();
-        let (old, new) = (
-            probe_token_hash(di, "di_old"),
-            probe_token_hash(di, "di_new"),
-        );
-        assert_eq!(old.id(), new.id(), "a rotation replaces the value in place");
-        assert_ne!(old.sha256_hex(), new.sha256_hex());
-        assert_eq!(old, AccessTokenHash::from_value(old.id(), "di_old"));
-        assert_ne!(probe_token_hash(Uuid::new_v4(), "di_old").id(), old.id());
-    }
-}

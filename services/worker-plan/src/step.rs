@@ -1,0 +1,335 @@
+//! The decisions of a converge pass, in the order the worker's executor meets them: the status
+//! change it starts with, whether it reads the node pools, which Kubernetes writes it makes in
+//! which order, and what it concludes once its writes are done. Each is a function of what the
+//! pass has observed; the executor (the worker's `reconcile::converge`) does the I/O between
+//! them and nothing else decides.
+
+use std::time::Duration;
+
+use api_types::lifecycle::Status;
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::manifests::{is_default_deny, prune, ObjectKey};
+use crate::readiness::{Assessment, LoadFailure, MODEL_LOAD_FAILED};
+use crate::waiting::Waiting;
+
+/// How soon a DI whose node pools wait for pods (to be placed, or to leave) is looked at again.
+pub const POOLS_HELD_RECHECK: Duration = Duration::from_secs(10);
+
+/// The status change a pass makes before it looks at the cloud.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Begin {
+    /// A new DI: the pass provisions it.
+    Provision,
+    /// An active DI with a pending spec: the pass rolls it out.
+    Update,
+    /// Nothing to record: the status stays.
+    Continue,
+}
+
+pub fn begin(status: Status, pending: bool) -> Begin {
+    match status {
+        Status::New => Begin::Provision,
+        Status::Active if pending => Begin::Update,
+        _ => Begin::Continue,
+    }
+}
+
+/// A pass that finds the DI active with nothing pending: a resync. It reaches the cluster it
+/// reached last time without asking DigitalOcean, and reads the node pools only when the
+/// cluster's nodes are not as planned.
+pub fn is_resync(status: Status, pending: bool) -> bool {
+    status == Status::Active && !pending
+}
+
+/// Whether the pass reads the node pools from DigitalOcean: always, except on a resync that
+/// finds nothing rolling and the nodes as planned (at 1,000 DIs a read per resync would exceed
+/// the API's hourly budget).
+pub fn reads_pools(resync: bool, rolling: bool, nodes_as_planned: bool) -> bool {
+    !(resync && !rolling && nodes_as_planned)
+}
+
+/// One object to apply, with its copy as the pass listed it (an object listed up to date costs
+/// no request).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Apply<'a> {
+    pub object: &'a Value,
+    pub listed: Option<&'a Value>,
+}
+
+/// The Kubernetes writes of a pass, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObjectWrites<'a> {
+    /// Applied one wave after another; the objects of one wave at once. Namespaces first
+    /// (everything else lives in them), then the rest, then each namespace's default-deny
+    /// NetworkPolicy: a namespace that gains its policies while it serves is never isolated
+    /// before the allows exist.
+    pub waves: [Vec<Apply<'a>>; 3],
+    /// Rendered objects of the DI that the spec no longer asks for, deleted after the waves.
+    pub prune: Vec<ObjectKey>,
+}
+
+/// The writes that take the DI's `rendered` objects (as listed) to `desired`.
+pub fn object_writes<'a>(
+    di: &Uuid,
+    desired: &'a [Value],
+    rendered: &'a [Value],
+) -> ObjectWrites<'a> {
+    let apply = |object: &'a Value| Apply {
+        object,
+        listed: listed(rendered, object),
+    };
+    let mut waves: [Vec<Apply<'a>>; 3] = Default::default();
+    for object in desired {
+        let wave = if object["kind"] == "Namespace" {
+            0
+        } else if is_default_deny(object) {
+            2
+        } else {
+            1
+        };
+        waves[wave].push(apply(object));
+    }
+    ObjectWrites {
+        waves,
+        prune: prune(di, desired, rendered),
+    }
+}
+
+/// The listed copy of `obj` (same kind and name; everything listed is in the DI's namespace).
+fn listed<'a>(listed: &'a [Value], obj: &Value) -> Option<&'a Value> {
+    listed.iter().find(|o| {
+        o["kind"] == obj["kind"]
+            && o["apiVersion"] == obj["apiVersion"]
+            && o.pointer("/metadata/name") == obj.pointer("/metadata/name")
+    })
+}
+
+/// What a pass has seen once its writes are done.
+#[derive(Debug, Clone, Copy)]
+pub struct Written<'a> {
+    pub status: Status,
+    /// The spec version being rolled out, if any.
+    pub pending: Option<i32>,
+    /// Writes this pass made (pools and objects): their effect is for the next pass to see.
+    pub writes: u64,
+    pub assessment: &'a Assessment,
+    /// A model server that cannot load its model since the rollout began.
+    pub load_failure: Option<&'a LoadFailure>,
+    /// The endpoints the store has for the DI: (public, private).
+    pub recorded: (Option<&'a str>, Option<&'a str>),
+}
+
+/// What a pass concludes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The rollout cannot succeed by waiting: the DI goes to `error` with this reason.
+    Fail {
+        reason: &'static str,
+        message: String,
+    },
+    Wait(Waiting),
+    /// Serving as declared with nothing to roll out. `endpoints_moved`: the endpoints differ
+    /// from those recorded (a load balancer replaced, the cluster rebuilt) and are recorded.
+    Settled {
+        endpoints_moved: bool,
+    },
+    /// Serving as declared: the rollout of `version` completes once the endpoint at `url`
+    /// answers the probe as it would answer a customer.
+    Probe {
+        url: String,
+        version: i32,
+    },
+}
+
+pub fn verdict(w: Written<'_>) -> Verdict {
+    let a = w.assessment;
+    // A model server that cannot load its model does not load by waiting: the rollout fails in
+    // its words. (On a resync the DI keeps serving with its other replicas; the wait names the
+    // failing pod.)
+    if let (Some(_), Some(failure)) = (w.pending, w.load_failure) {
+        return Verdict::Fail {
+            reason: MODEL_LOAD_FAILED,
+            message: failure.to_string(),
+        };
+    }
+    if w.writes > 0 {
+        return Verdict::Wait(Waiting::Applied { changes: w.writes });
+    }
+    if !a.progress.ready {
+        let waiting_for = a.progress.waiting_for.clone();
+        return Verdict::Wait(Waiting::Rollout { waiting_for });
+    }
+    let Some(version) = w.pending else {
+        let endpoints_moved = w.status == Status::Active
+            && (w.recorded.0 != a.public_endpoint.as_deref()
+                || w.recorded.1 != a.private_endpoint.as_deref());
+        return Verdict::Settled { endpoints_moved };
+    };
+    match a.public_endpoint.as_ref().or(a.private_endpoint.as_ref()) {
+        Some(url) => Verdict::Probe {
+            url: url.clone(),
+            version,
+        },
+        None => Verdict::Wait(Waiting::EndpointAddress),
+    }
+}
+
+/// When a converged DI is looked at again: every resync, or every autoscale interval when it
+/// autoscales; sooner while node pools wait for pods to be placed or to leave (which on a real
+/// cluster takes up to their grace period), though nothing customers asked for is waiting.
+pub fn next_look(
+    autoscaled: bool,
+    resync: Duration,
+    autoscale: Duration,
+    pools_held: bool,
+) -> Duration {
+    let converged = if autoscaled {
+        autoscale.min(resync)
+    } else {
+        resync
+    };
+    if pools_held {
+        converged.min(POOLS_HELD_RECHECK)
+    } else {
+        converged
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::readiness::Progress;
+
+    fn assessment(ready: bool, public: Option<&str>) -> Assessment {
+        Assessment {
+            progress: Progress {
+                ready,
+                waiting_for: if ready {
+                    vec![]
+                } else {
+                    vec!["deployment x".into()]
+                },
+            },
+            public_endpoint: public.map(str::to_string),
+            private_endpoint: None,
+            accelerators: vec![],
+        }
+    }
+
+    fn written(a: &Assessment, pending: Option<i32>, writes: u64) -> Written<'_> {
+        Written {
+            status: if pending.is_some() {
+                Status::Updating
+            } else {
+                Status::Active
+            },
+            pending,
+            writes,
+            assessment: a,
+            load_failure: None,
+            recorded: (Some("https://1.2.3.4"), None),
+        }
+    }
+
+    #[test]
+    fn a_pass_begins_by_recording_the_phase_it_enters() {
+        assert_eq!(begin(Status::New, false), Begin::Provision);
+        assert_eq!(begin(Status::Active, true), Begin::Update);
+        assert_eq!(begin(Status::Active, false), Begin::Continue);
+        assert_eq!(begin(Status::Updating, true), Begin::Continue);
+        assert_eq!(begin(Status::Provisioning, false), Begin::Continue);
+    }
+
+    #[test]
+    fn a_resync_reads_pools_only_when_something_moves() {
+        assert!(!reads_pools(true, false, true));
+        assert!(reads_pools(true, true, true), "a rollout in flight");
+        assert!(reads_pools(true, false, false), "nodes not as planned");
+        assert!(reads_pools(false, false, true), "not a resync");
+    }
+
+    #[test]
+    fn namespaces_go_first_and_isolation_last() {
+        let di = Uuid::nil();
+        let ns = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "n"}});
+        let svc = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "n"}});
+        let desired = vec![svc.clone(), ns.clone()];
+        let rendered = vec![svc.clone()];
+        let w = object_writes(&di, &desired, &rendered);
+        assert_eq!(
+            w.waves[0],
+            vec![Apply {
+                object: &ns,
+                listed: None
+            }]
+        );
+        assert_eq!(
+            w.waves[1],
+            vec![Apply {
+                object: &desired[0],
+                listed: Some(&rendered[0])
+            }]
+        );
+        assert!(w.waves[2].is_empty());
+    }
+
+    #[test]
+    fn writes_and_rollouts_are_waited_on_before_the_probe() {
+        let ready = assessment(true, Some("https://1.2.3.4"));
+        assert_eq!(
+            verdict(written(&ready, Some(2), 3)),
+            Verdict::Wait(Waiting::Applied { changes: 3 })
+        );
+        let rolling = assessment(false, Some("https://1.2.3.4"));
+        assert!(matches!(
+            verdict(written(&rolling, Some(2), 0)),
+            Verdict::Wait(Waiting::Rollout { .. })
+        ));
+        assert_eq!(
+            verdict(written(&ready, Some(2), 0)),
+            Verdict::Probe {
+                url: "https://1.2.3.4".into(),
+                version: 2
+            }
+        );
+        let unaddressed = assessment(true, None);
+        assert_eq!(
+            verdict(written(&unaddressed, Some(2), 0)),
+            Verdict::Wait(Waiting::EndpointAddress)
+        );
+    }
+
+    #[test]
+    fn a_resync_notices_endpoints_that_moved() {
+        let same = assessment(true, Some("https://1.2.3.4"));
+        assert_eq!(
+            verdict(written(&same, None, 0)),
+            Verdict::Settled {
+                endpoints_moved: false
+            }
+        );
+        let moved = assessment(true, Some("https://5.6.7.8"));
+        assert_eq!(
+            verdict(written(&moved, None, 0)),
+            Verdict::Settled {
+                endpoints_moved: true
+            }
+        );
+    }
+
+    #[test]
+    fn held_pools_bring_the_next_look_closer() {
+        let (resync, autoscale) = (Duration::from_secs(300), Duration::from_secs(5));
+        assert_eq!(next_look(false, resync, autoscale, false), resync);
+        assert_eq!(next_look(true, resync, autoscale, false), autoscale);
+        assert_eq!(
+            next_look(false, resync, autoscale, true),
+            POOLS_HELD_RECHECK
+        );
+        assert_eq!(next_look(true, resync, autoscale, true), autoscale);
+    }
+}

@@ -1,0 +1,179 @@
+//! The DI's Kubernetes objects: listed, applied in the order [`plan::step::object_writes`]
+//! gives, pruned; the access-token Secret on its own; the endpoint certificate kept or
+//! reissued.
+
+use std::sync::atomic::Ordering;
+use std::time::SystemTime;
+
+use base64::Engine;
+use cloud_clients::{Deleted, KubeClient, KubeError};
+use region_store::NewCa;
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::converge::Reached;
+use super::ledger::Ledger;
+use super::{ReconcileError, Reconciler, Result, LEDGER_NAMESPACE};
+use crate::plan::{self, names, AccessTokenHash, TlsPair};
+
+/// The kinds the worker renders, observed for readiness and pruning: (apiVersion, kind).
+const RENDERED_KINDS: &[(&str, &str)] = &[
+    ("v1", "Secret"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("v1", "ConfigMap"),
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("gateway.networking.k8s.io/v1", "Gateway"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+];
+
+fn label_selector(di_id: Uuid) -> String {
+    format!(
+        "{}={},{}={}",
+        names::MANAGED_BY_LABEL,
+        names::MANAGED_BY,
+        names::DI_ID_LABEL,
+        di_id
+    )
+}
+
+fn b64_decode(v: &Value) -> Option<String> {
+    let s = v.as_str()?;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(s).ok()?;
+    String::from_utf8(bytes).ok()
+}
+
+/// The endpoint certificate: the one in the cluster unless it must be reissued, from the CA
+/// [`plan::signing_ca`] picks among the DI's.
+pub(super) fn tls(cas: &[NewCa], observed: &[Value]) -> Result<TlsPair> {
+    // The addresses the load balancers report: the names the certificate must cover.
+    let mut hosts: Vec<String> = observed
+        .iter()
+        .filter(|o| o["kind"] == "Service" && o["spec"]["type"] == "LoadBalancer")
+        .filter_map(|o| o.pointer("/status/loadBalancer/ingress/0"))
+        .filter_map(|i| {
+            i.get("ip")
+                .and_then(Value::as_str)
+                .or_else(|| i.get("hostname").and_then(Value::as_str))
+        })
+        .filter(|h| !h.is_empty())
+        .map(str::to_string)
+        .collect();
+    hosts.sort();
+    hosts.dedup();
+    let now = SystemTime::now();
+    let ends: Vec<SystemTime> = cas.iter().map(|ca| ca.not_after.into()).collect();
+    let ca = plan::signing_ca(&ends, now)
+        .map(|i| &cas[i])
+        .ok_or_else(|| ReconcileError::Transient("the DI has no certificate authority".into()))?;
+    let existing = observed
+        .iter()
+        .find(|o| {
+            o["kind"] == "Secret"
+                && o.pointer("/metadata/name").and_then(Value::as_str) == Some(names::TLS_SECRET)
+        })
+        .and_then(|o| {
+            Some(TlsPair {
+                cert_pem: b64_decode(o.pointer("/data/tls.crt")?)?,
+                key_pem: b64_decode(o.pointer("/data/tls.key")?)?,
+            })
+        });
+    match existing {
+        Some(pair) if !plan::needs_reissue(&pair.cert_pem, &ca.cert_pem, &hosts, now) => Ok(pair),
+        _ => plan::issue(&ca.cert_pem, &ca.key_pem, &hosts, now).map_err(Into::into),
+    }
+}
+
+impl Reconciler {
+    /// The DI's rendered objects, its pods and its nodes.
+    pub(super) async fn observe(
+        &self,
+        kube: &KubeClient,
+        id: Uuid,
+        ns: &str,
+    ) -> Result<Vec<Value>> {
+        let sel = label_selector(id);
+        let node_sel = format!("{}={}", names::DI_ID_LABEL, id);
+        // The lists are independent: issue them at once (the pass waits for one round trip, not
+        // a dozen).
+        let lists = RENDERED_KINDS
+            .iter()
+            .map(|(api_version, kind)| kube.list(api_version, kind, Some(ns), &sel))
+            .chain([
+                kube.list("v1", "Pod", Some(ns), ""),
+                kube.list("v1", "Node", None, &node_sel),
+            ]);
+        let found = futures::future::try_join_all(lists).await?;
+        Ok(found.into_iter().flatten().collect())
+    }
+
+    /// Applies the DI's objects wave by wave and prunes what the spec no longer asks for (the
+    /// namespace is recorded in the ledger before it is created): how many writes changed
+    /// something. Objects the last list shows up to date cost no request.
+    pub(super) async fn apply_objects(
+        &self,
+        ledger: &mut Ledger<'_>,
+        at: &Reached,
+        desired: &[Value],
+        observed: &[Value],
+    ) -> Result<u64> {
+        let id = ledger.id;
+        let ns = names::namespace(&id);
+        ledger
+            .record(LEDGER_NAMESPACE, &ns, &at.cluster_id, None)
+            .await?;
+        let rendered: Vec<Value> = observed
+            .iter()
+            .filter(|o| o["kind"] != "Pod" && o["kind"] != "Node")
+            .cloned()
+            .collect();
+        let writes = plan::step::object_writes(&id, desired, &rendered);
+        let mut changed = 0;
+        for wave in writes.waves {
+            let applies = wave
+                .iter()
+                .map(|a| at.kube.apply_observed(a.object, a.listed));
+            let applied = futures::future::try_join_all(applies).await?;
+            let n = applied.iter().filter(|a| a.changed).count() as u64;
+            self.kube_writes_total.fetch_add(n, Ordering::SeqCst);
+            changed += n;
+        }
+        for key in writes.prune {
+            let (namespace, name) = (key.namespace.as_deref(), &key.name);
+            let deleted = at
+                .kube
+                .delete(&key.api_version, &key.kind, namespace, name)
+                .await?;
+            if deleted != Deleted::AlreadyGone {
+                self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
+                changed += 1;
+            }
+        }
+        Ok(changed)
+    }
+
+    /// Writes the DI's access-token Secret (what the gateway checks) on its own. A missing
+    /// namespace means nothing serves yet: nothing to do.
+    pub(super) async fn apply_tokens(
+        &self,
+        kube: &KubeClient,
+        id: Uuid,
+        tokens: &[AccessTokenHash],
+    ) -> std::result::Result<(), KubeError> {
+        let secret = plan::manifests::access_tokens_secret(&id, tokens);
+        match kube.apply(&secret).await {
+            Ok(applied) => {
+                if applied.changed {
+                    self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok(())
+            }
+            Err(e) if e.is_not_found() => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
