@@ -12,6 +12,7 @@ pub mod manifests;
 pub mod model;
 pub mod names;
 pub mod pools;
+pub mod progress;
 pub mod readiness;
 pub mod step;
 pub mod waiting;

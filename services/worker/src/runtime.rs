@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use api_types::lifecycle::Status;
 use cloud_clients::{DoClient, DoClientOptions, KubeClientOptions, RetryConfig};
 use common::seal::Sealer;
 use region_store::{Claim, Store};
@@ -22,6 +21,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::metrics;
+use crate::plan::progress::{self, Fingerprint, Report};
 use crate::plan::Waiting;
 use crate::queue::{self, Queue};
 use crate::reconcile::{Pass, ReconcileError, Reconciler, Settings};
@@ -493,104 +493,54 @@ async fn sample_queue_depth(shared: Arc<Shared>, mut stop: watch::Receiver<bool>
     }
 }
 
-/// Progress tracking, from the fingerprint a pass leaves (phase + what it waits for).
-/// - Stalls: a DI in a moving phase whose fingerprint has not changed for half the stall
-///   timeout gets an event; for the whole timeout, `error`.
-/// - Repairs: an active DI that a resync found out of step with its spec (a Service deleted, a
-///   cluster rebuilt; not a transient API failure) gets a `Repairing` event when that starts and
-///   a `Repaired` event once it is back in step, so a customer can tell why an active endpoint
-///   did not answer meanwhile.
-///
-/// Returns how long the fingerprint of a moving or repairing DI has been unchanged (None
-/// otherwise, or when it could not be recorded).
+/// Records the fingerprint a pass leaves and reports what its history calls for (see
+/// [`plan::progress`]: stalls and repairs). Returns how long the fingerprint of a moving or
+/// repairing DI has been unchanged (None otherwise, or when it could not be recorded).
 async fn watch_progress(
     shared: &Shared,
     store: &region_store::Store,
     id: Uuid,
     pass: &Pass,
 ) -> Option<Duration> {
-    let moving = matches!(
-        pass.status,
-        Some(Status::New | Status::Provisioning | Status::Updating | Status::Deleting)
-    );
-    let repairing = pass.status == Some(Status::Active)
-        && pass.waiting.as_ref().is_some_and(|w| !w.is_retrying());
-    let key = match (&pass.waiting, pass.status) {
-        (Some(w), Some(status)) if moving || repairing => progress_key(status, &w.to_string()),
-        _ => region_store::PROGRESS_IDLE.to_string(),
-    };
-    let stall = match store.work_progress(id, &key).await {
+    let fingerprint = Fingerprint::of(pass.status, pass.waiting.as_ref()).key();
+    let key = fingerprint
+        .as_deref()
+        .unwrap_or(region_store::PROGRESS_IDLE);
+    let stall = match store.work_progress(id, key).await {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(di = %id, error = %e, "recording progress failed");
             return None;
         }
     };
-    let was_repairing = stall.previous.as_deref().and_then(progress_status) == Some(Status::Active);
-    let waiting = pass
-        .waiting
-        .as_ref()
-        .map(Waiting::to_string)
-        .unwrap_or_default();
-    if repairing && !was_repairing {
-        let msg = format!("Out of step with its spec; repairing: {waiting}");
-        let _ = store.event_append(id, "Repairing", &msg).await;
-    } else if was_repairing && pass.status == Some(Status::Active) && pass.waiting.is_none() {
-        let msg = "Back in step with its spec.";
-        let _ = store.event_append(id, "Repaired", msg).await;
-    }
-    if key == region_store::PROGRESS_IDLE {
-        return None;
-    }
-    if !moving {
-        return Some(stall.unchanged_for);
-    }
+    let history = progress::History {
+        previous: stall.previous.as_deref(),
+        unchanged_for: stall.unchanged_for,
+        reported: stall.reported,
+    };
     let timeout = shared.config.stall_timeout;
-    if stall.unchanged_for >= timeout {
-        let msg = format!(
-            "No progress for {}s while {}: {waiting}",
-            stall.unchanged_for.as_secs(),
-            pass.status.map_or("gone", Status::as_str)
-        );
-        // The stall is about the spec the pass worked towards: one accepted since is tried.
-        if let Err(e) = store.error_set(id, pass.version, "Stalled", &msg).await {
-            tracing::warn!(di = %id, error = %e, "recording the stall failed");
-        }
-    } else if stall.unchanged_for >= timeout / 2 && !stall.reported {
-        let msg = format!(
-            "No progress for {}s: {waiting}",
-            stall.unchanged_for.as_secs()
-        );
-        if store.event_append(id, "Slow", &msg).await.is_ok() {
-            let _ = store.work_stall_reported(id).await;
+    for report in progress::reports(pass.status, pass.waiting.as_ref(), history, timeout) {
+        match report {
+            Report::Event(reason, msg) => {
+                let appended = store.event_append(id, reason, &msg).await.is_ok();
+                if appended && reason == "Slow" {
+                    let _ = store.work_stall_reported(id).await;
+                }
+            }
+            // The stall is about the spec the pass worked towards: one accepted since is tried.
+            Report::Stalled(msg) => {
+                if let Err(e) = store.error_set(id, pass.version, "Stalled", &msg).await {
+                    tracing::warn!(di = %id, error = %e, "recording the stall failed");
+                }
+            }
         }
     }
-    Some(stall.unchanged_for)
-}
-
-/// The progress fingerprint of a pass: its status and what it waits for.
-fn progress_key(status: Status, waiting: &str) -> String {
-    format!("{status}|{waiting}")
-}
-
-/// The status a progress fingerprint was recorded in (`None` for [`region_store::PROGRESS_IDLE`]).
-fn progress_status(key: &str) -> Option<Status> {
-    key.split_once('|')?.0.parse().ok()
+    fingerprint.map(|_| stall.unchanged_for)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{poll_delay, progress_key, progress_status};
-    use api_types::lifecycle::Status;
-
-    #[test]
-    fn progress_keys_name_their_status() {
-        let key = progress_key(Status::Active, "a Service | missing");
-        assert_eq!(progress_status(&key), Some(Status::Active));
-        assert_eq!(progress_status(region_store::PROGRESS_IDLE), None);
-        assert_eq!(progress_status("activeish|x"), None);
-    }
-
+    use super::poll_delay;
     use std::time::Duration;
 
     #[test]
