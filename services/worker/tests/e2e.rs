@@ -6,9 +6,10 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::*;
+use test_support::{eventually, until};
 use worker::reconcile::{Reconciler, Settings};
 use worker::runtime::Worker;
 
@@ -62,19 +63,7 @@ async fn create_serve_scale_and_delete() {
         v2.spec.as_ref().unwrap().model_deployments[0].accelerators[0].scale,
         2
     );
-    let start = Instant::now();
-    loop {
-        let a = env
-            .store
-            .accelerators_list(id, env.team, None, 1, 20)
-            .await
-            .unwrap();
-        if a.total == 2 {
-            break;
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "{:?}", a.items);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    two_accelerators(&env, id).await;
     let fqdn = v2.public_endpoint_fqdn.clone().unwrap();
     assert_eq!(chat(&client, &fqdn, &token).await, reqwest::StatusCode::OK);
 
@@ -167,11 +156,7 @@ async fn an_endpoint_that_moved_is_recorded_by_the_next_resync() {
     let cloud = env.cloud();
 
     let r = Reconciler::new(env.store.clone(), cloud, env.config().settings);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while r.reconcile(rec.id).await.unwrap().waiting.is_some() {
-        assert!(Instant::now() < deadline, "the resync did not converge");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    converge(&r, rec.id, "the resync").await;
     let after = env.store.dedicated_inference_any(rec.id).await.unwrap();
     assert_eq!(after.status, Status::Active);
     assert_eq!(after.public_endpoint_fqdn, before.public_endpoint_fqdn);
@@ -211,20 +196,16 @@ async fn a_repair_of_an_active_di_is_told_in_its_events() {
         .await
         .unwrap();
 
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let reasons = loop {
+    let reasons = eventually(Duration::from_secs(30), "a Repaired event", || async {
         let events = env
             .store
             .events_list(rec.id, env.team, 1, 100)
             .await
             .unwrap();
         let reasons: Vec<String> = events.items.iter().map(|e| e.reason.clone()).collect();
-        if reasons.iter().any(|r| r == "Repaired") {
-            break reasons;
-        }
-        assert!(Instant::now() < deadline, "no Repaired event: {reasons:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+        reasons.iter().any(|r| r == "Repaired").then_some(reasons)
+    })
+    .await;
     let count = |reason: &str| reasons.iter().filter(|r| *r == reason).count();
     assert_eq!(
         (
@@ -275,18 +256,12 @@ async fn a_resync_asks_digitalocean_nothing_until_the_nodes_change() {
     let pools = cloud.node_pool_list(&cluster.id).await.unwrap();
     let gpu = pools.iter().find(|p| p.size.starts_with("gpu-")).unwrap();
     cloud.node_pool_delete(&cluster.id, &gpu.id).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let pass = r.reconcile(rec.id).await.unwrap();
-        if pass.do_writes > 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the deleted pool was not noticed"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until(
+        Duration::from_secs(30),
+        "the deleted pool noticed",
+        || async { r.reconcile(rec.id).await.unwrap().do_writes > 0 },
+    )
+    .await;
     let pools = cloud.node_pool_list(&cluster.id).await.unwrap();
     assert!(
         pools.iter().any(|p| p.name == gpu.name && p.id != gpu.id),
@@ -473,19 +448,7 @@ async fn a_patch_mid_rollout_supersedes_the_spec_rolling_out() {
         done.spec.unwrap().model_deployments[0].accelerators[0].scale,
         2
     );
-    let start = Instant::now();
-    loop {
-        let a = env
-            .store
-            .accelerators_list(rec.id, env.team, None, 1, 20)
-            .await
-            .unwrap();
-        if a.total == 2 {
-            break;
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "{:?}", a.items);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    two_accelerators(&env, rec.id).await;
     let client = ca_client(&env.store.ca_certificate(rec.id, env.team).await.unwrap());
     assert_eq!(
         chat(
@@ -684,14 +647,12 @@ async fn the_probe_credential_is_one_dis_own_and_revocable() {
     env.store.probe_token_rotate(a.id).await.unwrap();
     let rotated = env.store.probe_token(a.id).await.unwrap();
     assert_ne!(rotated, probe_a);
-    let start = Instant::now();
-    while chat(client_a, url_a, &probe_a).await != refused {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "old probe token still accepted"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until(
+        Duration::from_secs(5),
+        "the old probe token refused",
+        || async { chat(client_a, url_a, &probe_a).await == refused },
+    )
+    .await;
     for (client, url, token) in [
         (client_a, url_a, &rotated),
         (client_b, url_b, &token_b),
@@ -712,14 +673,25 @@ async fn the_probe_credential_is_one_dis_own_and_revocable() {
 
 /// Runs passes of `r` over DI `id` until one has nothing left to wait for.
 async fn converge(r: &Reconciler, id: uuid::Uuid, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while r.reconcile(id).await.unwrap().waiting.is_some() {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not converged within 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until(
+        Duration::from_secs(30),
+        format!("{what}: converged"),
+        || async { r.reconcile(id).await.unwrap().waiting.is_none() },
+    )
+    .await;
+}
+
+/// Waits until DI `id` shows its two accelerators.
+async fn two_accelerators(env: &Env, id: uuid::Uuid) {
+    until(Duration::from_secs(20), "two accelerators", || async {
+        let a = env
+            .store
+            .accelerators_list(id, env.team, None, 1, 20)
+            .await
+            .unwrap();
+        a.total == 2
+    })
+    .await;
 }
 
 /// A cluster that refuses the worker's credentials before they are due for renewal (revoked):

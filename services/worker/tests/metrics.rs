@@ -7,7 +7,7 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::*;
 
@@ -61,18 +61,15 @@ async fn scrape_until(
     what: &str,
     ok: impl Fn(&str) -> bool,
 ) -> String {
-    let start = Instant::now();
-    loop {
+    let last = std::sync::Mutex::new(String::new());
+    let found = test_support::within(Duration::from_secs(10), || async {
         let text = scrape(http, addr).await;
-        if ok(&text) {
-            return text;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "timed out waiting for {what}:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        *last.lock().unwrap() = text.clone();
+        ok(&text).then_some(text)
+    })
+    .await;
+    let last = last.into_inner().unwrap();
+    found.unwrap_or_else(|| panic!("timed out waiting for {what}:\n{last}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

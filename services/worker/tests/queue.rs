@@ -429,31 +429,23 @@ async fn a_dead_workers_leases_are_free_when_its_session_ends(pool: PgPool) {
     // The session ends with the connection (the server notices the close at once). From then
     // on the holder cannot renew the lease nor write under it, before anyone takes it: if its
     // process lives on (a connection cut, not a death), its passes stop.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while s.work_renew(id, held[0].lease_token, long).await.unwrap() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "a lease whose session ended is still renewed"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let renewal_refused = "a lease whose session ended no longer renewed";
+    test_support::until(Duration::from_secs(10), renewal_refused, || async {
+        !s.work_renew(id, held[0].lease_token, long).await.unwrap()
+    })
+    .await;
     assert!(matches!(
         s.under_lease(id, held[0].lease_token)
             .event_append(id, "Late", "session gone")
             .await,
         Err(region_store::StoreError::LeaseLost)
     ));
-    let taken = loop {
+    let freed = "the dead worker's lease freed";
+    let taken = test_support::eventually(Duration::from_secs(10), freed, || async {
         let got = s.work_claim("b", LEASE, 10).await.unwrap();
-        if !got.is_empty() {
-            break got;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the dead worker's lease was not freed"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+        (!got.is_empty()).then_some(got)
+    })
+    .await;
     assert_eq!(taken[0].di_id, id);
     assert!(taken[0].lease_expired, "taken over from the dead worker");
     assert!(!s.work_renew(id, held[0].lease_token, long).await.unwrap());

@@ -44,6 +44,7 @@ impl Caller {
                         let at = started.elapsed().as_secs_f64();
                         failures.lock().unwrap().push(format!("{at:.2}s: {status}"));
                     }
+                    // A pace, not a wait for a condition: about 30 calls a second.
                     tokio::time::sleep(Duration::from_millis(30)).await;
                 }
             }
@@ -74,24 +75,23 @@ fn single_attempt() -> RetryConfig {
 
 /// Runs passes until DI `id` is active on `version` with nothing pending.
 async fn drive_until_active(env: &Env, r: &Reconciler, id: Uuid, version: i32) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    let last = std::sync::Mutex::new(None);
+    let active = test_support::within(Duration::from_secs(60), || async {
         let pass = r.reconcile(id).await;
         let rec = env.store.dedicated_inference_any(id).await.unwrap();
-        if rec.status == Status::Active
+        let done = rec.status == Status::Active
             && rec.pending_spec.is_none()
             && rec.spec.as_ref().map(|s| s.version) == Some(version)
-            && matches!(&pass, Ok(p) if p.waiting.is_none())
-        {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not active on v{version} within 60 s: {pass:?}, status {}",
-            rec.status
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+            && matches!(&pass, Ok(p) if p.waiting.is_none());
+        *last.lock().unwrap() = Some(format!("{pass:?}, status {}", rec.status));
+        done.then_some(())
+    })
+    .await;
+    let last = last.lock().unwrap().take();
+    assert!(
+        active.is_some(),
+        "not active on v{version} within 60 s: {last:?}"
+    );
 }
 
 /// The soak's outage during a GPU move (seed 11): a DI moving from 2 x H100 to 2 x H200 is
@@ -158,7 +158,8 @@ async fn a_scale_down_mid_move_keeps_the_node_a_waiting_pod_lands_on() {
     println!("the scale-down's pass: {pass:?}");
 
     drive_until_active(&env, &r, rec.id, 3).await;
-    // Long enough for a node deleted by mistake to go (1.5 s) and its pod with it.
+    // Real time, as an observation window: long enough for a node deleted by mistake to go
+    // (1.5 s in the simulated cloud's clock) and its pod with it while the caller calls.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let (ok, failures) = caller.finish().await;
     assert!(
@@ -172,18 +173,15 @@ async fn a_scale_down_mid_move_keeps_the_node_a_waiting_pod_lands_on() {
         .dedicated_inference_delete(rec.id, env.team)
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !env
-        .store
-        .dedicated_inference_any(rec.id)
-        .await
-        .unwrap()
-        .gone
-    {
-        assert!(Instant::now() < deadline, "not gone within 60 s");
+    test_support::until(Duration::from_secs(60), "gone", || async {
         let _ = r.reconcile(rec.id).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        env.store
+            .dedicated_inference_any(rec.id)
+            .await
+            .unwrap()
+            .gone
+    })
+    .await;
     env.wait_gone(rec.id).await;
     env.sim.shutdown().await;
 }
@@ -200,6 +198,7 @@ async fn a_pass_that_lost_its_lease_writes_nothing() {
         .await
         .unwrap()
         .remove(0);
+    // Real time: the lease runs out by the database's clock, which only real time moves.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let taken = env
         .store

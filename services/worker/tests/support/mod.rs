@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use api_types::lifecycle::Status;
 use api_types::regional::{CreateRequest, NewToken, Record};
@@ -280,34 +280,34 @@ impl Env {
         timeout: Duration,
         done: impl Fn(&Record) -> bool,
     ) -> Record {
-        let start = Instant::now();
-        loop {
+        let done = &done;
+        let found = test_support::within(timeout, move || async move {
             let r = self.store.dedicated_inference_any(id).await.unwrap();
-            if done(&r) {
-                return r;
-            }
-            if start.elapsed() > timeout {
-                let events = self
-                    .store
-                    .events_list(id, self.team, 1, 50)
-                    .await
-                    .map(|p| {
-                        p.items
-                            .into_iter()
-                            .map(|e| format!("{} {}: {}", e.phase, e.reason, e.message))
-                            .collect::<Vec<_>>()
-                    })
-                    .unwrap_or_default();
-                panic!(
-                    "timed out waiting for {what}: status {} reason {:?} pending {:?}\nevents: {events:#?}\nleftovers: {:#?}",
-                    r.status,
-                    r.status_reason,
-                    r.pending_spec.as_ref().map(|s| s.version),
-                    self.sim.inventory().leftovers()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            done(&r).then_some(r)
+        })
+        .await;
+        if let Some(r) = found {
+            return r;
         }
+        let r = self.store.dedicated_inference_any(id).await.unwrap();
+        let events = self
+            .store
+            .events_list(id, self.team, 1, 50)
+            .await
+            .map(|p| {
+                p.items
+                    .into_iter()
+                    .map(|e| format!("{} {}: {}", e.phase, e.reason, e.message))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default();
+        panic!(
+            "timed out waiting for {what}: status {} reason {:?} pending {:?}\nevents: {events:#?}\nleftovers: {:#?}",
+            r.status,
+            r.status_reason,
+            r.pending_spec.as_ref().map(|s| s.version),
+            self.sim.inventory().leftovers()
+        );
     }
 
     pub async fn wait_active(&self, id: Uuid, version: i32) -> Record {
@@ -337,18 +337,12 @@ impl Env {
     pub async fn wait_gone(&self, id: Uuid) {
         self.wait_for(id, "gone", Duration::from_secs(60), |r| r.gone)
             .await;
-        let start = Instant::now();
-        loop {
-            let left = self.sim.inventory().leftovers();
-            if left.is_empty() {
-                return;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "leftovers after gone: {left:#?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let clean = test_support::within(Duration::from_secs(10), || async {
+            self.sim.inventory().leftovers().is_empty().then_some(())
+        })
+        .await;
+        let left = self.sim.inventory().leftovers();
+        assert!(clean.is_some(), "leftovers after gone: {left:#?}");
     }
 }
 
