@@ -10,13 +10,13 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use api_types::operations::{Method, Operation, PathValue};
 use api_types::public::RegionQuotas;
 use api_types::regional::{
     Accelerator, CaCertificate, Changes, ChangesQuery, CreateRequest, Event, Page, PageQuery,
     PatchRequest, RecordEnvelope, RegionError, TeamQuery, TeamScoped, Token, TokenCreateRequest,
     SECRET_HEADER,
 };
-use reqwest::Method;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use uuid::Uuid;
@@ -112,7 +112,7 @@ impl Regions {
         id: Uuid,
         request: &PatchRequest,
     ) -> Result<RecordEnvelope, RegionCallError> {
-        self.send(region, &PATCH, &[id], NO_QUERY, Some(request))
+        self.send(region, &PATCH, &[&id], NO_QUERY, Some(request))
             .await
     }
 
@@ -122,7 +122,7 @@ impl Regions {
         id: Uuid,
         query: &TeamScoped,
     ) -> Result<RecordEnvelope, RegionCallError> {
-        self.send(region, &DELETE, &[id], Some(query), NO_BODY)
+        self.send(region, &DELETE, &[&id], Some(query), NO_BODY)
             .await
     }
 
@@ -132,7 +132,7 @@ impl Regions {
         id: Uuid,
         query: &PageQuery,
     ) -> Result<Page<Accelerator>, RegionCallError> {
-        self.send(region, &ACCELERATORS, &[id], Some(query), NO_BODY)
+        self.send(region, &ACCELERATORS, &[&id], Some(query), NO_BODY)
             .await
     }
 
@@ -146,7 +146,7 @@ impl Regions {
         self.send(
             region,
             &ACCELERATOR,
-            &[id, accelerator_id],
+            &[&id, &accelerator_id],
             Some(query),
             NO_BODY,
         )
@@ -159,7 +159,7 @@ impl Regions {
         id: Uuid,
         query: &TeamQuery,
     ) -> Result<CaCertificate, RegionCallError> {
-        self.send(region, &CA_CERTIFICATE, &[id], Some(query), NO_BODY)
+        self.send(region, &CA_CERTIFICATE, &[&id], Some(query), NO_BODY)
             .await
     }
 
@@ -169,7 +169,7 @@ impl Regions {
         id: Uuid,
         query: &PageQuery,
     ) -> Result<Page<Event>, RegionCallError> {
-        self.send(region, &EVENTS, &[id], Some(query), NO_BODY)
+        self.send(region, &EVENTS, &[&id], Some(query), NO_BODY)
             .await
     }
 
@@ -179,7 +179,7 @@ impl Regions {
         id: Uuid,
         query: &PageQuery,
     ) -> Result<Page<Token>, RegionCallError> {
-        self.send(region, &TOKENS, &[id], Some(query), NO_BODY)
+        self.send(region, &TOKENS, &[&id], Some(query), NO_BODY)
             .await
     }
 
@@ -189,7 +189,7 @@ impl Regions {
         id: Uuid,
         request: &TokenCreateRequest,
     ) -> Result<Token, RegionCallError> {
-        self.send(region, &TOKEN_CREATE, &[id], NO_QUERY, Some(request))
+        self.send(region, &TOKEN_CREATE, &[&id], NO_QUERY, Some(request))
             .await
     }
 
@@ -200,8 +200,14 @@ impl Regions {
         token_id: Uuid,
         query: &TeamScoped,
     ) -> Result<(), RegionCallError> {
-        self.send(region, &TOKEN_REVOKE, &[id, token_id], Some(query), NO_BODY)
-            .await
+        self.send(
+            region,
+            &TOKEN_REVOKE,
+            &[&id, &token_id],
+            Some(query),
+            NO_BODY,
+        )
+        .await
     }
 
     pub async fn quotas(
@@ -225,14 +231,14 @@ impl Regions {
             wait_ms: wait.as_millis() as u64,
         };
         let request = self.request(&self.long_poll, region, &CHANGES, &[], Some(&query))?;
-        CHANGES.answer(request.send().await).await
+        answer(&CHANGES, request.send().await).await
     }
 
     async fn send<Q: Serialize, B: Serialize, T: DeserializeOwned>(
         &self,
         region: &str,
         operation: &Operation,
-        path: &[Uuid],
+        path: &[&dyn PathValue],
         query: Option<&Q>,
         body: Option<&B>,
     ) -> Result<T, RegionCallError> {
@@ -244,7 +250,7 @@ impl Regions {
         if let Some(body) = body {
             request = request.json(body);
         }
-        operation.answer(request.send().await).await
+        answer(operation, request.send().await).await
     }
 
     /// The request for `operation` in `region`: its path with `path`'s ids put in its
@@ -254,7 +260,7 @@ impl Regions {
         client: &reqwest::Client,
         region: &str,
         operation: &Operation,
-        path: &[Uuid],
+        path: &[&dyn PathValue],
         query: Option<&Q>,
     ) -> Result<reqwest::RequestBuilder, RegionCallError> {
         let r = self
@@ -274,54 +280,25 @@ impl Regions {
     }
 }
 
-/// An operation of the regional API as `openapi/regional.json` names it.
-struct Operation {
-    id: &'static str,
-    method: Method,
-    /// With its parameters in braces, as in the document.
-    path: &'static str,
-}
-
-impl Operation {
-    /// The operation's answer, or why there is none (naming the operation).
-    async fn answer<T: DeserializeOwned>(
-        &self,
-        sent: reqwest::Result<reqwest::Response>,
-    ) -> Result<T, RegionCallError> {
-        let answered = match sent {
-            Ok(response) => decode(response).await,
-            Err(e) => Err(RegionCallError::Unavailable(e.to_string())),
-        };
-        answered.map_err(|e| match e {
-            RegionCallError::Unavailable(why) => {
-                RegionCallError::Unavailable(format!("{}: {why}", self.id))
-            }
-            other => other,
-        })
-    }
-
-    /// The path with each `{parameter}` replaced by the next of `values` (ids only: a UUID
-    /// needs no escaping).
-    fn path_with(&self, values: &[Uuid]) -> String {
-        let mut out = String::with_capacity(self.path.len() + 40 * values.len());
-        let mut values = values.iter();
-        for (i, part) in self.path.split('{').enumerate() {
-            match (i, part.split_once('}')) {
-                (0, _) | (_, None) => out.push_str(part),
-                (_, Some((_, rest))) => {
-                    let value = values.next().expect("a value for every path parameter");
-                    out.push_str(&value.to_string());
-                    out.push_str(rest);
-                }
-            }
+/// The operation's answer, or why there is none (naming the operation).
+async fn answer<T: DeserializeOwned>(
+    operation: &Operation,
+    sent: reqwest::Result<reqwest::Response>,
+) -> Result<T, RegionCallError> {
+    let answered = match sent {
+        Ok(response) => decode(response).await,
+        Err(e) => Err(RegionCallError::Unavailable(e.to_string())),
+    };
+    answered.map_err(|e| match e {
+        RegionCallError::Unavailable(why) => {
+            RegionCallError::Unavailable(format!("{}: {why}", operation.id))
         }
-        debug_assert!(values.next().is_none(), "more values than path parameters");
-        out
-    }
+        other => other,
+    })
 }
 
 const fn op(id: &'static str, method: Method, path: &'static str) -> Operation {
-    Operation { id, method, path }
+    Operation::new(id, method, path)
 }
 
 const DIS: &str = "/internal/v1/dedicated-inferences";
@@ -448,6 +425,7 @@ async fn decode<T: DeserializeOwned>(response: reqwest::Response) -> Result<T, R
 #[cfg(test)]
 mod tests {
     use super::*;
+    use api_types::operations::{documented, listed};
     use serde_json::Value;
 
     /// Every operation of the regional API's document is one central calls with the method and
@@ -456,34 +434,13 @@ mod tests {
     fn the_operations_are_the_documents() {
         let doc: Value =
             serde_json::from_str(include_str!("../../../openapi/regional.json")).unwrap();
-        let mut documented = Vec::new();
-        for (path, operations) in doc["paths"].as_object().unwrap() {
-            for (method, operation) in operations.as_object().unwrap() {
-                let id = operation["operationId"].as_str().unwrap();
-                documented.push((id.to_string(), method.to_uppercase(), path.clone()));
-            }
-        }
-        documented.sort();
-        let mut called: Vec<(String, String, String)> = CALLED
-            .iter()
-            .map(|o| (o.id.to_string(), o.method.to_string(), o.path.to_string()))
-            .collect();
-        called.push((
-            "get_one".into(),
-            "GET".into(),
-            "/internal/v1/dedicated-inferences/{id}".into(),
-        ));
-        called.sort();
-        assert_eq!(called, documented);
-    }
-
-    #[test]
-    fn path_parameters_are_filled_in_order() {
-        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
-        assert_eq!(
-            TOKEN_REVOKE.path_with(&[a, b]),
-            format!("/internal/v1/dedicated-inferences/{a}/tokens/{b}")
+        let get_one = op(
+            "get_one",
+            Method::GET,
+            "/internal/v1/dedicated-inferences/{id}",
         );
-        assert_eq!(CREATE.path_with(&[]), DIS);
+        let mut called = CALLED.to_vec();
+        called.push(&get_one);
+        assert_eq!(listed(&called), documented(&doc));
     }
 }

@@ -6,12 +6,13 @@
 use std::future::Future;
 use std::time::Duration;
 
+use api_types::operations::{Method, Operation, PathValue};
 use api_types::public::{
     AcceleratorInfo, AcceleratorList, CaResponse, CreateResponse, DedicatedInferenceEnvelope,
     DedicatedInferenceList, EventList, GpuModelConfigsResponse, QuotasResponse, SizesResponse,
     TokenEnvelope, TokenList,
 };
-use reqwest::{Method, StatusCode};
+use reqwest::StatusCode;
 use serde::de::{DeserializeOwned, IgnoredAny};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
@@ -68,6 +69,15 @@ impl Id {
         Ok(Id(text.to_string()))
     }
 }
+
+impl std::fmt::Display for Id {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Parsed to letters, digits, `-` and `_`: nothing that could change a path.
+impl PathValue for Id {}
 
 impl From<Uuid> for Id {
     fn from(id: Uuid) -> Id {
@@ -321,7 +331,7 @@ impl Client {
     async fn send<Q: Serialize, B: Serialize, T: DeserializeOwned>(
         &self,
         operation: &Operation,
-        ids: &[&Id],
+        ids: &[&dyn PathValue],
         query: Option<&Q>,
         body: Option<&B>,
     ) -> Result<Answer<T>, Failure> {
@@ -462,37 +472,8 @@ fn describe(e: &reqwest::Error) -> String {
     text
 }
 
-/// An operation of the public API as `openapi/public.json` names it.
-struct Operation {
-    id: &'static str,
-    method: Method,
-    /// With its parameters in braces, as in the document.
-    path: &'static str,
-}
-
-impl Operation {
-    /// The path with each `{parameter}` replaced by the next of `ids` (an `Id` needs no
-    /// escaping).
-    fn path_with(&self, ids: &[&Id]) -> String {
-        let mut out = String::with_capacity(self.path.len() + 40 * ids.len());
-        let mut ids = ids.iter();
-        for (i, part) in self.path.split('{').enumerate() {
-            match (i, part.split_once('}')) {
-                (0, _) | (_, None) => out.push_str(part),
-                (_, Some((_, rest))) => {
-                    let id = ids.next().expect("an id for every path parameter");
-                    out.push_str(&id.0);
-                    out.push_str(rest);
-                }
-            }
-        }
-        debug_assert!(ids.next().is_none(), "more ids than path parameters");
-        out
-    }
-}
-
 const fn op(id: &'static str, method: Method, path: &'static str) -> Operation {
-    Operation { id, method, path }
+    Operation::new(id, method, path)
 }
 
 const LIST: Operation = op(
@@ -597,6 +578,7 @@ const NO_BODY: Option<&()> = None;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use api_types::operations::{documented, listed};
     use std::sync::{Arc, Mutex};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -606,30 +588,16 @@ mod tests {
     fn the_operations_are_the_documents() {
         let doc: Value =
             serde_json::from_str(include_str!("../../../openapi/public.json")).unwrap();
-        let mut documented = Vec::new();
-        for (path, operations) in doc["paths"].as_object().unwrap() {
-            for (method, operation) in operations.as_object().unwrap() {
-                let id = operation["operationId"].as_str().unwrap();
-                documented.push((id.to_string(), method.to_uppercase(), path.clone()));
-            }
-        }
-        documented.sort();
-        let mut ours: Vec<(String, String, String)> = OPERATIONS
-            .iter()
-            .map(|o| (o.id.to_string(), o.method.to_string(), o.path.to_string()))
-            .collect();
-        ours.sort();
-        assert_eq!(ours, documented);
+        assert_eq!(listed(&OPERATIONS), documented(&doc));
     }
 
     #[test]
-    fn path_parameters_are_filled_in_order() {
+    fn ids_fill_the_path_as_they_read() {
         let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
         assert_eq!(
             TOKEN_REVOKE.path_with(&[&Id::from(a), &Id::from(b)]),
             format!("/v2/dedicated-inferences/{a}/tokens/{b}")
         );
-        assert_eq!(LIST.path_with(&[]), "/v2/dedicated-inferences");
     }
 
     #[test]
