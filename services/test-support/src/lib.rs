@@ -5,11 +5,13 @@
 
 use std::fmt::Display;
 use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// How soon a condition is looked at again. Real time, and the only real-time wait the
-/// conditions need: what they look at moves in Postgres, in another task's sockets or in
-/// another process, none of which a paused clock would move.
+use tokio::time::Instant;
+
+/// How soon a condition is looked at again: the one wait such tests need. On tokio's clock, so
+/// a test on a paused clock waits in virtual time; otherwise real time, because what the
+/// condition looks at moves in Postgres, in another task's sockets or in another process.
 pub const POLL: Duration = Duration::from_millis(25);
 
 /// `check`'s first `Some`, looked at every [`POLL`]; `None` once `limit` has passed without

@@ -5,7 +5,7 @@
 //! Addresses are only assigned while empty: the crate that wires the simulated
 //! data plane may overwrite them through `/status`, and that must stick.
 
-use std::time::Instant;
+use tokio::time::Instant;
 
 use serde_json::{json, Value};
 

@@ -5,7 +5,9 @@
 //! crash-looping with back-off and asked again after each restart.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use base64::Engine;
 use serde_json::{json, Value};

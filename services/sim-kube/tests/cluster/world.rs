@@ -374,6 +374,8 @@ async fn load_balancers_get_private_or_public_addresses_once() {
     )
     .await
     .unwrap();
+    // Real time, as a window: the cluster answers over a socket, so its controllers' chance to
+    // overwrite the address (which they must not take) passes only in real time.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         eventually(WAIT, "overwritten address", ip("public")).await,
