@@ -186,7 +186,7 @@ mod pki {
         let cert = server.signed_by(&key, &ca_cert, &ca_key)?;
         Ok(ClusterPki {
             ca_pem: ca_cert.pem(),
-            server: crate::data_plane::tls_config(&cert.pem(), &key.serialize_pem())?,
+            server: crate::front::tls_config(&cert.pem(), &key.serialize_pem())?,
         })
     }
 }

@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::faults::{Api, ArmedKind, CallVerdict, Counting, FaultConfig, Verdict};
+use crate::serving::{pod_metrics_text, METRICS_CONTENT_TYPE};
 use crate::world::{ClusterCreate, Delays, PoolSpec, VpcCreate, WorldError};
 use crate::Shared;
 
@@ -571,6 +572,31 @@ async fn admin_kill_node(State(s): State<Arc<Shared>>, Path(name): Path<String>)
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+/// `GET /_sim/clusters/{id}/pods/{ns}/{name}/metrics`: the pod's vLLM `/metrics`
+/// ([`pod_metrics_text`]; the cluster API's `pods/proxy` answers the same).
+async fn admin_pod_metrics(
+    State(s): State<Arc<Shared>>,
+    Path((id, ns, name)): Path<(String, String, String)>,
+) -> Response {
+    let objects = s.clusters.objects();
+    let Some(objs) = objects.get(&id) else {
+        return (StatusCode::NOT_FOUND, format!("cluster {id} not found\n")).into_response();
+    };
+    let objs: Vec<Arc<Value>> = objs.iter().cloned().map(Arc::new).collect();
+    let Some(pod) = crate::objects::find(&objs, "Pod", "", &ns, &name) else {
+        return (
+            StatusCode::NOT_FOUND,
+            format!("pod {ns}/{name} not found\n"),
+        )
+            .into_response();
+    };
+    (
+        [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
+        pod_metrics_text(&objs, pod),
+    )
+        .into_response()
+}
+
 /// The router for the DO API and the admin endpoints.
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
     let v2 = Router::new()
@@ -621,7 +647,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/_sim/nodes/{name}/kill", post(admin_kill_node))
         .route(
             "/_sim/clusters/{id}/pods/{ns}/{name}/metrics",
-            get(crate::serving::admin_pod_metrics),
+            get(admin_pod_metrics),
         );
     Router::new()
         .merge(v2)

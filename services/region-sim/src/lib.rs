@@ -25,6 +25,7 @@ pub mod faults;
 pub mod front;
 pub mod hub_loader;
 pub mod inventory;
+pub mod objects;
 pub mod picker;
 pub mod pod_proxy;
 pub mod routing;

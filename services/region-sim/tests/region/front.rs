@@ -130,7 +130,7 @@ fn serve_hello(
     idle: Duration,
 ) -> (String, SiteId, watch::Sender<bool>) {
     let (ca, cert, key) = pki(ip);
-    let tls = region_sim::data_plane::tls_config(&cert, &key).unwrap();
+    let tls = region_sim::front::tls_config(&cert, &key).unwrap();
     let (stop, stop_rx) = watch::channel(false);
     let site = Site {
         tls: Arc::new(move || Some(tls.clone())),
