@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
 use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
-use region_sim::faults::Faults;
-use region_sim::front::Front;
 use region_sim::picker::{PickerConfig, PoolSpec, LLM_D_DEFAULT_CONFIG};
 use region_sim::serving::{BackendServing, Counters, ReplicaSpec, ServingConfig};
+use region_sim_base::faults::Faults;
+use region_sim_base::front::Front;
 use serde_json::{json, Value};
 
 const TOKEN: &str = "di_bench_token";

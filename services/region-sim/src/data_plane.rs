@@ -28,14 +28,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::Stream;
+use region_sim_base::faults::{Api, Faults, Verdict};
+use region_sim_base::front::{tls_config, Front, Site, SiteId};
 use rustls::ServerConfig;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
-
-use crate::faults::{Api, Faults, Verdict};
-use crate::front::{tls_config, Front, Site, SiteId};
 
 /// How long a connection may stay idle between requests, as on DigitalOcean's load balancers
 /// (`http_idle_timeout_seconds`, 60 by default).

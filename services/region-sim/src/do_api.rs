@@ -15,11 +15,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use region_sim_base::faults::{Api, ArmedKind, CallVerdict, Counting, FaultConfig, Verdict};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::faults::{Api, ArmedKind, CallVerdict, Counting, FaultConfig, Verdict};
 use crate::serving::{pod_metrics_text, METRICS_CONTENT_TYPE};
 use crate::world::{ClusterCreate, Delays, PoolSpec, VpcCreate, WorldError};
 use crate::Shared;

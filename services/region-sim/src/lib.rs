@@ -8,7 +8,7 @@
 //! model servers that fetch their repository from the Hugging Face Hub they name and crash-loop
 //! when it refuses: [`hub_loader`]), and serves a fake OpenAI-compatible data plane for every
 //! load balancer wired to a gateway. Every cluster API and load balancer has a loopback address
-//! of its own (`127.x.y.z`), all served by one listener ([`front`]), so the process's sockets
+//! of its own (`127.x.y.z`), all served by one listener ([`region_sim_base::front`]), so the process's sockets
 //! follow the connections clients keep open, not the clusters and load balancers that exist.
 //! Pods answer the cluster API's `pods/proxy` with their metrics (vLLM's, or the endpoint
 //! picker's pool gauges: [`pod_proxy`]), and a gateway whose pool's picker runs with flow control
@@ -21,8 +21,6 @@
 
 pub mod data_plane;
 pub mod do_api;
-pub mod faults;
-pub mod front;
 pub mod hub_loader;
 pub mod inventory;
 pub mod objects;
@@ -30,7 +28,6 @@ pub mod picker;
 pub mod pod_proxy;
 pub mod routing;
 pub mod serving;
-pub mod sizes;
 pub mod world;
 
 mod clusters;
@@ -45,8 +42,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 pub use data_plane::ModelTiming;
-pub use faults::{Api, ApiFaults, ArmedFault, ArmedKind, Counting, FaultConfig, FiredFault};
 pub use inventory::Inventory;
+pub use region_sim_base::faults::{
+    Api, ApiFaults, ArmedFault, ArmedKind, Counting, FaultConfig, FiredFault,
+};
 pub use serving::ServingConfig;
 pub use world::Delays;
 
@@ -60,7 +59,7 @@ pub struct SimConfig {
     /// Where the DO API (and `/_sim/`) listens; port 0 picks a free one.
     pub listen: SocketAddr,
     /// The port every cluster API and load balancer shares, each at a loopback address of its
-    /// own (see [`front`]); 0 picks a free one.
+    /// own (see [`region_sim_base::front`]); 0 picks a free one.
     pub front_port: u16,
     pub delays: Delays,
     /// GPU capacity per size slug, in nodes. GPU sizes not listed have none.
@@ -315,7 +314,7 @@ impl Stats {
 /// State shared by the HTTP handlers and the background driver.
 pub(crate) struct Shared {
     pub(crate) world: world::World,
-    pub(crate) faults: Arc<faults::Faults>,
+    pub(crate) faults: Arc<region_sim_base::faults::Faults>,
     pub(crate) token: String,
     pub(crate) base_url: String,
     pub(crate) stats: Arc<Stats>,
@@ -379,7 +378,7 @@ impl RegionSim {
     pub async fn start(cfg: SimConfig) -> anyhow::Result<RegionSim> {
         let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
         let addr = listener.local_addr()?;
-        let front = front::Front::start(cfg.front_port).await?;
+        let front = region_sim_base::front::Front::start(cfg.front_port).await?;
         let shared = Arc::new(Shared {
             world: world::World::with_addresses(
                 &cfg.region,
@@ -387,7 +386,7 @@ impl RegionSim {
                 cfg.gpu_capacity.clone(),
                 front.addresses().clone(),
             ),
-            faults: Arc::new(faults::Faults::new(cfg.faults.clone())),
+            faults: Arc::new(region_sim_base::faults::Faults::new(cfg.faults.clone())),
             token: cfg.token.clone(),
             base_url: format!("http://{addr}"),
             stats: Arc::new(Stats::default()),

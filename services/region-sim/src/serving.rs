@@ -282,7 +282,8 @@ impl ReplicaSpec {
                 .and_then(Value::as_str)
                 .map(str::to_string)
         };
-        let size = label("node.kubernetes.io/instance-type").and_then(|s| crate::sizes::parse(&s));
+        let size = label("node.kubernetes.io/instance-type")
+            .and_then(|s| region_sim_base::sizes::parse(&s));
         let gpu_model = label("doks.digitalocean.com/gpu-model")
             .or_else(|| size.as_ref().and_then(|s| s.gpu_model.clone()));
         let args: Vec<String> = containers

@@ -11,8 +11,8 @@ use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use region_sim::data_plane::{
     held_requests, token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, PoolRoute, Route,
 };
-use region_sim::faults::{ApiFaults, FaultConfig, Faults};
-use region_sim::front::Front;
+use region_sim_base::faults::{ApiFaults, FaultConfig, Faults};
+use region_sim_base::front::Front;
 use serde_json::{json, Value};
 
 const TOKEN: &str = "di_0123456789abcdefghijklmnopqrstuvwxyzABCD";

@@ -9,8 +9,8 @@ use std::time::Duration;
 use axum::routing::get;
 use axum::Router;
 use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
-use region_sim::faults::Faults;
-use region_sim::front::{Front, Site, SiteId};
+use region_sim_base::faults::Faults;
+use region_sim_base::front::{Front, Site, SiteId};
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -130,7 +130,7 @@ fn serve_hello(
     idle: Duration,
 ) -> (String, SiteId, watch::Sender<bool>) {
     let (ca, cert, key) = pki(ip);
-    let tls = region_sim::front::tls_config(&cert, &key).unwrap();
+    let tls = region_sim_base::front::tls_config(&cert, &key).unwrap();
     let (stop, stop_rx) = watch::channel(false);
     let site = Site {
         tls: Arc::new(move || Some(tls.clone())),

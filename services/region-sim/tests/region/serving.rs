@@ -7,10 +7,10 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
-use region_sim::faults::Faults;
-use region_sim::front::Front;
 use region_sim::picker::{PickerConfig, PoolSpec, LLM_D_DEFAULT_CONFIG};
 use region_sim::serving::{BackendServing, Counters, Replica, ReplicaSpec, ServingConfig};
+use region_sim_base::faults::Faults;
+use region_sim_base::front::Front;
 use reqwest::Method;
 use serde_json::{json, Value};
 
