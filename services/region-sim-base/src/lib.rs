@@ -1,5 +1,5 @@
-//! What the region simulator's two halves share: the simulated cloud and the simulated data
-//! plane (both in `region-sim`) both serve at addresses of the region's one listener
+//! What the region simulator's two halves share: the simulated cloud (`region-sim`) and the
+//! simulated data plane (`dataplane-sim`) both serve at addresses of the region's one listener
 //! and fail as its fault injection tells them. It owns that listener, which serves every
 //! cluster API and every load balancer at a loopback address of its own ([`front`]), the faults
 //! of the three simulated APIs, DigitalOcean, Kubernetes and the data plane ([`faults`]), and

@@ -13,13 +13,13 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
+use dataplane_sim::data_plane::{Endpoint, Route};
+use dataplane_sim::routing;
 use region_sim_base::front::{Front, SiteId};
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use crate::data_plane::{Endpoint, Route};
 use crate::inventory::EndpointInfo;
-use crate::routing;
 use crate::world::{Delays, Effect, ServiceLb};
 use crate::Shared;
 
@@ -48,7 +48,7 @@ mod kube {
             // Pods load their model as vLLM does: from the Hub their environment names.
             model_loader: Some(loader.clone()),
             // Pods answer `pods/proxy` with their metrics (vLLM's, or the endpoint picker's).
-            pod_proxy: Some(Arc::new(crate::pod_proxy::PodMetrics)),
+            pod_proxy: Some(Arc::new(dataplane_sim::pod_proxy::PodMetrics)),
         }
     }
 

@@ -15,12 +15,12 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use dataplane_sim::serving::{pod_metrics_text, METRICS_CONTENT_TYPE};
 use region_sim_base::faults::{Api, ArmedKind, CallVerdict, Counting, FaultConfig, Verdict};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::serving::{pod_metrics_text, METRICS_CONTENT_TYPE};
 use crate::world::{ClusterCreate, Delays, PoolSpec, VpcCreate, WorldError};
 use crate::Shared;
 
@@ -551,7 +551,7 @@ async fn admin_model_get(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn admin_model_put(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
-    let m: crate::data_plane::ModelTiming = parse_json(&body)?;
+    let m: dataplane_sim::data_plane::ModelTiming = parse_json(&body)?;
     s.set_model_timing(m.clone());
     reply(StatusCode::OK, json!(m))
 }
@@ -583,7 +583,7 @@ async fn admin_pod_metrics(
         return (StatusCode::NOT_FOUND, format!("cluster {id} not found\n")).into_response();
     };
     let objs: Vec<Arc<Value>> = objs.iter().cloned().map(Arc::new).collect();
-    let Some(pod) = crate::objects::find(&objs, "Pod", "", &ns, &name) else {
+    let Some(pod) = dataplane_sim::objects::find(&objs, "Pod", "", &ns, &name) else {
         return (
             StatusCode::NOT_FOUND,
             format!("pod {ns}/{name} not found\n"),

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
+use dataplane_sim::data_plane::{
+    token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route,
+};
 use region_sim_base::faults::Faults;
 use region_sim_base::front::{Front, Site, SiteId};
 use rustls::pki_types::{CertificateDer, ServerName};
@@ -22,7 +24,7 @@ const TOKEN: &str = "di_front_test_token_0123456789";
 
 /// A CA and a certificate for `ip` it signed, as PEM: (ca, cert, key).
 fn pki(ip: Ipv4Addr) -> (String, String, String) {
-    crate::doks::pki(&ip.to_string())
+    crate::data_plane::ca_and_cert("di-ca", vec![ip.to_string()])
 }
 
 fn serving(cert: &str, key: &str, pod: &str, model: &str) -> EndpointConfig {

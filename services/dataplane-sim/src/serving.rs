@@ -2,8 +2,9 @@
 //! InferencePool is a [`Replica`] that schedules requests the way vLLM's engine does, in
 //! simulated time paced by real tokio sleeps.
 //!
-//! Off by default: with [`ServingConfig::time_scale`] 0 (the default of [`crate::SimConfig`]) the
-//! data plane answers as it always did (round robin, the fixed [`crate::ModelTiming`] delays).
+//! Off by default: with [`ServingConfig::time_scale`] 0 (the default, also of the region
+//! simulator's `SimConfig`) the data plane answers as it always did (round robin, the fixed
+//! [`crate::data_plane::ModelTiming`] delays).
 //! With a positive scale, one simulated second lasts `time_scale` real seconds (1: real time;
 //! 0.05: twenty times faster), and:
 //!
@@ -50,7 +51,7 @@ use crate::data_plane::{Backend, EndpointConfig, Generation, Route};
 use crate::objects;
 use crate::picker::{Candidate, PoolPicker, PoolSpec};
 
-/// The serving model's knobs (part of [`crate::ModelTiming`]: `PUT /_sim/model`,
+/// The serving model's knobs (part of [`crate::data_plane::ModelTiming`]: `PUT /_sim/model`,
 /// `--serving-time-scale`). The overrides apply to every replica and win over the pods' vLLM
 /// flags.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
