@@ -13,13 +13,13 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
+use dataplane_sim::data_plane::{Endpoint, Route};
+use dataplane_sim::routing;
+use region_sim_base::front::{Front, SiteId};
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use crate::data_plane::{Endpoint, Route};
-use crate::front::{Front, SiteId};
 use crate::inventory::EndpointInfo;
-use crate::routing;
 use crate::world::{Delays, Effect, ServiceLb};
 use crate::Shared;
 
@@ -48,7 +48,7 @@ mod kube {
             // Pods load their model as vLLM does: from the Hub their environment names.
             model_loader: Some(loader.clone()),
             // Pods answer `pods/proxy` with their metrics (vLLM's, or the endpoint picker's).
-            pod_proxy: Some(Arc::new(crate::pod_proxy::PodMetrics)),
+            pod_proxy: Some(Arc::new(dataplane_sim::pod_proxy::PodMetrics)),
         }
     }
 
@@ -186,7 +186,7 @@ mod pki {
         let cert = server.signed_by(&key, &ca_cert, &ca_key)?;
         Ok(ClusterPki {
             ca_pem: ca_cert.pem(),
-            server: crate::data_plane::tls_config(&cert.pem(), &key.serialize_pem())?,
+            server: region_sim_base::front::tls_config(&cert.pem(), &key.serialize_pem())?,
         })
     }
 }
@@ -204,12 +204,12 @@ mod proxy {
     use axum::http::{header, HeaderValue, StatusCode};
     use axum::response::{IntoResponse, Response};
     use axum::Router;
+    use region_sim_base::faults::{Api, CallVerdict, Faults, Verdict};
+    use region_sim_base::front::Site;
     use serde_json::json;
     use tokio::sync::watch;
 
     use super::{kube, Tokens};
-    use crate::faults::{Api, CallVerdict, Faults, Verdict};
-    use crate::front::Site;
     use crate::Stats;
 
     /// How long a connection may stay idle between requests: the Kubernetes API server's

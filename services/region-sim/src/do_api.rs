@@ -15,11 +15,12 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use dataplane_sim::serving::{pod_metrics_text, METRICS_CONTENT_TYPE};
+use region_sim_base::faults::{Api, ArmedKind, CallVerdict, Counting, FaultConfig, Verdict};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::faults::{Api, ArmedKind, CallVerdict, Counting, FaultConfig, Verdict};
 use crate::world::{ClusterCreate, Delays, PoolSpec, VpcCreate, WorldError};
 use crate::Shared;
 
@@ -550,7 +551,7 @@ async fn admin_model_get(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn admin_model_put(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
-    let m: crate::data_plane::ModelTiming = parse_json(&body)?;
+    let m: dataplane_sim::data_plane::ModelTiming = parse_json(&body)?;
     s.set_model_timing(m.clone());
     reply(StatusCode::OK, json!(m))
 }
@@ -569,6 +570,31 @@ async fn admin_kill_node(State(s): State<Arc<Shared>>, Path(name): Path<String>)
     // Apply the NotReady status now rather than on the next tick, so tests see it immediately.
     s.drive(Instant::now()).await;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `GET /_sim/clusters/{id}/pods/{ns}/{name}/metrics`: the pod's vLLM `/metrics`
+/// ([`pod_metrics_text`]; the cluster API's `pods/proxy` answers the same).
+async fn admin_pod_metrics(
+    State(s): State<Arc<Shared>>,
+    Path((id, ns, name)): Path<(String, String, String)>,
+) -> Response {
+    let objects = s.clusters.objects();
+    let Some(objs) = objects.get(&id) else {
+        return (StatusCode::NOT_FOUND, format!("cluster {id} not found\n")).into_response();
+    };
+    let objs: Vec<Arc<Value>> = objs.iter().cloned().map(Arc::new).collect();
+    let Some(pod) = dataplane_sim::objects::find(&objs, "Pod", "", &ns, &name) else {
+        return (
+            StatusCode::NOT_FOUND,
+            format!("pod {ns}/{name} not found\n"),
+        )
+            .into_response();
+    };
+    (
+        [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
+        pod_metrics_text(&objs, pod),
+    )
+        .into_response()
 }
 
 /// The router for the DO API and the admin endpoints.
@@ -621,7 +647,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/_sim/nodes/{name}/kill", post(admin_kill_node))
         .route(
             "/_sim/clusters/{id}/pods/{ns}/{name}/metrics",
-            get(crate::serving::admin_pod_metrics),
+            get(admin_pod_metrics),
         );
     Router::new()
         .merge(v2)

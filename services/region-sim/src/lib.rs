@@ -1,35 +1,32 @@
 //! Region simulator: a stand-in for one DigitalOcean region that the control plane cannot tell
-//! from the real thing. It owns the simulated cloud (accounts and their VPCs, DOKS clusters, node
-//! pools, nodes, load balancers, GPU capacity) behind a DigitalOcean API subset, in which the
-//! platform's credential can act for one customer account (`X-Acting-Account`, see
-//! [`do_api::ACTING_ACCOUNT_HEADER`]), starts one simulated Kubernetes API
-//! server (the `sim-kube` crate, in process) per cluster behind an HTTPS front with the cluster's
-//! own CA and expiring credentials, and plays the cloud's part in it (nodes, load balancer addresses, and
-//! model servers that fetch their repository from the Hugging Face Hub they name and crash-loop
-//! when it refuses: [`hub_loader`]), and serves a fake OpenAI-compatible data plane for every
-//! load balancer wired to a gateway. Every cluster API and load balancer has a loopback address
-//! of its own (`127.x.y.z`), all served by one listener ([`front`]), so the process's sockets
-//! follow the connections clients keep open, not the clusters and load balancers that exist.
-//! Pods answer the cluster API's `pods/proxy` with their metrics (vLLM's, or the endpoint
-//! picker's pool gauges: [`pod_proxy`]), and a gateway whose pool's picker runs with flow control
-//! holds requests while the pool has no ready replica ([`data_plane`]: scale from zero).
-//! It also offers fault injection and an inventory of
-//! everything it holds, under `/_sim/`. It must not contain control-plane logic (it only reacts
-//! to what a real cloud would see), must not reach any network beyond loopback, and production
-//! code must never need to know it is talking to it: a base URL, a token and the cluster
-//! credentials (kubeconfig) it hands out, which expire as DOKS's do, are the whole interface.
+//! from the real thing. It must not contain control-plane logic (it only reacts to what a real
+//! cloud would see), must not reach any network beyond loopback, and production code must never
+//! need to know it is talking to it: a base URL, a token and the cluster credentials
+//! (kubeconfig) it hands out, which expire as DOKS's do, are the whole interface.
+//!
+//! This crate is the simulated cloud, and it starts the rest. It owns the accounts and their
+//! VPCs, DOKS clusters, node pools, nodes, load balancers and GPU capacity ([`world`]) behind a
+//! DigitalOcean API subset ([`do_api`]), in which the platform's credential can act for one
+//! customer account (`X-Acting-Account`, see [`do_api::ACTING_ACCOUNT_HEADER`]); starts one
+//! simulated Kubernetes API server (the `sim-kube` crate, in process) per cluster behind an
+//! HTTPS front with the cluster's own CA and expiring credentials, and plays the cloud's part in
+//! it (nodes, load balancer addresses, and model servers that fetch their repository from the
+//! Hugging Face Hub they name and crash-loop when it refuses: [`hub_loader`]); and starts the
+//! simulated data plane (the `dataplane-sim` crate: a fake OpenAI-compatible gateway, model
+//! servers that behave like vLLM, their endpoint picker, the pods' metrics) for every load
+//! balancer wired to a gateway. Every cluster API and load balancer has a loopback address of its
+//! own (`127.x.y.z`), all served by one listener ([`region_sim_base::front`]), so the process's
+//! sockets follow the connections clients keep open, not the clusters and load balancers that
+//! exist. It also offers fault injection and an inventory of everything it holds
+//! ([`Inventory`]), under `/_sim/`.
+//!
+//! What tests set a region up with is at this crate's root, whichever crate owns it
+//! ([`ModelTiming`], [`ServingConfig`], [`FaultConfig`], ...), as is [`routing`], the data
+//! plane's reading of a cluster's wiring.
 
-pub mod data_plane;
 pub mod do_api;
-pub mod faults;
-pub mod front;
 pub mod hub_loader;
 pub mod inventory;
-pub mod picker;
-pub mod pod_proxy;
-pub mod routing;
-pub mod serving;
-pub mod sizes;
 pub mod world;
 
 mod clusters;
@@ -43,10 +40,13 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-pub use data_plane::ModelTiming;
-pub use faults::{Api, ApiFaults, ArmedFault, ArmedKind, Counting, FaultConfig, FiredFault};
+pub use dataplane_sim::data_plane::ModelTiming;
+pub use dataplane_sim::routing;
+pub use dataplane_sim::serving::ServingConfig;
 pub use inventory::Inventory;
-pub use serving::ServingConfig;
+pub use region_sim_base::faults::{
+    Api, ApiFaults, ArmedFault, ArmedKind, Counting, FaultConfig, FiredFault,
+};
 pub use world::Delays;
 
 /// How to start a simulated region.
@@ -59,7 +59,7 @@ pub struct SimConfig {
     /// Where the DO API (and `/_sim/`) listens; port 0 picks a free one.
     pub listen: SocketAddr,
     /// The port every cluster API and load balancer shares, each at a loopback address of its
-    /// own (see [`front`]); 0 picks a free one.
+    /// own (see [`region_sim_base::front`]); 0 picks a free one.
     pub front_port: u16,
     pub delays: Delays,
     /// GPU capacity per size slug, in nodes. GPU sizes not listed have none.
@@ -314,7 +314,7 @@ impl Stats {
 /// State shared by the HTTP handlers and the background driver.
 pub(crate) struct Shared {
     pub(crate) world: world::World,
-    pub(crate) faults: Arc<faults::Faults>,
+    pub(crate) faults: Arc<region_sim_base::faults::Faults>,
     pub(crate) token: String,
     pub(crate) base_url: String,
     pub(crate) stats: Arc<Stats>,
@@ -378,7 +378,7 @@ impl RegionSim {
     pub async fn start(cfg: SimConfig) -> anyhow::Result<RegionSim> {
         let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
         let addr = listener.local_addr()?;
-        let front = front::Front::start(cfg.front_port).await?;
+        let front = region_sim_base::front::Front::start(cfg.front_port).await?;
         let shared = Arc::new(Shared {
             world: world::World::with_addresses(
                 &cfg.region,
@@ -386,7 +386,7 @@ impl RegionSim {
                 cfg.gpu_capacity.clone(),
                 front.addresses().clone(),
             ),
-            faults: Arc::new(faults::Faults::new(cfg.faults.clone())),
+            faults: Arc::new(region_sim_base::faults::Faults::new(cfg.faults.clone())),
             token: cfg.token.clone(),
             base_url: format!("http://{addr}"),
             stats: Arc::new(Stats::default()),

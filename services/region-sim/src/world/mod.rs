@@ -14,13 +14,12 @@ use std::time::{Duration, Instant};
 
 use chrono::{SecondsFormat, Utc};
 use rand::Rng;
+use region_sim_base::front::Addresses;
+use region_sim_base::sizes::{self, SizeInfo};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
-
-use crate::front::Addresses;
-use crate::sizes::{self, SizeInfo};
 
 mod doks;
 mod load_balancers;

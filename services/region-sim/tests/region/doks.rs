@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use base64::Engine;
+use dataplane_sim::data_plane::token_hash;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-use region_sim::data_plane::token_hash;
 use region_sim::{Api, ApiFaults, ArmedKind, Delays, FaultConfig, RegionSim, SimConfig};
 use reqwest::{Client, Method, StatusCode};
 use serde_json::{json, Value};

@@ -5,21 +5,21 @@
 
 use std::time::{Duration, Instant};
 
-use region_sim::data_plane::token_hash;
+use dataplane_sim::data_plane::token_hash;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 
-use crate::data_plane::client;
 use crate::doks::{b64, eventually, running_cluster, Kube};
 
-const TOKEN: &str = "di_0123456789abcdefghijklmnopqrstuvwxyzABCD";
-const MODEL: &str = "llama-3.1-8b";
+/// The access token and the served model name of [`pool_di`]'s DI.
+pub(crate) const TOKEN: &str = "di_0123456789abcdefghijklmnopqrstuvwxyzABCD";
+pub(crate) const MODEL: &str = "llama-3.1-8b";
 
 /// The llm-d default configuration with GIE's flow control switched on.
 fn flow_controlled() -> String {
     format!(
         "{}featureGates:\n- flowControl\n",
-        region_sim::picker::LLM_D_DEFAULT_CONFIG
+        dataplane_sim::picker::LLM_D_DEFAULT_CONFIG
     )
 }
 
@@ -29,6 +29,15 @@ fn sample(text: &str, name: &str) -> Option<f64> {
         .find(|l| l.starts_with(&format!("{name}{{")))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
+}
+
+/// A client that trusts `ca` (PEM) alone.
+fn client(ca: &str) -> reqwest::Client {
+    reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(ca.as_bytes()).unwrap())
+        .build()
+        .unwrap()
 }
 
 /// A DI in namespace `di-1`: a vLLM Deployment with `replicas` replicas, its pool, the pool's endpoint
@@ -321,7 +330,7 @@ async fn without_flow_control_a_pool_without_replicas_is_503_at_once() {
         &sim,
         &kube,
         0,
-        region_sim::picker::LLM_D_DEFAULT_CONFIG,
+        dataplane_sim::picker::LLM_D_DEFAULT_CONFIG,
         None,
     )
     .await;

@@ -42,9 +42,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use anyhow::{anyhow, bail, Context};
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::ServerConfig;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::watch;
@@ -133,6 +136,29 @@ pub struct Site {
     pub stop: watch::Receiver<bool>,
     /// Connections idle (between requests) for this long are closed.
     pub idle_timeout: Duration,
+}
+
+/// Builds a rustls server configuration from PEM, as a gateway does from a `kubernetes.io/tls` Secret.
+pub fn tls_config(cert_pem: &str, key_pem: &str) -> anyhow::Result<Arc<ServerConfig>> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow!("tls.crt is not valid PEM: {e:?}"))?;
+    if certs.is_empty() {
+        bail!("tls.crt holds no certificate");
+    }
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| anyhow!("tls.key is not a valid PEM private key: {e:?}"))?;
+    // An explicit provider: the process-wide default is ambiguous when several crates enable
+    // different rustls backends.
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .context("tls protocol versions")?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .context("certificate and key do not match")?;
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
 }
 
 struct Registered {

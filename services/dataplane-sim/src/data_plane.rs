@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context};
 use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -29,16 +28,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::Stream;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use region_sim_base::faults::{Api, Faults, Verdict};
+use region_sim_base::front::{tls_config, Front, Site, SiteId};
 use rustls::ServerConfig;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
-
-use crate::faults::{Api, Faults, Verdict};
-use crate::front::{Front, Site, SiteId};
 
 /// How long a connection may stay idle between requests, as on DigitalOcean's load balancers
 /// (`http_idle_timeout_seconds`, 60 by default).
@@ -224,29 +220,6 @@ impl std::fmt::Debug for Endpoint {
             .field("addr", &self.addr)
             .finish()
     }
-}
-
-/// Builds a rustls server configuration from PEM, as a gateway does from a `kubernetes.io/tls` Secret.
-pub fn tls_config(cert_pem: &str, key_pem: &str) -> anyhow::Result<Arc<ServerConfig>> {
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
-        .collect::<Result<_, _>>()
-        .map_err(|e| anyhow!("tls.crt is not valid PEM: {e:?}"))?;
-    if certs.is_empty() {
-        bail!("tls.crt holds no certificate");
-    }
-    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
-        .map_err(|e| anyhow!("tls.key is not a valid PEM private key: {e:?}"))?;
-    // An explicit provider: the process-wide default is ambiguous when several crates enable
-    // different rustls backends.
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .context("tls protocol versions")?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .context("certificate and key do not match")?;
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(Arc::new(cfg))
 }
 
 impl Endpoint {

@@ -8,9 +8,11 @@ use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
-use region_sim::faults::Faults;
-use region_sim::front::{Front, Site, SiteId};
+use dataplane_sim::data_plane::{
+    token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route,
+};
+use region_sim_base::faults::Faults;
+use region_sim_base::front::{Front, Site, SiteId};
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -22,7 +24,7 @@ const TOKEN: &str = "di_front_test_token_0123456789";
 
 /// A CA and a certificate for `ip` it signed, as PEM: (ca, cert, key).
 fn pki(ip: Ipv4Addr) -> (String, String, String) {
-    crate::doks::pki(&ip.to_string())
+    crate::data_plane::ca_and_cert("di-ca", vec![ip.to_string()])
 }
 
 fn serving(cert: &str, key: &str, pod: &str, model: &str) -> EndpointConfig {
@@ -130,7 +132,7 @@ fn serve_hello(
     idle: Duration,
 ) -> (String, SiteId, watch::Sender<bool>) {
     let (ca, cert, key) = pki(ip);
-    let tls = region_sim::data_plane::tls_config(&cert, &key).unwrap();
+    let tls = region_sim_base::front::tls_config(&cert, &key).unwrap();
     let (stop, stop_rx) = watch::channel(false);
     let site = Site {
         tls: Arc::new(move || Some(tls.clone())),

@@ -47,7 +47,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::Value;
 
-use crate::routing;
+use crate::objects;
 use crate::serving::{block_hashes, Lru, Replica};
 
 /// The llm-d router chart's default configuration ("approximate" prefix-cache aware), which is
@@ -293,7 +293,7 @@ pub fn epp_config_text(
     let Some(svc_name) = r.get("name").and_then(Value::as_str) else {
         return Ok(None);
     };
-    let Some(svc) = routing::find(objs, "Service", "", ns, svc_name) else {
+    let Some(svc) = objects::find(objs, "Service", "", ns, svc_name) else {
         return Ok(None);
     };
     let Some(selector) = svc.pointer("/spec/selector").and_then(Value::as_object) else {
@@ -301,9 +301,9 @@ pub fn epp_config_text(
     };
     let deployment = objs.iter().map(Arc::as_ref).find(|o| {
         o["kind"] == "Deployment"
-            && routing::ns_of(o) == ns
-            && !routing::deleting(o)
-            && routing::labels_match(selector, o.pointer("/spec/template/metadata/labels"))
+            && objects::ns_of(o) == ns
+            && !objects::deleting(o)
+            && objects::labels_match(selector, o.pointer("/spec/template/metadata/labels"))
     });
     let Some(spec) = deployment.and_then(|d| d.pointer("/spec/template/spec")) else {
         return Ok(None);
@@ -314,11 +314,11 @@ pub fn epp_config_text(
         .map(Vec::as_slice)
         .unwrap_or_default();
     for c in containers {
-        let args = routing::command_line(c);
-        if let Some(text) = routing::flag_value(&args, "--config-text") {
+        let args = objects::command_line(c);
+        if let Some(text) = objects::flag_value(&args, "--config-text") {
             return Ok(Some(text));
         }
-        let Some(path) = routing::flag_value(&args, "--config-file") else {
+        let Some(path) = objects::flag_value(&args, "--config-file") else {
             continue;
         };
         let mount = c
@@ -357,7 +357,7 @@ pub fn epp_config_text(
             None => Some(rel.clone()),
         };
         let text = key.and_then(|k| {
-            routing::find(objs, "ConfigMap", "", ns, cm_name)
+            objects::find(objs, "ConfigMap", "", ns, cm_name)
                 .and_then(|o| o.pointer("/data"))
                 .and_then(|d| d.get(&k))
                 .and_then(Value::as_str)
@@ -399,7 +399,7 @@ pub fn pool_spec(
     problems: &mut Vec<String>,
 ) -> PoolSpec {
     let key = pool
-        .and_then(|p| routing::s(p, "/metadata/uid"))
+        .and_then(|p| objects::s(p, "/metadata/uid"))
         .map(str::to_string)
         .unwrap_or_else(|| format!("{ns}/{name}"));
     let picker = match pool.map(|p| epp_config_text(objs, ns, p)) {

@@ -5,7 +5,7 @@
 //! single-turn conversation per shared context.
 //!
 //! ```sh
-//! cargo run --release -p region-sim --example serving_bench -- --help
+//! cargo run --release -p dataplane-sim --example serving_bench -- --help
 //! ```
 //!
 //! It drives one in-process data-plane endpoint (real HTTPS, streaming) per routing mode, in
@@ -18,12 +18,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use dataplane_sim::data_plane::{
+    token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route,
+};
+use dataplane_sim::picker::{PickerConfig, PoolSpec, LLM_D_DEFAULT_CONFIG};
+use dataplane_sim::serving::{BackendServing, Counters, ReplicaSpec, ServingConfig};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-use region_sim::data_plane::{token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route};
-use region_sim::faults::Faults;
-use region_sim::front::Front;
-use region_sim::picker::{PickerConfig, PoolSpec, LLM_D_DEFAULT_CONFIG};
-use region_sim::serving::{BackendServing, Counters, ReplicaSpec, ServingConfig};
+use region_sim_base::faults::Faults;
+use region_sim_base::front::Front;
 use serde_json::{json, Value};
 
 const TOKEN: &str = "di_bench_token";
@@ -344,7 +346,7 @@ async fn warm_up(a: &Args, p: &Plane) {
 #[tokio::main]
 async fn main() {
     let a = args();
-    let shape = region_sim::serving::Shape::of(
+    let shape = dataplane_sim::serving::Shape::of(
         &ReplicaSpec {
             gpu_model: Some(a.gpu.clone()),
             gpus: 1,

@@ -2,8 +2,9 @@
 //! InferencePool is a [`Replica`] that schedules requests the way vLLM's engine does, in
 //! simulated time paced by real tokio sleeps.
 //!
-//! Off by default: with [`ServingConfig::time_scale`] 0 (the default of [`crate::SimConfig`]) the
-//! data plane answers as it always did (round robin, the fixed [`crate::ModelTiming`] delays).
+//! Off by default: with [`ServingConfig::time_scale`] 0 (the default, also of the region
+//! simulator's `SimConfig`) the data plane answers as it always did (round robin, the fixed
+//! [`crate::data_plane::ModelTiming`] delays).
 //! With a positive scale, one simulated second lasts `time_scale` real seconds (1: real time;
 //! 0.05: twenty times faster), and:
 //!
@@ -40,8 +41,6 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -49,10 +48,10 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::data_plane::{Backend, EndpointConfig, Generation, Route};
+use crate::objects;
 use crate::picker::{Candidate, PoolPicker, PoolSpec};
-use crate::routing;
 
-/// The serving model's knobs (part of [`crate::ModelTiming`]: `PUT /_sim/model`,
+/// The serving model's knobs (part of [`crate::data_plane::ModelTiming`]: `PUT /_sim/model`,
 /// `--serving-time-scale`). The overrides apply to every replica and win over the pods' vLLM
 /// flags.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -276,32 +275,33 @@ impl ReplicaSpec {
                     .find_map(|k| r.get(*k).and_then(quantity))
             })
             .sum();
-        let node = routing::s(pod, "/spec/nodeName")
-            .and_then(|n| routing::find(objs, "Node", "", "default", n));
+        let node = objects::s(pod, "/spec/nodeName")
+            .and_then(|n| objects::find(objs, "Node", "", "default", n));
         let label = |k: &str| {
             node.and_then(|n| n.pointer("/metadata/labels"))
                 .and_then(|l| l.get(k))
                 .and_then(Value::as_str)
                 .map(str::to_string)
         };
-        let size = label("node.kubernetes.io/instance-type").and_then(|s| crate::sizes::parse(&s));
+        let size = label("node.kubernetes.io/instance-type")
+            .and_then(|s| region_sim_base::sizes::parse(&s));
         let gpu_model = label("doks.digitalocean.com/gpu-model")
             .or_else(|| size.as_ref().and_then(|s| s.gpu_model.clone()));
         let args: Vec<String> = containers
             .iter()
-            .map(routing::command_line)
+            .map(objects::command_line)
             .find(|a| a.iter().any(|x| x.starts_with("--model") || x == "serve"))
             .unwrap_or_default();
-        let num = |flag: &str| routing::flag_value(&args, flag).and_then(|v| v.parse::<u32>().ok());
+        let num = |flag: &str| objects::flag_value(&args, flag).and_then(|v| v.parse::<u32>().ok());
         ReplicaSpec {
-            uid: routing::s(pod, "/metadata/uid").map(str::to_string),
+            uid: objects::s(pod, "/metadata/uid").map(str::to_string),
             gpu_model,
             gpus: if gpus > 0 {
                 gpus
             } else {
                 size.map_or(0, |s| s.gpus)
             },
-            model_repo: routing::flag_value(&args, "--model").or_else(|| {
+            model_repo: objects::flag_value(&args, "--model").or_else(|| {
                 args.iter()
                     .position(|a| a == "serve")
                     .and_then(|i| args.get(i + 1))
@@ -311,7 +311,7 @@ impl ReplicaSpec {
             max_num_seqs: num("--max-num-seqs"),
             max_num_batched_tokens: num("--max-num-batched-tokens"),
             block_size: num("--block-size"),
-            gpu_memory_utilization_pct: routing::flag_value(&args, "--gpu-memory-utilization")
+            gpu_memory_utilization_pct: objects::flag_value(&args, "--gpu-memory-utilization")
                 .and_then(|v| v.parse::<f64>().ok())
                 .filter(|u| *u > 0.0 && *u <= 1.0)
                 .map(|u| (u * 100.0).round() as u32),
@@ -1471,7 +1471,7 @@ pub fn pod_metrics_text(objs: &[Arc<Value>], pod: &Value) -> String {
     match spec.uid.as_deref().and_then(replica_by_uid) {
         Some(r) => r.metrics_text(),
         None => {
-            let served = routing::pod_model(objs, pod);
+            let served = objects::pod_model(objs, pod);
             Replica::new(spec, served.as_deref()).metrics_text()
         }
     }
@@ -1479,31 +1479,6 @@ pub fn pod_metrics_text(objs: &[Arc<Value>], pod: &Value) -> String {
 
 /// The Prometheus text exposition content type.
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
-
-/// `GET /_sim/clusters/{id}/pods/{ns}/{name}/metrics`: the pod's vLLM `/metrics`
-/// ([`pod_metrics_text`]; the cluster API's `pods/proxy` answers the same).
-pub(crate) async fn admin_pod_metrics(
-    State(s): State<Arc<crate::Shared>>,
-    Path((id, ns, name)): Path<(String, String, String)>,
-) -> Response {
-    let objects = s.clusters.objects();
-    let Some(objs) = objects.get(&id) else {
-        return (StatusCode::NOT_FOUND, format!("cluster {id} not found\n")).into_response();
-    };
-    let objs: Vec<Arc<Value>> = objs.iter().cloned().map(Arc::new).collect();
-    let Some(pod) = routing::find(&objs, "Pod", "", &ns, &name) else {
-        return (
-            StatusCode::NOT_FOUND,
-            format!("pod {ns}/{name} not found\n"),
-        )
-            .into_response();
-    };
-    (
-        [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
-        pod_metrics_text(&objs, pod),
-    )
-        .into_response()
-}
 
 #[cfg(test)]
 mod tests {

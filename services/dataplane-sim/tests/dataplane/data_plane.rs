@@ -7,12 +7,12 @@ use std::process::Command;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-use region_sim::data_plane::{
+use dataplane_sim::data_plane::{
     held_requests, token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, PoolRoute, Route,
 };
-use region_sim::faults::{ApiFaults, FaultConfig, Faults};
-use region_sim::front::Front;
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+use region_sim_base::faults::{ApiFaults, FaultConfig, Faults};
+use region_sim_base::front::Front;
 use serde_json::{json, Value};
 
 const TOKEN: &str = "di_0123456789abcdefghijklmnopqrstuvwxyzABCD";
@@ -21,12 +21,17 @@ const MODEL: &str = "tiny-llm";
 /// A CA and a server certificate for the endpoint's address and `localhost`, as PEM: (ca, cert,
 /// key).
 pub(crate) fn pki(cn: &str, ep: &Endpoint) -> (String, String, String) {
+    ca_and_cert(cn, vec![ep.ip().to_string(), "localhost".to_string()])
+}
+
+/// A CA named `cn` and a server certificate for `hosts` it signed, as PEM: (ca, cert, key).
+pub(crate) fn ca_and_cert(cn: &str, hosts: Vec<String>) -> (String, String, String) {
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.distinguished_name.push(DnType::CommonName, cn);
     let ca_key = KeyPair::generate().unwrap();
     let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let leaf = CertificateParams::new(vec![ep.ip().to_string(), "localhost".to_string()]).unwrap();
+    let leaf = CertificateParams::new(hosts).unwrap();
     let key = KeyPair::generate().unwrap();
     let cert = leaf.signed_by(&key, &ca_cert, &ca_key).unwrap();
     (ca_cert.pem(), cert.pem(), key.serialize_pem())

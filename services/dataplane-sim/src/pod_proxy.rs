@@ -20,7 +20,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 use sim_kube::{PodProxy, ProxyRequest, ProxyResponse};
 
-use crate::routing;
+use crate::objects;
 use crate::serving;
 
 const INFERENCE_GROUP: &str = "inference.networking.k8s.io";
@@ -57,8 +57,8 @@ fn inference_pools<'a>(objs: &'a [Arc<Value>], ns: &'a str) -> impl Iterator<Ite
             && o["apiVersion"]
                 .as_str()
                 .is_some_and(|v| v.starts_with(INFERENCE_GROUP))
-            && routing::ns_of(o) == ns
-            && !routing::deleting(o)
+            && objects::ns_of(o) == ns
+            && !objects::deleting(o)
     })
 }
 
@@ -84,7 +84,7 @@ fn picker_pools<'a>(objs: &'a [Arc<Value>], ns: &'a str, pod: &Value) -> Vec<&'a
         .and_then(Value::as_array)
         .map(|cs| {
             cs.iter()
-                .filter_map(|c| routing::flag_value(&routing::command_line(c), "--pool-name"))
+                .filter_map(|c| objects::flag_value(&objects::command_line(c), "--pool-name"))
                 .collect()
         })
         .unwrap_or_default();
@@ -94,9 +94,9 @@ fn picker_pools<'a>(objs: &'a [Arc<Value>], ns: &'a str, pod: &Value) -> Vec<&'a
             let by_service = pool
                 .pointer("/spec/endpointPickerRef/name")
                 .and_then(Value::as_str)
-                .and_then(|svc| routing::find(objs, "Service", "", ns, svc))
+                .and_then(|svc| objects::find(objs, "Service", "", ns, svc))
                 .and_then(|svc| svc.pointer("/spec/selector").and_then(Value::as_object))
-                .is_some_and(|sel| routing::labels_match(sel, labels));
+                .is_some_and(|sel| objects::labels_match(sel, labels));
             by_name || by_service
         })
         .collect()
@@ -106,8 +106,8 @@ fn is_model_server(objs: &[Arc<Value>], ns: &str, pod: &Value) -> bool {
     let labels = pod.pointer("/metadata/labels");
     inference_pools(objs, ns)
         .filter_map(pool_selector)
-        .any(|sel| routing::labels_match(&sel, labels))
-        || routing::pod_model(objs, pod).is_some()
+        .any(|sel| objects::labels_match(&sel, labels))
+        || objects::pod_model(objs, pod).is_some()
 }
 
 /// The EPP's gauges for each of its pools.
@@ -117,11 +117,11 @@ fn epp_metrics_text(objs: &[Arc<Value>], ns: &str, pools: &[&Value]) -> String {
     let mut avg_queue = String::new();
     let mut avg_kv = String::new();
     for pool in pools {
-        let name = routing::s(pool, "/metadata/name")
+        let name = objects::s(pool, "/metadata/name")
             .unwrap_or_default()
             .replace('"', "");
         // The key the data plane counts held requests under (see `picker::pool_spec`).
-        let key = routing::s(pool, "/metadata/uid")
+        let key = objects::s(pool, "/metadata/uid")
             .map(str::to_string)
             .unwrap_or_else(|| format!("{ns}/{name}"));
         let ready_pods: Vec<&Value> = match pool_selector(pool) {
@@ -130,16 +130,16 @@ fn epp_metrics_text(objs: &[Arc<Value>], ns: &str, pools: &[&Value]) -> String {
                 .map(Arc::as_ref)
                 .filter(|o| {
                     o["kind"] == "Pod"
-                        && routing::ns_of(o) == ns
-                        && routing::labels_match(&sel, o.pointer("/metadata/labels"))
-                        && routing::pod_ready(o)
+                        && objects::ns_of(o) == ns
+                        && objects::labels_match(&sel, o.pointer("/metadata/labels"))
+                        && objects::pod_ready(o)
                 })
                 .collect(),
             None => Vec::new(),
         };
         let loads: Vec<serving::Load> = ready_pods
             .iter()
-            .filter_map(|p| routing::s(p, "/metadata/uid"))
+            .filter_map(|p| objects::s(p, "/metadata/uid"))
             .filter_map(serving::replica_by_uid)
             .map(|r| r.load())
             .collect();
