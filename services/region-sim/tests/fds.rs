@@ -38,14 +38,8 @@ async fn do_call(
 }
 
 /// Polls until `f` answers, for up to 30 s.
-async fn eventually<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    for _ in 0..300 {
-        if let Some(v) = f().await {
-            return v;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("timed out waiting for {what}");
+async fn eventually<T>(what: &str, f: impl AsyncFnMut() -> Option<T>) -> T {
+    test_support::eventually(Duration::from_secs(30), what, f).await
 }
 
 /// Through the cluster's credentials (its own address, its own CA), with a client of its own
@@ -91,6 +85,7 @@ async fn clusters_and_load_balancers_do_not_hold_file_descriptors() {
     let http = Client::new();
     // Warm up: the DO API connection this client keeps, the runtime's own descriptors.
     do_call(&http, &sim, Method::GET, "/v2/vpcs", None).await;
+    // Real time: descriptors a request leaves go on the runtime's own schedule.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let before = open_fds();
 

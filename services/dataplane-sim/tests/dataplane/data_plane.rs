@@ -418,13 +418,7 @@ async fn a_flow_controlled_pool_holds_requests_until_a_pod_is_ready() {
 }
 
 async fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    for _ in 0..400 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("timed out waiting for {what}");
+    test_support::until(Duration::from_secs(10), what, async || f()).await
 }
 
 fn python_with_openai() -> PathBuf {

@@ -170,14 +170,8 @@ impl Plane {
     }
 }
 
-async fn eventually<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    for _ in 0..300 {
-        if let Some(v) = f().await {
-            return v;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("timed out waiting for {what}");
+async fn eventually<T>(what: &str, f: impl AsyncFnMut() -> Option<T>) -> T {
+    test_support::eventually(Duration::from_millis(7500), what, f).await
 }
 
 /// `n` distinct words: a document of `n` tokens.

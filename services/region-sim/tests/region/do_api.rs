@@ -92,24 +92,22 @@ impl Do {
 
     /// Polls `path` until `pred` holds on a 200 body (or, with `gone`, until it is 404).
     async fn wait(&self, path: &str, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
-        for _ in 0..200 {
-            let (s, v) = self.get(path).await;
-            if s == StatusCode::OK && pred(&v) {
-                return v;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("timed out waiting for {what} on {path}");
+        test_support::eventually(
+            Duration::from_secs(5),
+            format!("{what} on {path}"),
+            async || {
+                let (s, v) = self.get(path).await;
+                (s == StatusCode::OK && pred(&v)).then_some(v)
+            },
+        )
+        .await
     }
 
     async fn wait_gone(&self, path: &str) {
-        for _ in 0..200 {
-            if self.get(path).await.0 == StatusCode::NOT_FOUND {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("{path} never went away");
+        test_support::until(Duration::from_secs(5), format!("{path} gone"), async || {
+            self.get(path).await.0 == StatusCode::NOT_FOUND
+        })
+        .await
     }
 }
 

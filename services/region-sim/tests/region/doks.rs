@@ -146,14 +146,8 @@ impl Kube {
     }
 }
 
-pub(crate) async fn eventually<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    for _ in 0..300 {
-        if let Some(v) = f().await {
-            return v;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("timed out waiting for {what}");
+pub(crate) async fn eventually<T>(what: &str, f: impl AsyncFnMut() -> Option<T>) -> T {
+    test_support::eventually(Duration::from_millis(7500), what, f).await
 }
 
 pub(crate) async fn running_cluster(sim: &RegionSim, pools: Value) -> String {
@@ -1017,6 +1011,8 @@ async fn a_settled_cluster_idles_but_still_sees_changes() {
         .await;
     ingress("first").await;
     // Settled now; the next Service is noticed through the change, then polled until active.
+    // Real time, as a window: long enough for the cloud controller to go idle, which is the
+    // state under test, and nothing outside it says when it has.
     tokio::time::sleep(Duration::from_millis(300)).await;
     kube.create("/api/v1/namespaces/default/services", service("second"))
         .await;

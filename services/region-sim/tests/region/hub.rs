@@ -104,13 +104,8 @@ fn request(uid: &str, args: &[&str], env: &[(&str, &str)]) -> LoadRequest {
 
 /// Asks until the loader knows.
 async fn settled(loader: &HubLoader, r: &LoadRequest) -> Result<(), String> {
-    for _ in 0..200 {
-        if let Some(outcome) = loader.load(r) {
-            return outcome;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("no answer for {r:?}");
+    let what = format!("an answer for {r:?}");
+    test_support::eventually(Duration::from_secs(2), what, async || loader.load(r)).await
 }
 
 #[tokio::test]

@@ -296,7 +296,8 @@ async fn a_held_request_is_served_once_the_pool_scales_up_from_zero() {
             .then_some(())
     })
     .await;
-    // Let the cloud controller see the route's new timeout.
+    // Real time, as a window: the cloud controller reads the route's new timeout on its next
+    // look, and nothing outside it says when that was.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = Instant::now();
     let r = chat(&https, &url).await;
