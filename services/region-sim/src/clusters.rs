@@ -7,6 +7,7 @@
 //! front's HTTPS handler calls them directly, and so does the cloud controller, so the region
 //! opens no connection to itself.
 
+use common::clock::Clock;
 use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex, RwLock};
@@ -328,6 +329,8 @@ struct EndpointSlot {
 /// one, valid for its own lifetime (as DOKS does); the proxy accepts a token until it expires.
 pub(crate) struct Tokens {
     live: Mutex<HashMap<String, Instant>>,
+    /// The clock tokens expire by: the simulator's (see [`crate::SimConfig::clock`]).
+    clock: Clock,
 }
 
 impl Tokens {
@@ -336,9 +339,10 @@ impl Tokens {
     /// expiring goes first.
     const MAX_LIVE: usize = 1024;
 
-    fn new() -> Self {
+    fn new(clock: Clock) -> Self {
         Self {
             live: Mutex::new(HashMap::new()),
+            clock,
         }
     }
 
@@ -350,7 +354,7 @@ impl Tokens {
             uuid::Uuid::new_v4().as_u128(),
             uuid::Uuid::new_v4().as_u128()
         );
-        let now = Instant::now();
+        let now = self.clock.instant();
         let mut live = self.live.lock().expect("tokens lock");
         live.retain(|_, expires| *expires > now);
         while live.len() >= Self::MAX_LIVE {
@@ -378,7 +382,7 @@ impl Tokens {
             .lock()
             .expect("tokens lock")
             .get(token)
-            .is_some_and(|expires| *expires > Instant::now())
+            .is_some_and(|expires| *expires > self.clock.instant())
     }
 }
 
@@ -423,6 +427,8 @@ pub(crate) struct Clusters {
     /// How long issued credentials stay valid when the request does not say (`expiry_seconds`
     /// absent or 0).
     credential_ttl: Duration,
+    /// The clock credentials expire by.
+    clock: Clock,
     /// Serialises starts so two calls for one cluster do not start two API servers.
     start_lock: tokio::sync::Mutex<()>,
     /// Decides every cluster's model loads (see [`crate::hub_loader`]).
@@ -436,6 +442,7 @@ impl Clusters {
         delays: Delays,
         idle: Duration,
         credential_ttl: Duration,
+        clock: Clock,
         loader: Arc<dyn sim_kube::ModelLoader>,
         front: Front,
     ) -> Self {
@@ -444,6 +451,7 @@ impl Clusters {
             delays: RwLock::new(delays),
             idle,
             credential_ttl,
+            clock,
             start_lock: tokio::sync::Mutex::new(()),
             loader,
             front,
@@ -485,7 +493,7 @@ impl Clusters {
             }
         };
         let (stop, stop_rx) = watch::channel(false);
-        let tokens = Arc::new(Tokens::new());
+        let tokens = Arc::new(Tokens::new(self.clock.clone()));
         let site = self.front.register(
             ip,
             proxy::site(
@@ -533,7 +541,7 @@ impl Clusters {
         }
         .min(MAX_CREDENTIAL_TTL);
         let token = side.tokens.issue(ttl);
-        let expires_at = chrono::Utc::now()
+        let expires_at = chrono::DateTime::<chrono::Utc>::from(self.clock.now())
             + chrono::Duration::from_std(ttl).unwrap_or_else(|_| chrono::Duration::days(365));
         Some(Credentials {
             context: side.context.clone(),
@@ -894,10 +902,11 @@ mod tests {
 
     #[test]
     fn expired_tokens_are_pruned_and_live_ones_are_bounded() {
-        let tokens = Tokens::new();
+        let clock = Clock::system();
+        let tokens = Tokens::new(clock.clone());
         let short = tokens.issue(Duration::from_millis(30));
         assert!(tokens.valid(&short));
-        std::thread::sleep(Duration::from_millis(60));
+        clock.advance(Duration::from_millis(60));
         assert!(!tokens.valid(&short), "an expired token is refused");
         let long = tokens.issue(Duration::from_secs(600));
         assert_eq!(

@@ -75,6 +75,9 @@ pub struct SimConfig {
     /// valid when the request does not ask (`expiry_seconds` absent or 0): 7 days, as on DOKS.
     /// Tests shorten it to see credentials expire.
     pub credential_ttl: Duration,
+    /// The clock the simulated cloud's credentials expire by: the system's, unless a test
+    /// shares one with the worker it runs in the same process and advances both.
+    pub clock: common::clock::Clock,
     /// The Hugging Face Hub standing in for the public one (`https://huggingface.co`): where the
     /// simulated model servers whose environment names no `HF_ENDPOINT` download from. `None`
     /// (the default): their loads succeed without asking anyone. See [`hub_loader`].
@@ -97,6 +100,7 @@ impl SimConfig {
             model: ModelTiming::default(),
             cloud_controller_idle_ms: 100,
             credential_ttl: DEFAULT_CREDENTIAL_TTL,
+            clock: common::clock::Clock::system(),
             default_hub: None,
         }
     }
@@ -394,6 +398,7 @@ impl RegionSim {
                 cfg.delays.clone(),
                 Duration::from_millis(cfg.cloud_controller_idle_ms),
                 cfg.credential_ttl,
+                cfg.clock.clone(),
                 Arc::new(hub_loader::HubLoader::new(cfg.default_hub.clone())?),
                 front.clone(),
             ),

@@ -12,7 +12,9 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
+
+use common::clock::Clock;
 
 use cloud_clients::{DoClient, DoError, KubeClient, KubeClientOptions, KubeError};
 
@@ -61,15 +63,18 @@ pub struct ClusterClients {
     fetching: tokio::sync::Mutex<()>,
     field_manager: String,
     options: KubeClientOptions,
+    /// The clock credentials expire by (the system's outside tests).
+    clock: Clock,
 }
 
 impl ClusterClients {
-    pub fn new(field_manager: &str, options: KubeClientOptions) -> Self {
+    pub fn new(field_manager: &str, options: KubeClientOptions, clock: Clock) -> Self {
         ClusterClients {
             cache: Mutex::new(HashMap::new()),
             fetching: tokio::sync::Mutex::new(()),
             field_manager: field_manager.to_string(),
             options,
+            clock,
         }
     }
 
@@ -80,7 +85,7 @@ impl ClusterClients {
     /// The cached client of cluster `id`, unless its credentials are due for renewal or were
     /// refused. Asks nothing of anyone.
     pub fn fresh(&self, id: &str) -> Option<KubeClient> {
-        let now = Instant::now();
+        let now = self.clock.instant();
         let cache = self.cache.lock().expect("cluster clients");
         let e = cache.get(id)?;
         (e.renew_at > now && e.usable(now)).then(|| e.kube.clone())
@@ -101,7 +106,7 @@ impl ClusterClients {
         match self.fetch(cloud, id).await {
             Ok(k) => Ok(k),
             Err(Error::Cloud(e)) if e.is_transient() => {
-                let now = Instant::now();
+                let now = self.clock.instant();
                 let cache = self.cache.lock().expect("cluster clients");
                 match cache.get(id).filter(|e| e.usable(now)) {
                     Some(old) => {
@@ -120,8 +125,8 @@ impl ClusterClients {
         let kube = KubeClient::from_credentials(&creds, &self.field_manager, self.options.clone())
             .await
             .map_err(Error::Kube)?;
-        let expires_in = creds.expires_in(SystemTime::now());
-        let now = Instant::now();
+        let expires_in = creds.expires_in(self.clock.now());
+        let now = self.clock.instant();
         let renew = renew_after(expires_in);
         tracing::debug!(
             cluster_id = id,

@@ -754,7 +754,7 @@ async fn a_failed_renewal_goes_on_with_credentials_still_valid() {
     // Fresh credentials for the resyncs to come, then wait until they are due.
     env.sim.revoke_cluster_credentials();
     r.reconcile(rec.id).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(2200)).await;
+    env.clock.advance(Duration::from_millis(2200));
     // The resync reads the cluster (call 0), then asks for credentials (call 1): refused.
     let fetched = env.sim.stats().credential_requests();
     env.sim

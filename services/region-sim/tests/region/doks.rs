@@ -285,13 +285,14 @@ fn expires_in(creds: &Value) -> f64 {
 }
 
 /// Credentials expire as on DOKS: after `expiry_seconds` when asked, else after the default
-/// lifetime (here 1 s instead of 7 days); the cluster's API then refuses them with a Kubernetes
-/// `Status` 401, exactly like a token it never issued.
+/// lifetime (here 1 s instead of 7 days, passed on the simulator's clock); the cluster's API then
+/// refuses them with a Kubernetes `Status` 401, exactly like a token it never issued.
 #[tokio::test]
 async fn cluster_credentials_expire() {
     let mut cfg = SimConfig::new("atl1", TOKEN);
     cfg.delays = Delays::instant();
     cfg.credential_ttl = Duration::from_secs(1);
+    let clock = cfg.clock.clone();
     let sim = RegionSim::start(cfg).await.expect("start");
     let (id, short) = cpu_cluster(&sim).await;
     let creds = |expiry: &'static str| {
@@ -351,7 +352,8 @@ async fn cluster_credentials_expire() {
     for k in [&short, &default, &long, &long_kubeconfig] {
         assert_eq!(k.get("/api/v1/nodes").await.0, 200);
     }
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // The simulator's clock, moved on past the default lifetime.
+    clock.advance(Duration::from_millis(1200));
     for expired in [&short, &default] {
         let (s, v) = expired.get("/api/v1/nodes").await;
         assert_eq!(s, 401, "{v}");

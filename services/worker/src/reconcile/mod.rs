@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use api_types::lifecycle::Status;
 use api_types::regional::Record;
 use cloud_clients::{DoClient, KubeClientOptions};
+use common::clock::Clock;
 use region_store::{Store, StoreError};
 use uuid::Uuid;
 
@@ -61,6 +62,9 @@ pub struct Settings {
     pub autoscale_interval: Duration,
     /// How long the load must have fit in one replica fewer before the autoscaler removes one.
     pub scale_down_window: Duration,
+    /// The clock cluster credentials expire by (the system's; tests share one with the
+    /// simulated cloud and move both).
+    pub clock: Clock,
 }
 
 impl std::fmt::Debug for Settings {
@@ -97,6 +101,7 @@ impl Settings {
             resync: Duration::from_secs(300),
             autoscale_interval: Duration::from_secs(10),
             scale_down_window: Duration::from_secs(120),
+            clock: Clock::system(),
         }
     }
 }
@@ -179,7 +184,11 @@ impl Reconciler {
             store,
             shared: Arc::new(Clients {
                 cloud,
-                kube: ClusterClients::new(&settings.field_manager, KubeClientOptions::default()),
+                kube: ClusterClients::new(
+                    &settings.field_manager,
+                    KubeClientOptions::default(),
+                    settings.clock.clone(),
+                ),
                 cluster_ids: Mutex::new(HashMap::new()),
                 kube_writes_total: AtomicU64::new(0),
                 settings,

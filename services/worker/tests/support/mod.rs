@@ -5,6 +5,7 @@
 // Each test binary uses only some of these helpers.
 #![allow(dead_code)]
 
+use common::clock::Clock;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -59,6 +60,9 @@ pub struct Env {
     pub seal_key: String,
     pub vpc: Uuid,
     pub team: Uuid,
+    /// The clock the simulated cloud and the worker's cluster clients share: a test advances
+    /// it to let credentials come due or expire without waiting for them.
+    pub clock: Clock,
 }
 
 pub fn small_delays() -> Delays {
@@ -99,8 +103,10 @@ pub async fn env_with_sim(configure: impl FnOnce(&mut SimConfig)) -> Env {
         .unwrap();
     let store = Store::new(pool, Sealer::from_base64(&seal_key).unwrap());
     store.migrate().await.unwrap();
+    let clock = Clock::system();
     let mut cfg = SimConfig::new("atl1", SIM_TOKEN);
     cfg.delays = small_delays();
+    cfg.clock = clock.clone();
     configure(&mut cfg);
     let sim = RegionSim::start(cfg).await.unwrap();
     let cloud = cloud_clients::DoClient::new(&sim.base_url(), SIM_TOKEN).unwrap();
@@ -121,6 +127,7 @@ pub async fn env_with_sim(configure: impl FnOnce(&mut SimConfig)) -> Env {
         seal_key,
         vpc,
         team: Uuid::new_v4(),
+        clock,
     }
 }
 
@@ -143,6 +150,7 @@ impl Env {
         c.settings.resync = Duration::from_secs(60);
         c.settings.system_pool_size = "s-2vcpu-4gb".into();
         c.settings.system_pool_count = 1;
+        c.settings.clock = self.clock.clone();
         c
     }
 
