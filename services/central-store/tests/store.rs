@@ -422,14 +422,11 @@ async fn read_cache_is_coherent_across_replicas(pool: PgPool) {
         tokio::spawn(a.watch_read_cache()),
         tokio::spawn(b.watch_read_cache()),
     ];
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !(a.read_cache_serving() && b.read_cache_serving()) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "listeners never connected"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    let ten_seconds = std::time::Duration::from_secs(10);
+    test_support::until(ten_seconds, "listeners connected", async || {
+        a.read_cache_serving() && b.read_cache_serving()
+    })
+    .await;
     let status = |s: &CentralStore| {
         let s = s.clone();
         async move {
@@ -468,14 +465,10 @@ async fn read_cache_is_coherent_across_replicas(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(status(&a).await, "active");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while status(&b).await != "active" {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "replica B never saw the write"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    test_support::until(ten_seconds, "replica B sees the write", async || {
+        status(&b).await == "active"
+    })
+    .await;
     // Other teams still see nothing, cached or not.
     assert!(b
         .dedicated_inference(id, Uuid::new_v4())
