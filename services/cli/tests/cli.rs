@@ -276,6 +276,8 @@ async fn create_wait_succeeds_once_a_worker_promotes_the_di() {
 
     let id = id_by_name(&sys, &token, "waited").await;
     let region = store(&sys, "atl1").clone();
+    // Real time: dictl is another process polling on its own clock (once a second); each
+    // pause lets it see the status before the next change, as a worker's pace would.
     let worker = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(1)).await;
         region.provisioning_begin(id).await.unwrap();
@@ -313,6 +315,7 @@ async fn wait_exits_3_when_the_di_ends_in_error() {
     ));
     let id = id_by_name(&sys, &token, "doomed").await;
     let region = store(&sys, "nyc2").clone();
+    // Real time, as above: dictl polls on its own clock.
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(1)).await;
         region.provisioning_begin(id).await.unwrap();
@@ -430,6 +433,7 @@ async fn delete_wait_force_succeeds_once_the_di_is_gone() {
     })
     .await;
     let region = store(&sys, "atl1").clone();
+    // Real time, as above: dictl polls on its own clock.
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(1)).await;
         region.gone(id).await.unwrap();

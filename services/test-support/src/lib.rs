@@ -4,7 +4,6 @@
 //! the one place such a wait meets the clock.
 
 use std::fmt::Display;
-use std::future::Future;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -16,11 +15,7 @@ pub const POLL: Duration = Duration::from_millis(25);
 
 /// `check`'s first `Some`, looked at every [`POLL`]; `None` once `limit` has passed without
 /// one (for callers that explain a timeout in their own words).
-pub async fn within<T, F, Fut>(limit: Duration, mut check: F) -> Option<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
+pub async fn within<T>(limit: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + limit;
     loop {
         if let Some(found) = check().await {
@@ -34,11 +29,11 @@ where
 }
 
 /// `check`'s first `Some`; the test fails, naming `what`, when `limit` passes without one.
-pub async fn eventually<T, F, Fut>(limit: Duration, what: impl Display, check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
+pub async fn eventually<T>(
+    limit: Duration,
+    what: impl Display,
+    check: impl AsyncFnMut() -> Option<T>,
+) -> T {
     match within(limit, check).await {
         Some(found) => found,
         None => panic!("not within {limit:?}: {what}"),
@@ -46,16 +41,8 @@ where
 }
 
 /// Waits until `holds` turns true, then returns; the test fails, naming `what`, at `limit`.
-pub async fn until<F, Fut>(limit: Duration, what: impl Display, mut holds: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    eventually(limit, what, || {
-        let fut = holds();
-        async move { fut.await.then_some(()) }
-    })
-    .await
+pub async fn until(limit: Duration, what: impl Display, mut holds: impl AsyncFnMut() -> bool) {
+    eventually(limit, what, async || holds().await.then_some(())).await
 }
 
 #[cfg(test)]

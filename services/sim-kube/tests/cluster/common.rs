@@ -2,7 +2,6 @@
 //! built from the cluster's own kubeconfig (so the kubeconfig is tested too).
 #![allow(dead_code)]
 
-use std::future::Future;
 use std::time::Duration;
 
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -31,11 +30,11 @@ pub async fn client_for(cluster: &Cluster) -> Client {
 }
 
 /// Polls `check` until it returns Some, or panics after `timeout`.
-pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
+pub async fn eventually<T>(
+    timeout: Duration,
+    what: &str,
+    check: impl AsyncFnMut() -> Option<T>,
+) -> T {
     test_support::eventually(timeout, what, check).await
 }
 
