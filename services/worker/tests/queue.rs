@@ -58,6 +58,23 @@ async fn create(store: &Store, team: Uuid) -> Uuid {
 
 const LEASE: Duration = Duration::from_secs(30);
 
+/// Moves DI `id`'s work item `by` into the past, as if that much time had passed on the
+/// database's clock (which decides leases, backoffs and how long progress has stood still):
+/// the test then needs no real wait for it.
+async fn age(pool: &PgPool, id: Uuid, by: Duration) {
+    sqlx::query(
+        "UPDATE work_items SET expires_at = expires_at - $2 * interval '1 millisecond',
+                next_check_after = next_check_after - $2 * interval '1 millisecond',
+                progress_since = progress_since - $2 * interval '1 millisecond'
+          WHERE di_id = $1",
+    )
+    .bind(id)
+    .bind(by.as_millis() as f64)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
 async fn two_claimers_never_share_a_di(pool: PgPool) {
     let s = store(pool);
@@ -78,7 +95,7 @@ async fn two_claimers_never_share_a_di(pool: PgPool) {
 
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
 async fn an_expired_lease_is_claimed_by_another_worker(pool: PgPool) {
-    let s = store(pool);
+    let s = store(pool.clone());
     let id = create(&s, Uuid::new_v4()).await;
     let first = s
         .work_claim("dead", Duration::from_millis(200), 10)
@@ -87,7 +104,7 @@ async fn an_expired_lease_is_claimed_by_another_worker(pool: PgPool) {
     assert_eq!(first.len(), 1);
     assert!(!first[0].lease_expired);
     assert!(s.work_claim("b", LEASE, 10).await.unwrap().is_empty());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    age(&pool, id, Duration::from_millis(300)).await;
     let second = s.work_claim("b", LEASE, 10).await.unwrap();
     assert_eq!(second.len(), 1);
     assert_eq!(second[0].di_id, id);
@@ -133,7 +150,7 @@ async fn released_work_waits_for_its_time_or_a_change(pool: PgPool) {
 
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
 async fn depth_counts_what_is_claimable_and_what_is_leased(pool: PgPool) {
-    let s = store(pool);
+    let s = store(pool.clone());
     let team = Uuid::new_v4();
     let mut ids = Vec::new();
     for _ in 0..4 {
@@ -183,7 +200,7 @@ async fn depth_counts_what_is_claimable_and_what_is_leased(pool: PgPool) {
         .unwrap();
     assert_eq!(short.len(), 1);
     assert_eq!(s.work_depth().await.unwrap().leased, 2);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    age(&pool, short[0].di_id, Duration::from_millis(200)).await;
     let depth = s.work_depth().await.unwrap();
     assert_eq!((depth.ready, depth.leased), (1, 1));
     // What depth calls ready is what a claim takes.
@@ -223,7 +240,7 @@ async fn error_dis_wait_for_a_new_spec(pool: PgPool) {
 /// again after the backoff; once a pass for it succeeds, the DI waits again.
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
 async fn an_error_dis_failed_pass_is_tried_again(pool: PgPool) {
-    let s = store(pool);
+    let s = store(pool.clone());
     let team = Uuid::new_v4();
     let id = create(&s, team).await;
     let c = s.work_claim("a", LEASE, 10).await.unwrap().remove(0);
@@ -246,7 +263,7 @@ async fn an_error_dis_failed_pass_is_tried_again(pool: PgPool) {
         s.work_claim("a", LEASE, 10).await.unwrap().is_empty(),
         "not before its backoff"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    age(&pool, id, Duration::from_millis(300)).await;
     let c = s.work_claim("a", LEASE, 10).await.unwrap();
     assert_eq!(c.len(), 1, "tried again after its backoff");
     // This time it succeeds: the DI waits for the next change.
@@ -282,7 +299,7 @@ async fn concurrent_releases_leave_exactly_one_last_user(pool: PgPool) {
 
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
 async fn ledger_and_stall_tracking(pool: PgPool) {
-    let s = store(pool);
+    let s = store(pool.clone());
     let team = Uuid::new_v4();
     let a = create(&s, team).await;
     let b = create(&s, team).await;
@@ -331,9 +348,9 @@ async fn ledger_and_stall_tracking(pool: PgPool) {
 
     let first = s.work_progress(a, "provisioning|x").await.unwrap();
     assert!(!first.reported);
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    age(&pool, a, Duration::from_secs(50)).await;
     let same = s.work_progress(a, "provisioning|x").await.unwrap();
-    assert!(same.unchanged_for >= Duration::from_millis(40));
+    assert!(same.unchanged_for >= Duration::from_secs(50));
     s.work_stall_reported(a).await.unwrap();
     assert!(s.work_progress(a, "provisioning|x").await.unwrap().reported);
     let moved = s.work_progress(a, "provisioning|y").await.unwrap();
@@ -362,7 +379,7 @@ async fn a_write_under_a_lost_lease_is_refused_and_writes_nothing(pool: PgPool) 
     let stalled = s.under_lease(id, stale.lease_token);
     // While it is held, its writes go through.
     stalled.event_append(id, "Still", "held").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    age(&pool, id, Duration::from_millis(200)).await;
     // Run out: refused even before anyone else takes it.
     assert!(matches!(
         stalled.event_append(id, "Late", "run out").await,
@@ -506,10 +523,23 @@ async fn a_fenced_write_and_a_customers_write_do_not_deadlock(pool: PgPool) {
         .unwrap();
     let worker =
         tokio::spawn(async move { fenced.ledger_record(id, "node_pool", "p", "c", None).await });
-    // Real time, not a condition: the worker's write must have reached its first lock (and
-    // block on the DI's row) before the customer's write goes on; 300 ms is ample for that, and
-    // a shorter wait only lets the interleaving go untested, never fails the test.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The worker's write must have reached its first lock (and block on the DI's row) before
+    // the customer's write goes on: Postgres shows it waiting.
+    test_support::until(
+        Duration::from_secs(10),
+        "the worker's write waiting for the row",
+        async || {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            waiting > 0
+        },
+    )
+    .await;
     sqlx::query("UPDATE work_items SET traceparent = NULL WHERE di_id = $1")
         .bind(id)
         .execute(&mut *patch)
