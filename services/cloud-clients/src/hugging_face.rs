@@ -93,13 +93,6 @@ impl Classify for HubError {
     }
 }
 
-impl HubError {
-    /// Whether the same request may succeed later.
-    pub fn is_transient(&self) -> bool {
-        self.class().is_transient()
-    }
-}
-
 /// Which call a request is, for classification and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Endpoint {

@@ -89,23 +89,8 @@ impl Classify for KubeError {
 }
 
 impl KubeError {
-    /// Whether the same request may succeed later ([`ErrorClass::Transient`]).
-    pub fn is_transient(&self) -> bool {
-        self.class().is_transient()
-    }
-
     pub fn is_not_found(&self) -> bool {
         self.class() == ErrorClass::NotFound
-    }
-
-    pub fn is_forbidden(&self) -> bool {
-        matches!(self, KubeError::Api { code: 403, .. })
-    }
-
-    /// 401: the server no longer accepts the client's credentials (they expired or were
-    /// revoked). Permanent for this client; a client with fresh credentials may succeed.
-    pub fn is_unauthorized(&self) -> bool {
-        self.class() == ErrorClass::Unauthorized
     }
 
     /// The HTTP status of an API error.
