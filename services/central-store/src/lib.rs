@@ -11,6 +11,7 @@ mod read_cache;
 
 use std::sync::Arc;
 
+use common::errors::{Classify, ErrorClass};
 use sqlx::postgres::PgPool;
 use uuid::Uuid;
 
@@ -35,6 +36,18 @@ pub enum StoreError {
 impl From<sqlx::Error> for StoreError {
     fn from(e: sqlx::Error) -> StoreError {
         common::db::classify(e, StoreError::Unavailable, StoreError::Database)
+    }
+}
+
+impl Classify for StoreError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            StoreError::NameTaken => ErrorClass::Conflict,
+            StoreError::NotFound => ErrorClass::NotFound,
+            // The driver's error, classed once by `common::db::classify`.
+            StoreError::Unavailable(_) => ErrorClass::TRANSIENT,
+            StoreError::Database(_) => ErrorClass::Permanent,
+        }
     }
 }
 
@@ -1053,4 +1066,28 @@ async fn upsert(
     .bind(keep_name)
     .execute(&mut **tx)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_has_its_class() {
+        let classes = [
+            (StoreError::NameTaken, ErrorClass::Conflict),
+            (StoreError::NotFound, ErrorClass::NotFound),
+            (
+                StoreError::Unavailable(sqlx::Error::PoolClosed),
+                ErrorClass::TRANSIENT,
+            ),
+            (
+                StoreError::Database(sqlx::Error::RowNotFound),
+                ErrorClass::Permanent,
+            ),
+        ];
+        for (e, class) in classes {
+            assert_eq!(e.class(), class, "{e}");
+        }
+    }
 }

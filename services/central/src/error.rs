@@ -9,6 +9,7 @@ use axum::Json;
 
 use api_types::public::ErrorBody;
 use central_store::StoreError;
+use common::errors::{Classify, ErrorClass};
 
 /// What a `503` asks the client to wait before it retries, seconds.
 pub const RETRY_AFTER_SECS: u64 = 5;
@@ -44,6 +45,33 @@ pub enum ApiError {
 impl ApiError {
     pub fn internal(detail: impl std::fmt::Display) -> ApiError {
         ApiError::Internal(detail.to_string())
+    }
+
+    /// The public answer to a dependency's failure (central's database, a region) of `class`:
+    /// the one place central turns classes into answers. `message` is what a conflict or a
+    /// refusal tells the customer; `detail` is what the log says of anything unexpected.
+    pub fn of_class(
+        class: ErrorClass,
+        message: impl Into<String>,
+        detail: impl std::fmt::Display,
+    ) -> ApiError {
+        match class {
+            // Nothing the customer asked is wrong and the retry they make works once the
+            // dependency is back; a hint of when travels on.
+            ErrorClass::Transient { retry_after } => ApiError::ServiceUnavailable {
+                retry_after_secs: retry_after
+                    .map_or(RETRY_AFTER_SECS, |d| d.as_secs_f64().ceil().max(1.0) as u64),
+            },
+            // Central's own credentials refused (a region's shared secret rotated on one side
+            // only): likewise nothing changed, and the retry works once the operator mends it.
+            ErrorClass::Unauthorized => ApiError::ServiceUnavailable {
+                retry_after_secs: RETRY_AFTER_SECS,
+            },
+            ErrorClass::NotFound => ApiError::NotFound,
+            ErrorClass::Conflict => ApiError::Conflict(message.into()),
+            ErrorClass::Refused => ApiError::Unprocessable(message.into()),
+            ErrorClass::Permanent => ApiError::internal(detail),
+        }
     }
 
     /// Status, error id and customer-facing message.
@@ -106,19 +134,17 @@ impl ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> ApiError {
-        match e {
-            StoreError::NameTaken => ApiError::Conflict(
-                "A dedicated inference with this name already exists in your team.".into(),
-            ),
-            StoreError::NotFound => ApiError::NotFound,
-            StoreError::Unavailable(e) => {
-                tracing::warn!(error = %e, "central's database is unavailable");
-                ApiError::ServiceUnavailable {
-                    retry_after_secs: RETRY_AFTER_SECS,
-                }
-            }
-            StoreError::Database(e) => ApiError::internal(e),
+        let class = e.class();
+        if class.is_transient() {
+            tracing::warn!(error = %e, "central's database is unavailable");
         }
+        let message = match e {
+            StoreError::NameTaken => {
+                "A dedicated inference with this name already exists in your team."
+            }
+            _ => "",
+        };
+        ApiError::of_class(class, message, e)
     }
 }
 
@@ -150,5 +176,52 @@ impl IntoResponse for ApiError {
                 .insert("retry-after", HeaderValue::from(secs));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn store_errors_keep_their_answers() {
+        use central_store::sqlx;
+        assert!(matches!(
+            ApiError::from(StoreError::NameTaken),
+            ApiError::Conflict(m) if m == "A dedicated inference with this name already exists in your team."
+        ));
+        assert!(matches!(
+            ApiError::from(StoreError::NotFound),
+            ApiError::NotFound
+        ));
+        assert!(matches!(
+            ApiError::from(StoreError::Unavailable(sqlx::Error::PoolTimedOut)),
+            ApiError::ServiceUnavailable {
+                retry_after_secs: RETRY_AFTER_SECS
+            }
+        ));
+        assert!(matches!(
+            ApiError::from(StoreError::Database(sqlx::Error::RowNotFound)),
+            ApiError::Internal(_)
+        ));
+    }
+
+    #[test]
+    fn a_transient_failure_passes_its_wait_on() {
+        let after =
+            |retry_after| match ApiError::of_class(ErrorClass::Transient { retry_after }, "", "") {
+                ApiError::ServiceUnavailable { retry_after_secs } => retry_after_secs,
+                other => panic!("{other:?}"),
+            };
+        assert_eq!(after(None), RETRY_AFTER_SECS);
+        assert_eq!(after(Some(Duration::from_millis(1500))), 2);
+        assert_eq!(after(Some(Duration::ZERO)), 1);
+        assert!(matches!(
+            ApiError::of_class(ErrorClass::Unauthorized, "", ""),
+            ApiError::ServiceUnavailable {
+                retry_after_secs: RETRY_AFTER_SECS
+            }
+        ));
     }
 }

@@ -17,21 +17,61 @@ use api_types::regional::{
     PatchRequest, RecordEnvelope, RegionError, TeamQuery, TeamScoped, Token, TokenCreateRequest,
     SECRET_HEADER,
 };
+use common::errors::{Classify, ErrorClass};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use uuid::Uuid;
 
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum RegionCallError {
+    /// The catalog offers the region but this process has no address for it.
+    #[error("no address is configured for the region")]
     UnknownRegion,
+    #[error("region unavailable: {0}")]
     Unavailable(String),
     /// The region answered that it changed nothing because something it asks first (the cloud,
     /// the Hugging Face Hub) did not answer: a retry may work, and nothing is left to settle.
+    #[error("region changed nothing, a dependency of it is unavailable: {0}")]
     NotApplied(String),
-    Rejected {
-        status: u16,
-        error: RegionError,
-    },
+    #[error("region answered {status} {}: {}", error.id, error.message)]
+    Rejected { status: u16, error: RegionError },
+}
+
+impl Classify for RegionCallError {
+    /// Decided here, from the region's answer (or its absence), once.
+    fn class(&self) -> ErrorClass {
+        match self {
+            // Nothing was sent: a deployment in progress, or a configuration the operator
+            // mends; the same request works once this process knows the region.
+            RegionCallError::UnknownRegion => ErrorClass::TRANSIENT,
+            RegionCallError::Unavailable(_) | RegionCallError::NotApplied(_) => {
+                ErrorClass::TRANSIENT
+            }
+            RegionCallError::Rejected { status, .. } => match status {
+                404 => ErrorClass::NotFound,
+                409 => ErrorClass::Conflict,
+                // The region's own checks refused what the customer asked.
+                422 => ErrorClass::Refused,
+                // The region refused central itself: a shared secret rotated on one side only.
+                401 | 403 => ErrorClass::Unauthorized,
+                // Something in front of the region limited the rate.
+                429 => ErrorClass::TRANSIENT,
+                // A request central should never have sent (a 400 included: central builds
+                // every request the region reads), or a status the region does not answer.
+                _ => ErrorClass::Permanent,
+            },
+        }
+    }
+}
+
+impl RegionCallError {
+    /// What the region said, for the customer: the message of its refusal.
+    pub fn message(&self) -> Option<&str> {
+        match self {
+            RegionCallError::Rejected { error, .. } => Some(&error.message),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -442,5 +482,39 @@ mod tests {
         let mut called = CALLED.to_vec();
         called.push(&get_one);
         assert_eq!(listed(&called), documented(&doc));
+    }
+
+    #[test]
+    fn every_failure_has_its_class() {
+        let rejected = |status: u16| RegionCallError::Rejected {
+            status,
+            error: RegionError {
+                id: "x".into(),
+                message: "no".into(),
+            },
+        };
+        assert_eq!(
+            RegionCallError::UnknownRegion.class(),
+            ErrorClass::TRANSIENT
+        );
+        assert_eq!(
+            RegionCallError::Unavailable("reset".into()).class(),
+            ErrorClass::TRANSIENT
+        );
+        assert_eq!(
+            RegionCallError::NotApplied("hub".into()).class(),
+            ErrorClass::TRANSIENT
+        );
+        assert_eq!(rejected(404).class(), ErrorClass::NotFound);
+        assert_eq!(rejected(409).class(), ErrorClass::Conflict);
+        assert_eq!(rejected(422).class(), ErrorClass::Refused);
+        assert_eq!(rejected(401).class(), ErrorClass::Unauthorized);
+        assert_eq!(rejected(403).class(), ErrorClass::Unauthorized);
+        assert_eq!(rejected(429).class(), ErrorClass::TRANSIENT);
+        for status in [400, 405, 302] {
+            assert_eq!(rejected(status).class(), ErrorClass::Permanent, "{status}");
+        }
+        assert_eq!(rejected(422).message(), Some("no"));
+        assert_eq!(RegionCallError::UnknownRegion.message(), None);
     }
 }

@@ -19,8 +19,10 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
+use common::errors::{Classify, ErrorClass};
+
 use crate::metrics::{self, Outcome};
-use crate::retry::{retry, RetryClass, RetryConfig};
+use crate::retry::{retry, RetryConfig};
 
 /// Largest page DigitalOcean serves.
 const MAX_PER_PAGE: usize = 200;
@@ -54,8 +56,9 @@ pub enum DoError {
         message: String,
         request_id: Option<String>,
     },
-    /// Any other 4xx (400, 401, 403, 409, 422, ...); permanent. GPU capacity exhaustion is a 422
-    /// whose message mentions "capacity" (see [`DoError::is_capacity`]).
+    /// Any other status (400, 401, 403, 409, 422, ...); not retried. Its class says what it
+    /// is: a conflict, refused credentials, a refusal. GPU capacity exhaustion is a 422 whose
+    /// message mentions "capacity" (see [`DoError::is_capacity`]).
     #[error("DigitalOcean API {status} {id}: {message}")]
     Api {
         status: u16,
@@ -74,41 +77,63 @@ pub enum DoError {
     Config(String),
 }
 
-impl DoError {
-    /// 429, 5xx, and requests that did not complete. Everything else needs a different request.
-    pub fn is_transient(&self) -> bool {
+impl Classify for DoError {
+    /// Decided here, from the answer, once: the worker and the regional service act on the
+    /// class and never decide again whether a status passes.
+    fn class(&self) -> ErrorClass {
         match self {
-            DoError::RateLimited { .. } | DoError::Server { .. } => true,
-            DoError::Transport(e) => !e.is_builder(),
-            DoError::NotFound { .. }
-            | DoError::Api { .. }
-            | DoError::Decode { .. }
-            | DoError::Config(_) => false,
+            DoError::RateLimited { retry_after, .. } => ErrorClass::Transient {
+                retry_after: *retry_after,
+            },
+            DoError::Server { .. } => ErrorClass::TRANSIENT,
+            // A request that could not even be built would not be built the next time either.
+            DoError::Transport(e) if e.is_builder() => ErrorClass::Permanent,
+            DoError::Transport(_) => ErrorClass::TRANSIENT,
+            DoError::NotFound { .. } => ErrorClass::NotFound,
+            // After a retried create this can mean the first attempt landed: look the resource
+            // up by name.
+            DoError::Api { status: 409, .. } => ErrorClass::Conflict,
+            DoError::Api {
+                status: 422,
+                message,
+                ..
+            } if message.to_ascii_lowercase().contains("already exists") => ErrorClass::Conflict,
+            // The token is expired, revoked, or may not do this.
+            DoError::Api {
+                status: 401 | 403, ..
+            } => ErrorClass::Unauthorized,
+            // Validation, and a region out of capacity for a size ([`DoError::is_capacity`]).
+            DoError::Api {
+                status: 400..=499, ..
+            } => ErrorClass::Refused,
+            DoError::Api { .. } | DoError::Decode { .. } | DoError::Config(_) => {
+                ErrorClass::Permanent
+            }
         }
+    }
+}
+
+impl DoError {
+    /// Whether the same request may succeed later ([`ErrorClass::Transient`]).
+    pub fn is_transient(&self) -> bool {
+        self.class().is_transient()
     }
 
     pub fn is_not_found(&self) -> bool {
-        matches!(self, DoError::NotFound { .. })
+        self.class() == ErrorClass::NotFound
     }
 
-    /// A 422 because the region has no capacity for the requested size (e.g. GPUs).
+    /// A 422 because the region has no capacity for the requested size (e.g. GPUs): a refusal
+    /// ([`ErrorClass::Refused`]) that names a domain fact of its own.
     pub fn is_capacity(&self) -> bool {
         matches!(self, DoError::Api { status: 422, message, .. }
             if message.to_ascii_lowercase().contains("capacity"))
     }
 
-    /// A 409, or a 422 saying the name is taken. After a retried create this can mean the first
-    /// attempt landed: look the resource up by name.
+    /// A 409, or a 422 saying the name is taken ([`ErrorClass::Conflict`]). After a retried
+    /// create this can mean the first attempt landed: look the resource up by name.
     pub fn is_already_exists(&self) -> bool {
-        match self {
-            DoError::Api { status: 409, .. } => true,
-            DoError::Api {
-                status: 422,
-                message,
-                ..
-            } => message.to_ascii_lowercase().contains("already exists"),
-            _ => false,
-        }
+        self.class() == ErrorClass::Conflict
     }
 
     /// The HTTP status, when the server answered.
@@ -142,19 +167,6 @@ impl DoError {
             | DoError::RateLimited { request_id, .. }
             | DoError::Server { request_id, .. }
             | DoError::Api { request_id, .. } => request_id.as_deref(),
-            _ => None,
-        }
-    }
-}
-
-impl RetryClass for DoError {
-    fn is_transient(&self) -> bool {
-        DoError::is_transient(self)
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        match self {
-            DoError::RateLimited { retry_after, .. } => *retry_after,
             _ => None,
         }
     }
@@ -743,13 +755,7 @@ impl DoClient {
         body: Option<&[u8]>,
     ) -> Result<Reply, DoError> {
         let result = self.request(method, path, body).await;
-        let outcome = match &result {
-            Ok(_) => Outcome::Ok,
-            Err(e) if e.is_not_found() => Outcome::NotFound,
-            Err(e) if e.is_transient() => Outcome::Transient,
-            Err(_) => Outcome::Permanent,
-        };
-        metrics::digitalocean(method.as_str(), outcome);
+        metrics::digitalocean(method.as_str(), Outcome::of_result(&result));
         result
     }
 
@@ -1112,8 +1118,8 @@ mod tests {
             r#"{"id":"unprocessable_entity","message":"insufficient capacity: size gpu-h100x1-80gb has 0 of 1 requested nodes available","request_id":"r1"}"#,
             None,
         );
-        assert!(!capacity.is_transient());
-        assert!(capacity.is_capacity());
+        assert_eq!(capacity.class(), ErrorClass::Refused);
+        assert!(capacity.is_capacity() && !capacity.is_transient());
         assert_eq!(capacity.status(), Some(422));
         assert_eq!(capacity.request_id(), Some("r1"));
 
@@ -1122,9 +1128,18 @@ mod tests {
             r#"{"id":"unprocessable_entity","message":"name is required"}"#,
             None,
         );
-        assert!(!invalid.is_transient() && !invalid.is_capacity());
+        assert_eq!(invalid.class(), ErrorClass::Refused);
+        assert!(!invalid.is_capacity() && !invalid.is_already_exists());
+        for status in [400, 405, 412] {
+            assert_eq!(
+                err(status, "", None).class(),
+                ErrorClass::Refused,
+                "{status}"
+            );
+        }
 
         let nf = err(404, r#"{"id":"not_found","message":"gone"}"#, None);
+        assert_eq!(nf.class(), ErrorClass::NotFound);
         assert!(nf.is_not_found() && !nf.is_transient());
 
         let rl = err(
@@ -1132,11 +1147,24 @@ mod tests {
             r#"{"id":"too_many_requests","message":"slow down"}"#,
             Some("3"),
         );
+        assert_eq!(
+            rl.class(),
+            ErrorClass::Transient {
+                retry_after: Some(Duration::from_secs(3))
+            }
+        );
         assert!(rl.is_transient());
-        assert_eq!(RetryClass::retry_after(&rl), Some(Duration::from_secs(3)));
+        // A Retry-After that is not a number of seconds is no hint.
+        assert_eq!(err(429, "", Some("soon")).class(), ErrorClass::TRANSIENT);
 
+        for status in [500, 502, 503] {
+            assert_eq!(
+                err(status, "", None).class(),
+                ErrorClass::TRANSIENT,
+                "{status}"
+            );
+        }
         let five = err(503, "upstream unavailable", None);
-        assert!(five.is_transient());
         assert_eq!(five.status(), Some(503));
         assert_eq!(five.message(), Some("upstream unavailable"));
 
@@ -1145,13 +1173,48 @@ mod tests {
             r#"{"id":"conflict","message":"a cluster named x already exists"}"#,
             None,
         );
+        assert_eq!(conflict.class(), ErrorClass::Conflict);
         assert!(!conflict.is_transient() && conflict.is_already_exists());
-        let unauthorized = err(
-            401,
-            r#"{"id":"unauthorized","message":"Unable to authenticate you."}"#,
+        let taken = err(
+            422,
+            r#"{"id":"unprocessable_entity","message":"a node pool with this name Already Exists"}"#,
             None,
         );
-        assert!(!unauthorized.is_transient() && !unauthorized.is_already_exists());
+        assert_eq!(taken.class(), ErrorClass::Conflict);
+        assert!(taken.is_already_exists());
+
+        for status in [401, 403] {
+            let refused = err(
+                status,
+                r#"{"id":"unauthorized","message":"Unable to authenticate you."}"#,
+                None,
+            );
+            assert_eq!(refused.class(), ErrorClass::Unauthorized, "{status}");
+            assert!(!refused.is_transient() && !refused.is_already_exists());
+        }
+
+        // Neither a 4xx nor a 5xx: nothing says a retry or another request would do better.
+        assert_eq!(err(304, "", None).class(), ErrorClass::Permanent);
+        let undecodable = DoError::Decode {
+            status: 200,
+            detail: "missing \"vpc\"".into(),
+        };
+        assert_eq!(undecodable.class(), ErrorClass::Permanent);
+        assert_eq!(DoError::Config("x".into()).class(), ErrorClass::Permanent);
+    }
+
+    #[tokio::test]
+    async fn requests_that_did_not_complete_are_transient_unless_never_made() {
+        let http = reqwest::Client::new();
+        // Nothing listens on port 1 of the loopback address.
+        let refused = http.get("http://127.0.0.1:1/").send().await.unwrap_err();
+        assert_eq!(DoError::Transport(refused).class(), ErrorClass::TRANSIENT);
+        let unbuildable = http.get("http://[::1").send().await.unwrap_err();
+        assert!(unbuildable.is_builder());
+        assert_eq!(
+            DoError::Transport(unbuildable).class(),
+            ErrorClass::Permanent
+        );
     }
 
     #[test]

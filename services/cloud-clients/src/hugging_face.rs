@@ -25,8 +25,10 @@ use reqwest::StatusCode;
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
+use common::errors::{Classify, ErrorClass};
+
 use crate::metrics::Outcome;
-use crate::retry::{retry, RetryClass, RetryConfig};
+use crate::retry::{retry, RetryConfig};
 
 /// `hugging_face_hub_requests_total{endpoint, outcome}`: Hub requests sent (retries included),
 /// by endpoint (`whoami`, `model_info`, `model_config`) and outcome.
@@ -60,61 +62,34 @@ pub enum HubError {
     /// The repository has no such file at that revision.
     #[error("the Hugging Face repository has no such file at that revision")]
     EntryNotFound,
-    /// 429, 5xx, timeout or connection failure, still so after the retries.
-    #[error("Hugging Face Hub unavailable: {0}")]
-    Transient(String),
+    /// 429, 5xx, timeout or connection failure, still so after the retries; `retry_after` is the
+    /// Hub's `Retry-After`, when it sent one.
+    #[error("Hugging Face Hub unavailable: {message}")]
+    Transient {
+        message: String,
+        retry_after: Option<Duration>,
+    },
     /// Anything else: an answer this client does not expect (a status without meaning here, a
     /// body not of the documented shape).
     #[error("unexpected Hugging Face Hub answer: {0}")]
     Unexpected(String),
 }
 
-impl HubError {
-    /// Whether the same request may succeed later.
-    pub fn is_transient(&self) -> bool {
-        matches!(self, HubError::Transient(_))
-    }
-
-    fn outcome(&self) -> Outcome {
+impl Classify for HubError {
+    /// Decided where the answer is read ([`classify`]), once. The token is the customer's, not
+    /// ours: the Hub refusing it (or refusing it a gated repository) is a refusal of what the
+    /// request carries, never [`ErrorClass::Unauthorized`].
+    fn class(&self) -> ErrorClass {
         match self {
+            HubError::InvalidToken | HubError::GatedNoAccess { .. } => ErrorClass::Refused,
             HubError::RepoNotFound | HubError::RevisionNotFound | HubError::EntryNotFound => {
-                Outcome::NotFound
+                ErrorClass::NotFound
             }
-            HubError::Transient(_) => Outcome::Transient,
-            _ => Outcome::Permanent,
+            HubError::Transient { retry_after, .. } => ErrorClass::Transient {
+                retry_after: *retry_after,
+            },
+            HubError::Unexpected(_) => ErrorClass::Permanent,
         }
-    }
-}
-
-/// One attempt's failure, with the `Retry-After` the retry loop honours.
-#[derive(Debug)]
-struct Failure {
-    error: HubError,
-    retry_after: Option<Duration>,
-}
-
-impl From<HubError> for Failure {
-    fn from(error: HubError) -> Self {
-        Failure {
-            error,
-            retry_after: None,
-        }
-    }
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.error.fmt(f)
-    }
-}
-
-impl RetryClass for Failure {
-    fn is_transient(&self) -> bool {
-        self.error.is_transient()
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        self.retry_after
     }
 }
 
@@ -162,10 +137,11 @@ fn classify(
     headers: &HeaderMap,
     body: &[u8],
     with_token: bool,
-) -> Failure {
+) -> HubError {
     let code = headers.get("x-error-code").and_then(|v| v.to_str().ok());
     let message = server_message(headers, body);
-    let error = match code {
+    let answered = format!("HTTP {}: {message}", status.as_u16());
+    match code {
         Some("RevisionNotFound") => HubError::RevisionNotFound,
         Some("EntryNotFound") => HubError::EntryNotFound,
         Some("GatedRepo") => HubError::GatedNoAccess { with_token },
@@ -181,24 +157,27 @@ fn classify(
             || status == StatusCode::REQUEST_TIMEOUT
             || status.is_server_error() =>
         {
-            HubError::Transient(format!("HTTP {}: {message}", status.as_u16()))
+            HubError::Transient {
+                message: answered,
+                retry_after: headers
+                    .get(RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .map(Duration::from_secs),
+            }
         }
-        _ => HubError::Unexpected(format!("HTTP {}: {message}", status.as_u16())),
-    };
-    let retry_after = headers
-        .get(RETRY_AFTER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(Duration::from_secs)
-        .filter(|_| error.is_transient());
-    Failure { error, retry_after }
+        _ => HubError::Unexpected(answered),
+    }
 }
 
-fn transport(e: reqwest::Error) -> Failure {
+fn transport(e: reqwest::Error) -> HubError {
     if e.is_builder() {
-        HubError::Unexpected(format!("request: {e}")).into()
+        HubError::Unexpected(format!("request: {e}"))
     } else {
-        HubError::Transient(e.to_string()).into()
+        HubError::Transient {
+            message: e.to_string(),
+            retry_after: None,
+        }
     }
 }
 
@@ -490,10 +469,7 @@ impl HubClient {
         let what = format!("GET {path}");
         retry(&self.inner.retry, &what, || async {
             let result = self.get_once(endpoint, path, cred).await;
-            let outcome = match &result {
-                Ok(_) => Outcome::Ok,
-                Err(f) => f.error.outcome(),
-            };
+            let outcome = Outcome::of_result(&result);
             common::metrics::counter_add(
                 HUB_REQUESTS,
                 "Hugging Face Hub requests sent (retries included) by endpoint and outcome",
@@ -506,7 +482,6 @@ impl HubClient {
             result
         })
         .await
-        .map_err(|f| f.error)
     }
 
     async fn get_once(
@@ -514,7 +489,7 @@ impl HubClient {
         endpoint: Endpoint,
         path: &str,
         cred: Option<&Credential>,
-    ) -> Result<Reply, Failure> {
+    ) -> Result<Reply, HubError> {
         let url = format!("{}{path}", self.inner.base);
         let mut req = self.inner.http.get(&url);
         if let Some(c) = cred {
@@ -528,8 +503,7 @@ impl HubClient {
                 "HTTP {}: an answer of {} bytes",
                 status.as_u16(),
                 resp.content_length().unwrap_or_default()
-            ))
-            .into());
+            )));
         }
         let body = resp.bytes().await.map_err(transport)?;
         tracing::debug!(path, status = status.as_u16(), "Hugging Face Hub call");
@@ -577,7 +551,7 @@ mod tests {
     use super::*;
 
     fn answer(status: u16, code: Option<&str>, message: Option<&str>, body: &str) -> HubError {
-        failure(status, code, message, body, Endpoint::ModelInfo, false).error
+        failure(status, code, message, body, Endpoint::ModelInfo, false)
     }
 
     fn failure(
@@ -587,7 +561,7 @@ mod tests {
         body: &str,
         endpoint: Endpoint,
         with_token: bool,
-    ) -> Failure {
+    ) -> HubError {
         let mut h = HeaderMap::new();
         if let Some(c) = code {
             h.insert("x-error-code", HeaderValue::from_str(c).unwrap());
@@ -635,8 +609,7 @@ mod tests {
                 "",
                 Endpoint::ModelConfig,
                 true
-            )
-            .error,
+            ),
             HubError::GatedNoAccess { with_token: true }
         );
         assert_eq!(
@@ -647,8 +620,7 @@ mod tests {
                 "",
                 Endpoint::ModelConfig,
                 false
-            )
-            .error,
+            ),
             HubError::GatedNoAccess { with_token: false }
         );
         // A bad token, said in the header or only in the body.
@@ -668,13 +640,12 @@ mod tests {
         // Any other 401 on a repository URL: not found for this caller; on whoami: a bad token.
         assert_eq!(answer(401, None, None, ""), HubError::RepoNotFound);
         assert_eq!(
-            failure(401, None, None, "", Endpoint::Whoami, true).error,
+            failure(401, None, None, "", Endpoint::Whoami, true),
             HubError::InvalidToken
         );
 
-        let limited = failure(429, None, None, "slow down", Endpoint::ModelInfo, false);
-        assert!(limited.error.is_transient());
-        assert_eq!(limited.retry_after, None);
+        let limited = answer(429, None, None, "slow down");
+        assert_eq!(limited.class(), ErrorClass::TRANSIENT);
         let mut h = HeaderMap::new();
         h.insert(RETRY_AFTER, HeaderValue::from_static("3"));
         let with_after = classify(
@@ -684,18 +655,58 @@ mod tests {
             b"",
             false,
         );
-        assert_eq!(with_after.retry_after, Some(Duration::from_secs(3)));
+        assert_eq!(
+            with_after.class(),
+            ErrorClass::Transient {
+                retry_after: Some(Duration::from_secs(3))
+            }
+        );
         for s in [500, 502, 503, 504, 408] {
-            assert!(answer(s, None, None, "").is_transient(), "{s}");
+            assert_eq!(
+                answer(s, None, None, "").class(),
+                ErrorClass::TRANSIENT,
+                "{s}"
+            );
         }
         let bad = answer(400, None, None, r#"{"error":["a","b"]}"#);
         assert_eq!(bad, HubError::Unexpected("HTTP 400: a; b".into()));
-        assert!(!bad.is_transient());
+        assert_eq!(bad.class(), ErrorClass::Permanent);
         // A disabled repository is neither missing nor retried.
         assert!(matches!(
             answer(403, None, Some("Access to this resource is disabled."), ""),
             HubError::Unexpected(m) if m.contains("disabled")
         ));
+    }
+
+    /// The token is the customer's: the Hub refusing it is the request's fault, not ours.
+    #[test]
+    fn classes_say_whose_input_was_refused() {
+        assert_eq!(HubError::InvalidToken.class(), ErrorClass::Refused);
+        for with_token in [false, true] {
+            assert_eq!(
+                HubError::GatedNoAccess { with_token }.class(),
+                ErrorClass::Refused
+            );
+        }
+        for missing in [
+            HubError::RepoNotFound,
+            HubError::RevisionNotFound,
+            HubError::EntryNotFound,
+        ] {
+            assert_eq!(missing.class(), ErrorClass::NotFound, "{missing}");
+        }
+        // A Retry-After on an answer that is not transient is no hint of anything.
+        let mut h = HeaderMap::new();
+        h.insert(RETRY_AFTER, HeaderValue::from_static("3"));
+        h.insert("x-error-code", HeaderValue::from_static("RepoNotFound"));
+        let missing = classify(
+            Endpoint::ModelInfo,
+            StatusCode::TOO_MANY_REQUESTS,
+            &h,
+            b"",
+            false,
+        );
+        assert_eq!(missing.class(), ErrorClass::NotFound);
     }
 
     #[test]

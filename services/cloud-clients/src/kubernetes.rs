@@ -18,8 +18,10 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 use serde_json::Value;
 
+use common::errors::{Classify, ErrorClass};
+
 use crate::metrics::{self, Outcome};
-use crate::retry::{retry, RetryClass, RetryConfig};
+use crate::retry::{retry, RetryConfig};
 
 // ------------------------------------------------------------------ errors
 
@@ -54,30 +56,41 @@ pub enum KubeError {
     InvalidObject(String),
 }
 
-impl KubeError {
-    /// 429, 409 (a conflicting write: retry), 5xx and requests that did not complete.
-    /// Validation errors (400, 422), 401, 403 (including "namespace is terminating"), 404 and
-    /// local errors are permanent.
-    pub fn is_transient(&self) -> bool {
+impl Classify for KubeError {
+    /// Decided here, from the `Status` the server answered, once: the worker acts on the class
+    /// and never decides again whether a code passes.
+    fn class(&self) -> ErrorClass {
         match self {
-            KubeError::Api { code, .. } => *code == 429 || *code == 409 || *code >= 500,
-            KubeError::Transport(_) => true,
-            _ => false,
+            KubeError::Api {
+                code, retry_after, ..
+            } => match code {
+                // 409 is a write that met another (a stale resourceVersion, an object replaced
+                // meanwhile): the API conventions say retry, and a forced apply or a delete
+                // sent again does not conflict with itself.
+                429 | 409 | 500.. => ErrorClass::Transient {
+                    retry_after: *retry_after,
+                },
+                404 => ErrorClass::NotFound,
+                401 => ErrorClass::Unauthorized,
+                // Our credentials are the cluster's admin's, so what forbids a request is not
+                // who sends it but the state of the cluster: most often a namespace that is
+                // terminating and takes no new objects until it is gone (admission's 403).
+                403 => ErrorClass::Conflict,
+                400..=499 => ErrorClass::Refused,
+                _ => ErrorClass::Permanent,
+            },
+            KubeError::Transport(_) => ErrorClass::TRANSIENT,
+            KubeError::Client(_)
+            | KubeError::Config(_)
+            | KubeError::UnknownKind { .. }
+            | KubeError::InvalidObject(_) => ErrorClass::Permanent,
         }
     }
+}
 
+impl KubeError {
     pub fn is_not_found(&self) -> bool {
-        matches!(self, KubeError::Api { code: 404, .. })
-    }
-
-    pub fn is_forbidden(&self) -> bool {
-        matches!(self, KubeError::Api { code: 403, .. })
-    }
-
-    /// 401: the server no longer accepts the client's credentials (they expired or were
-    /// revoked). Permanent for this client; a client with fresh credentials may succeed.
-    pub fn is_unauthorized(&self) -> bool {
-        matches!(self, KubeError::Api { code: 401, .. })
+        self.class() == ErrorClass::NotFound
     }
 
     /// The HTTP status of an API error.
@@ -92,6 +105,14 @@ impl KubeError {
     pub fn reason(&self) -> Option<&str> {
         match self {
             KubeError::Api { reason, .. } => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// The `Status.message` of an API error: what the server says is wrong.
+    pub fn message(&self) -> Option<&str> {
+        match self {
+            KubeError::Api { message, .. } => Some(message),
             _ => None,
         }
     }
@@ -115,19 +136,6 @@ impl From<kube::Error> for KubeError {
             | kube::Error::Service(_)
             | kube::Error::ReadEvents(_)) => KubeError::Transport(e),
             e => KubeError::Client(e),
-        }
-    }
-}
-
-impl RetryClass for KubeError {
-    fn is_transient(&self) -> bool {
-        KubeError::is_transient(self)
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        match self {
-            KubeError::Api { retry_after, .. } => *retry_after,
-            _ => None,
         }
     }
 }
@@ -411,7 +419,7 @@ impl KubeClient {
     /// Notes a 401 in `result` (see [`KubeClient::credentials_rejected`]).
     fn noted<T>(&self, result: Result<T, KubeError>) -> Result<T, KubeError> {
         if let Err(e) = &result {
-            if e.is_unauthorized() {
+            if e.class() == ErrorClass::Unauthorized {
                 self.counters.rejected.store(true, Ordering::SeqCst);
             }
         }
@@ -607,11 +615,7 @@ impl KubeClient {
 /// Converts a request's error and counts the request in [`metrics::KUBE_REQUESTS`].
 fn counted<T>(verb: &'static str, result: Result<T, kube::Error>) -> Result<T, KubeError> {
     let result = result.map_err(KubeError::from);
-    let outcome = match &result {
-        Ok(_) => Outcome::Ok,
-        Err(e) => error_outcome(e),
-    };
-    metrics::kubernetes(verb, outcome);
+    metrics::kubernetes(verb, Outcome::of_result(&result));
     result
 }
 
@@ -622,20 +626,10 @@ async fn get_opt(api: &Api<DynamicObject>, name: &str) -> Result<Option<DynamicO
     let outcome = match &result {
         Ok(Some(_)) => Outcome::Ok,
         Ok(None) => Outcome::NotFound,
-        Err(e) => error_outcome(e),
+        Err(e) => Outcome::of(e.class()),
     };
     metrics::kubernetes("get", outcome);
     result
-}
-
-fn error_outcome(e: &KubeError) -> Outcome {
-    if e.is_not_found() {
-        Outcome::NotFound
-    } else if e.is_transient() {
-        Outcome::Transient
-    } else {
-        Outcome::Permanent
-    }
 }
 
 /// Names the kind of kubeconfig problem without quoting values (which may hold the token).
@@ -848,13 +842,62 @@ mod tests {
             retry_after: None,
         };
         for code in [409, 429, 500, 503] {
-            assert!(api(code).is_transient(), "{code}");
+            assert_eq!(api(code).class(), ErrorClass::TRANSIENT, "{code}");
         }
-        for code in [400, 401, 403, 404, 422] {
-            assert!(!api(code).is_transient(), "{code}");
+        let slow_down = KubeError::Api {
+            code: 429,
+            reason: "TooManyRequests".into(),
+            message: String::new(),
+            retry_after: Some(Duration::from_secs(4)),
+        };
+        assert_eq!(
+            slow_down.class(),
+            ErrorClass::Transient {
+                retry_after: Some(Duration::from_secs(4))
+            }
+        );
+        assert_eq!(api(404).class(), ErrorClass::NotFound);
+        assert!(api(404).is_not_found() && !api(410).is_not_found());
+        assert_eq!(api(401).class(), ErrorClass::Unauthorized);
+        assert_eq!(api(403).class(), ErrorClass::Conflict);
+        for code in [400, 410, 415, 422] {
+            assert_eq!(api(code).class(), ErrorClass::Refused, "{code}");
         }
-        assert!(api(404).is_not_found());
-        assert!(api(403).is_forbidden());
-        assert!(!KubeError::InvalidObject("x".into()).is_transient());
+        assert_eq!(api(302).class(), ErrorClass::Permanent);
+        for local in [
+            KubeError::InvalidObject("x".into()),
+            KubeError::Config("x".into()),
+            KubeError::UnknownKind {
+                api_version: "v1".into(),
+                kind: "Thing".into(),
+            },
+        ] {
+            assert_eq!(local.class(), ErrorClass::Permanent, "{local}");
+        }
+    }
+
+    #[test]
+    fn a_status_keeps_its_retry_hint() {
+        let status = |code: u16, after: u32| {
+            let mut s = kube::core::Status::failure("m", "TooManyRequests").with_code(code);
+            s.details = Some(kube::core::response::StatusDetails {
+                name: String::new(),
+                group: String::new(),
+                kind: String::new(),
+                uid: String::new(),
+                causes: Vec::new(),
+                retry_after_seconds: after,
+            });
+            KubeError::from(kube::Error::Api(Box::new(s)))
+        };
+        assert_eq!(
+            status(429, 2).class(),
+            ErrorClass::Transient {
+                retry_after: Some(Duration::from_secs(2))
+            }
+        );
+        // Zero seconds is the field's absence.
+        assert_eq!(status(429, 0).class(), ErrorClass::TRANSIENT);
+        assert_eq!(status(403, 2).class(), ErrorClass::Conflict);
     }
 }

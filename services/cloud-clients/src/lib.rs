@@ -5,7 +5,8 @@
 //! (whose a customer's token is, a model repository's info and `config.json`, and whether the
 //! token may read a gated or private one; see [`hugging_face`]). This crate
 //! owns transport concerns only: authentication, timeouts, typed request and response shapes,
-//! classifying errors as transient or permanent, retrying transient ones with jittered backoff,
+//! classifying errors (each error's `common::errors::Classify::class`, decided here and nowhere
+//! else), retrying transient ones with jittered backoff,
 //! and counting the writes it sends and every call it makes (in the process-wide Prometheus
 //! registry of `common::metrics`, see [`metrics`]). It knows nothing of dedicated inferences, databases or
 //! planning, and it must never log a credential.

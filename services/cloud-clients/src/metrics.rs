@@ -2,6 +2,8 @@
 //! one count per HTTP request sent (each retry attempt is its own request), by verb and outcome.
 //! Labels are bounded sets; resource names, ids and URLs never become labels.
 
+use common::errors::{Classify, ErrorClass};
+
 /// `digitalocean_api_requests_total{method, outcome}`.
 pub const DO_REQUESTS: &str = "digitalocean_api_requests_total";
 /// `kubernetes_api_requests_total{verb, outcome}`.
@@ -21,6 +23,28 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// The outcome of a request that failed with an error of `class`: the one place the clients
+    /// turn classes into labels. Conflicts, refused credentials and refusals all count as
+    /// `permanent`, as they did before errors had classes, so the series stay the same.
+    pub fn of(class: ErrorClass) -> Outcome {
+        match class {
+            ErrorClass::Transient { .. } => Outcome::Transient,
+            ErrorClass::NotFound => Outcome::NotFound,
+            ErrorClass::Conflict
+            | ErrorClass::Unauthorized
+            | ErrorClass::Refused
+            | ErrorClass::Permanent => Outcome::Permanent,
+        }
+    }
+
+    /// The outcome of a request that returned `result`.
+    pub(crate) fn of_result<T, E: Classify>(result: &Result<T, E>) -> Outcome {
+        match result {
+            Ok(_) => Outcome::Ok,
+            Err(e) => Outcome::of(e.class()),
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
@@ -55,4 +79,28 @@ pub(crate) fn kubernetes(verb: &'static str, outcome: Outcome) {
         ],
         1.0,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn every_class_has_the_label_it_had() {
+        let transient = ErrorClass::Transient {
+            retry_after: Some(Duration::from_secs(3)),
+        };
+        assert_eq!(Outcome::of(transient), Outcome::Transient);
+        assert_eq!(Outcome::of(ErrorClass::TRANSIENT), Outcome::Transient);
+        assert_eq!(Outcome::of(ErrorClass::NotFound), Outcome::NotFound);
+        for class in [
+            ErrorClass::Conflict,
+            ErrorClass::Unauthorized,
+            ErrorClass::Refused,
+            ErrorClass::Permanent,
+        ] {
+            assert_eq!(Outcome::of(class), Outcome::Permanent, "{class:?}");
+        }
+    }
 }

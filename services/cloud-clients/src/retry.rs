@@ -6,6 +6,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use backon::{ExponentialBuilder, Retryable};
+use common::errors::Classify;
 
 /// How a client retries transient failures (429, 5xx, connection errors, timeouts).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,26 +64,21 @@ impl RetryConfig {
     }
 }
 
-/// What the retry loop needs to know about an error.
-pub(crate) trait RetryClass: Display {
-    fn is_transient(&self) -> bool;
-    fn retry_after(&self) -> Option<Duration>;
-}
-
-/// Runs `op` until it succeeds, fails permanently, or the policy is exhausted.
+/// Runs `op` until it succeeds, fails other than transiently (by the error's class), or the
+/// policy is exhausted.
 pub(crate) async fn retry<T, E, F, Fut>(cfg: &RetryConfig, what: &str, op: F) -> Result<T, E>
 where
-    E: RetryClass,
+    E: Classify + Display,
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, E>>,
 {
     let start = Instant::now();
     op.retry(cfg.backoff())
-        .when(|e: &E| e.is_transient())
+        .when(|e: &E| e.class().is_transient())
         .adjust(|e: &E, next: Option<Duration>| {
             // `next` is None once the backoff is exhausted: stop then, whatever the server says.
             let mut wait = next?;
-            if let Some(after) = e.retry_after() {
+            if let Some(after) = e.class().retry_after() {
                 if after > cfg.max_retry_after {
                     return None;
                 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use cloud_clients::hugging_face::Gated;
 use cloud_clients::{HubClient, HubClientOptions, HubError, RetryConfig};
+use common::errors::{Classify, ErrorClass};
 use hub_sim::{HubFaults, HubSim, Repo, SEED_READER_TOKEN};
 use serde_json::json;
 
@@ -55,7 +56,7 @@ async fn whoami_tells_valid_tokens_from_invalid_ones() {
     for bad in ["hf_never_issued", "", "  "] {
         let e = hub.whoami(bad).await.unwrap_err();
         assert_eq!(e, HubError::InvalidToken, "{bad:?}");
-        assert!(!e.is_transient());
+        assert_eq!(e.class(), ErrorClass::Refused);
     }
     sim.add_token("hf_alice", "alice").unwrap();
     assert_eq!(hub.whoami("hf_alice").await.unwrap().name, "alice");
@@ -201,7 +202,7 @@ async fn gated_repo_info_is_open_its_config_is_not() {
 
     let no_token = hub.model_config(LLAMA, None, None).await.unwrap_err();
     assert_eq!(no_token, HubError::GatedNoAccess { with_token: false });
-    assert!(!no_token.is_transient());
+    assert_eq!(no_token.class(), ErrorClass::Refused);
     assert_eq!(
         hub.model_config(LLAMA, None, Some("hf_stranger"))
             .await
@@ -322,9 +323,9 @@ async fn transient_failures_are_retried_then_returned() {
     });
     let before = sim.stats().requests;
     let e = three.model_config(QWEN, None, None).await.unwrap_err();
-    assert!(e.is_transient(), "{e:?}");
+    assert_eq!(e.class(), ErrorClass::TRANSIENT, "{e:?}");
     assert!(
-        matches!(&e, HubError::Transient(m) if m.contains("500")),
+        matches!(&e, HubError::Transient { message, .. } if message.contains("500")),
         "{e}"
     );
     assert_eq!(sim.stats().requests - before, 3);
@@ -337,7 +338,13 @@ async fn transient_failures_are_retried_then_returned() {
     });
     let before = sim.stats().requests;
     let e = three.whoami(SEED_READER_TOKEN).await.unwrap_err();
-    assert!(e.is_transient(), "{e:?}");
+    assert_eq!(
+        e.class(),
+        ErrorClass::Transient {
+            retry_after: Some(Duration::from_secs(30))
+        },
+        "{e:?}"
+    );
     assert_eq!(sim.stats().requests - before, 1);
     sim.set_faults(HubFaults::default());
     assert!(three.whoami(SEED_READER_TOKEN).await.is_ok());
@@ -347,7 +354,7 @@ async fn transient_failures_are_retried_then_returned() {
     sim.shutdown().await;
     let gone = client(&format!("http://{addr}"), fast_retry(2));
     let e = gone.model_info(QWEN, None, None).await.unwrap_err();
-    assert!(e.is_transient(), "{e:?}");
+    assert_eq!(e.class(), ErrorClass::TRANSIENT, "{e:?}");
 }
 
 #[tokio::test]

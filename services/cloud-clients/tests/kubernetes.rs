@@ -5,6 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use ::common::errors::{Classify, ErrorClass};
 use cloud_clients::kubernetes::known_resource;
 use cloud_clients::{Deleted, DoClient, KubeClient, KubeError, RetryConfig};
 use common::*;
@@ -270,9 +271,9 @@ async fn local_and_validation_errors_are_permanent() {
     assert!(matches!(err, KubeError::InvalidObject(_)), "{err:?}");
     assert_eq!(kube.mutating_requests(), 0, "nothing was sent");
 
-    // Into a namespace that does not exist: 404 from the server, permanent.
+    // Into a namespace that does not exist: 404 from the server, not retried.
     let err = kube.apply(&config_map("c", true, "v")).await.unwrap_err();
-    assert!(err.is_not_found() && !err.is_transient(), "{err:?}");
+    assert_eq!(err.class(), ErrorClass::NotFound, "{err:?}");
 
     // Invalid object: the Deployment's selector does not match its template. Sent once.
     kube.apply(&namespace()).await.unwrap();
@@ -280,7 +281,7 @@ async fn local_and_validation_errors_are_permanent() {
     bad["spec"]["selector"]["matchLabels"]["app"] = json!("other");
     let before = kube.mutating_requests();
     let err = kube.apply(&bad).await.unwrap_err();
-    assert!(!err.is_transient(), "{err:?}");
+    assert_eq!(err.class(), ErrorClass::Refused, "{err:?}");
     assert_eq!(err.code(), Some(422), "{err:?}");
     assert_eq!(kube.mutating_requests(), before + 1);
     sim.shutdown().await;
@@ -302,7 +303,7 @@ async fn kube_faults_are_retried() {
     // Without retries the fault shows, and is transient.
     let once = kube_client(&api, &id, RetryConfig::none()).await;
     let err = once.apply(&config_map("c", true, "v")).await.unwrap_err();
-    assert!(err.is_transient(), "{err:?}");
+    assert_eq!(err.class(), ErrorClass::TRANSIENT, "{err:?}");
     assert_eq!(err.code(), Some(500));
 
     let start = Instant::now();
@@ -329,7 +330,10 @@ async fn kube_faults_are_retried() {
         .get("v1", "ConfigMap", Some(NS), "c")
         .await
         .unwrap_err();
-    assert!(err.is_transient() && err.code() == Some(429), "{err:?}");
+    assert!(
+        err.class().is_transient() && err.code() == Some(429),
+        "{err:?}"
+    );
     sim.set_faults(FaultConfig::default());
 
     // Random faults: every call still succeeds, and a second pass still changes nothing.
@@ -446,5 +450,5 @@ async fn unreachable_api_server_is_transient() {
         });
     let err = kube.get("v1", "Namespace", None, "x").await.unwrap_err();
     assert!(matches!(err, KubeError::Transport(_)), "{err:?}");
-    assert!(err.is_transient());
+    assert_eq!(err.class(), ErrorClass::TRANSIENT);
 }

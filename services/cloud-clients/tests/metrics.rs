@@ -10,6 +10,7 @@ use region_sim::{ApiFaults, Delays, FaultConfig};
 use serde_json::json;
 
 use crate::common::*;
+use ::common::errors::Classify;
 
 /// The value of the series `name{labels}` in the rendered registry (labels in any order), or 0
 /// when the series does not exist.
@@ -119,7 +120,7 @@ async fn every_request_is_counted_by_verb_and_outcome() {
         .list("v1", "Pod", Some("metrics"), "")
         .await
         .unwrap_err();
-    assert!(err.is_transient(), "{err:?}");
+    assert!(err.class().is_transient(), "{err:?}");
     sim.set_faults(no_faults());
     // Requests that never leave the process are not API calls.
     kube.get("v1", "NoSuchKind", None, "x").await.unwrap_err();

@@ -32,6 +32,7 @@ use api_types::regional::{
 use api_types::spec::{ModelDeployment, Spec};
 use std::sync::Arc;
 
+use common::errors::{Classify, ErrorClass};
 use common::seal::Sealer;
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Postgres, Transaction};
@@ -68,6 +69,23 @@ pub enum StoreError {
 impl From<sqlx::Error> for StoreError {
     fn from(e: sqlx::Error) -> StoreError {
         common::db::classify(e, StoreError::Unavailable, StoreError::Database)
+    }
+}
+
+impl Classify for StoreError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            StoreError::NotFound => ErrorClass::NotFound,
+            StoreError::Conflict(_) => ErrorClass::Conflict,
+            StoreError::Unprocessable(_) => ErrorClass::Refused,
+            // The driver's error, classed once by `common::db::classify`.
+            StoreError::Unavailable(_) => ErrorClass::TRANSIENT,
+            StoreError::Database(_) | StoreError::Seal => ErrorClass::Permanent,
+            // The writer's lease is gone for good: that write, sent again under it, is refused
+            // again. The lease's new holder carries on; the worker stops its pass (it reads the
+            // variant, which says more than any class).
+            StoreError::LeaseLost => ErrorClass::Permanent,
+        }
     }
 }
 
@@ -682,6 +700,26 @@ pub(crate) async fn outbox_only(
 mod tests {
     use super::*;
     use api_types::spec::AcceleratorGroup;
+
+    #[test]
+    fn every_error_has_its_class() {
+        let down = StoreError::from(sqlx::Error::PoolTimedOut);
+        assert!(matches!(down, StoreError::Unavailable(_)));
+        assert_eq!(down.class(), ErrorClass::TRANSIENT);
+        let wrong = StoreError::from(sqlx::Error::ColumnNotFound("x".into()));
+        assert_eq!(wrong.class(), ErrorClass::Permanent);
+        assert_eq!(StoreError::NotFound.class(), ErrorClass::NotFound);
+        assert_eq!(
+            StoreError::Conflict("current version is 2".into()).class(),
+            ErrorClass::Conflict
+        );
+        assert_eq!(
+            StoreError::Unprocessable("quota".into()).class(),
+            ErrorClass::Refused
+        );
+        assert_eq!(StoreError::Seal.class(), ErrorClass::Permanent);
+        assert_eq!(StoreError::LeaseLost.class(), ErrorClass::Permanent);
+    }
 
     fn deployment(model: &str, gpu: &str, id: Option<Uuid>) -> ModelDeployment {
         ModelDeployment {

@@ -26,6 +26,7 @@ use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use common::errors::{Classify, ErrorClass};
 use common::seal::Sealer;
 use region_store::{Store, StoreError};
 use sha2::{Digest, Sha256};
@@ -292,13 +293,16 @@ pub enum ApiError {
 }
 
 impl From<StoreError> for ApiError {
+    /// The answer to the region's database failing, by the failure's class. (The cloud's and
+    /// the Hub's failures are read where their answers are worded: `vpcs` and `models`.)
     fn from(e: StoreError) -> Self {
-        match e {
-            StoreError::NotFound => ApiError::NotFound,
-            StoreError::Conflict(m) => ApiError::Conflict(m),
-            StoreError::Unprocessable(m) => ApiError::Unprocessable(m),
-            StoreError::Unavailable(e) => ApiError::DatabaseUnavailable(e.to_string()),
-            other => ApiError::Internal(other.to_string()),
+        match e.class() {
+            ErrorClass::NotFound => ApiError::NotFound,
+            // The store words conflicts and refusals for the customer.
+            ErrorClass::Conflict => ApiError::Conflict(e.to_string()),
+            ErrorClass::Refused => ApiError::Unprocessable(e.to_string()),
+            ErrorClass::Transient { .. } => ApiError::DatabaseUnavailable(e.to_string()),
+            ErrorClass::Unauthorized | ErrorClass::Permanent => ApiError::Internal(e.to_string()),
         }
     }
 }
@@ -373,4 +377,65 @@ pub fn openapi_json() -> String {
     ApiDoc::openapi()
         .to_pretty_json()
         .expect("OpenAPI document serialises")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn answer(e: StoreError) -> (StatusCode, Option<String>, RegionError) {
+        let response = ApiError::from(e).into_response();
+        let status = response.status();
+        let retry_after = response
+            .headers()
+            .get(axum::http::header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap().to_string());
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        (status, retry_after, serde_json::from_slice(&body).unwrap())
+    }
+
+    /// Each class of the database's failures keeps the answer central reads it by: a 503 with
+    /// `service_unavailable` (whether it landed is unknown), the store's own words for a
+    /// conflict or a refusal, and nothing of the driver's in a body.
+    #[tokio::test]
+    async fn store_errors_keep_their_answers() {
+        let (status, retry, body) = answer(StoreError::NotFound).await;
+        assert_eq!(
+            (status, retry, body.id.as_str()),
+            (StatusCode::NOT_FOUND, None, "not_found")
+        );
+        let (status, _, body) = answer(StoreError::Conflict("current version is 2".into())).await;
+        assert_eq!(
+            (status, body.id.as_str()),
+            (StatusCode::CONFLICT, "conflict")
+        );
+        assert_eq!(body.message, "current version is 2");
+        let (status, _, body) = answer(StoreError::Unprocessable("over quota".into())).await;
+        assert_eq!(
+            (status, body.id.as_str(), body.message.as_str()),
+            (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unprocessable_entity",
+                "over quota"
+            )
+        );
+        let down = StoreError::Unavailable(region_store::sqlx::Error::PoolTimedOut);
+        let (status, retry, body) = answer(down).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(retry.as_deref(), Some("2"));
+        assert_eq!(body.id, "service_unavailable");
+        for internal in [
+            StoreError::Database(region_store::sqlx::Error::RowNotFound),
+            StoreError::Seal,
+            StoreError::LeaseLost,
+        ] {
+            let (status, _, body) = answer(internal).await;
+            assert_eq!(
+                (status, body.id.as_str()),
+                (StatusCode::INTERNAL_SERVER_ERROR, "server_error")
+            );
+        }
+    }
 }

@@ -24,6 +24,7 @@ use std::time::Duration;
 use api_types::catalog::{Catalog, Size};
 use api_types::spec::ModelDeployment;
 use cloud_clients::hugging_face::{HubClient, HubClientOptions, HubError, ModelInfo};
+use common::errors::{Classify, ErrorClass};
 
 use crate::ApiError;
 
@@ -426,12 +427,16 @@ fn rejected_token() -> ApiError {
 /// A Hub answer other than the ones the checks know: a failure that may pass is a 503 (retry),
 /// any other is final and quoted, since retrying would get the same.
 fn hub_refused(field: &str, repo: &str, e: HubError) -> ApiError {
-    if e.is_transient() {
-        return unavailable(e);
+    match e.class() {
+        ErrorClass::Transient { .. } => unavailable(e),
+        ErrorClass::Conflict
+        | ErrorClass::NotFound
+        | ErrorClass::Unauthorized
+        | ErrorClass::Refused
+        | ErrorClass::Permanent => ApiError::Unprocessable(format!(
+            "{field} {repo:?}: Hugging Face answered what the model server could not use ({e})."
+        )),
     }
-    ApiError::Unprocessable(format!(
-        "{field} {repo:?}: Hugging Face answered what the model server could not use ({e})."
-    ))
 }
 
 fn unavailable(e: HubError) -> ApiError {
@@ -444,6 +449,25 @@ mod tests {
     use super::*;
     use api_types::catalog::EMBEDDED;
     use serde_json::json;
+
+    /// A Hub answer the checks do not word themselves: a 503 when it may pass, else a 422 that
+    /// quotes it.
+    #[test]
+    fn an_answer_the_checks_do_not_know_is_quoted_unless_it_passes() {
+        let passing = HubError::Transient {
+            message: "HTTP 503: busy".into(),
+            retry_after: Some(Duration::from_secs(1)),
+        };
+        assert!(matches!(
+            hub_refused("f", "org/m", passing),
+            ApiError::Unavailable(_)
+        ));
+        let odd = HubError::Unexpected("HTTP 400: disabled".into());
+        assert!(matches!(
+            hub_refused("f", "org/m", odd),
+            ApiError::Unprocessable(m) if m.contains("disabled") && m.starts_with("f \"org/m\"")
+        ));
+    }
 
     fn llama_8b() -> (BTreeMap<String, u64>, serde_json::Value) {
         (

@@ -22,6 +22,7 @@ use central_store::{
     CreateBegin, CreateState, IdempotencyState, KeyedOperation, NewCreate, ReadModelUpdate,
     SealedAt, StoreError,
 };
+use common::errors::{Classify, ErrorClass};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -30,7 +31,7 @@ use uuid::Uuid;
 
 use crate::auth::Principal;
 use crate::body::Parsed;
-use crate::error::{ApiError, RETRY_AFTER_SECS};
+use crate::error::ApiError;
 use crate::regions::RegionCallError;
 use crate::{validate, App};
 
@@ -148,12 +149,15 @@ fn region_failure(e: RegionCallError) -> OperationError {
     }
 }
 
-/// A database failure leaves the outcome unknown (a commit may have landed before the answer
-/// was lost); only central's own refusals are known to have changed nothing.
+/// A database failure, passing or not, leaves the outcome unknown (a commit may have landed
+/// before the answer was lost); only central's own refusals are known to have changed nothing.
 fn store_failure(e: StoreError) -> OperationError {
-    match e {
-        StoreError::Database(_) | StoreError::Unavailable(_) => OperationError::Unsettled(e.into()),
-        _ => OperationError::Refused(e.into()),
+    match e.class() {
+        ErrorClass::Transient { .. } | ErrorClass::Permanent => OperationError::Unsettled(e.into()),
+        ErrorClass::Conflict
+        | ErrorClass::NotFound
+        | ErrorClass::Unauthorized
+        | ErrorClass::Refused => OperationError::Refused(e.into()),
     }
 }
 
@@ -208,39 +212,16 @@ fn busy() -> ApiError {
     }
 }
 
+/// The public answer to a failed call to a region: by its class ([`ApiError::of_class`]), with
+/// the region's own words for a conflict or a refusal.
 fn region_error(e: RegionCallError) -> ApiError {
-    match e {
-        RegionCallError::UnknownRegion => ApiError::ServiceUnavailable {
-            retry_after_secs: RETRY_AFTER_SECS,
-        },
-        RegionCallError::Unavailable(detail) => {
-            tracing::warn!(%detail, "region unavailable");
-            ApiError::ServiceUnavailable {
-                retry_after_secs: RETRY_AFTER_SECS,
-            }
-        }
-        RegionCallError::NotApplied(detail) => {
-            tracing::warn!(%detail, "region changed nothing: a dependency of it is unavailable");
-            ApiError::ServiceUnavailable {
-                retry_after_secs: RETRY_AFTER_SECS,
-            }
-        }
-        RegionCallError::Rejected { status, error } => match status {
-            404 => ApiError::NotFound,
-            409 => ApiError::Conflict(error.message),
-            422 => ApiError::Unprocessable(error.message),
-            // The region refused central itself (a shared secret rotated on one side only) or
-            // something in front of it limited the rate: nothing changed there, and the
-            // customer's retry works once that passes.
-            401 | 403 | 429 => {
-                tracing::error!(status, message = %error.message, "region refused central");
-                ApiError::ServiceUnavailable {
-                    retry_after_secs: RETRY_AFTER_SECS,
-                }
-            }
-            _ => ApiError::internal(format!("region answered {status}: {}", error.message)),
-        },
+    let class = e.class();
+    match class {
+        ErrorClass::Transient { .. } => tracing::warn!(error = %e, "region unavailable"),
+        ErrorClass::Unauthorized => tracing::error!(error = %e, "region refused central"),
+        _ => {}
     }
+    ApiError::of_class(class, e.message().unwrap_or_default().to_string(), e)
 }
 
 fn provider_token(
@@ -430,5 +411,51 @@ mod tests {
         assert!(matches!(rejected(404), ApiError::NotFound));
         assert!(matches!(rejected(422), ApiError::Unprocessable(_)));
         assert!(matches!(rejected(400), ApiError::Internal(_)));
+    }
+
+    /// Every way a region call fails keeps its answer: the region's words for a conflict or a
+    /// refusal, a 503 with central's Retry-After for anything that passes, a 500 for the rest.
+    #[test]
+    fn every_region_failure_keeps_its_answer() {
+        let unavailable = |e: ApiError| {
+            matches!(
+                e,
+                ApiError::ServiceUnavailable {
+                    retry_after_secs: crate::error::RETRY_AFTER_SECS
+                }
+            )
+        };
+        assert!(unavailable(region_error(RegionCallError::UnknownRegion)));
+        assert!(unavailable(region_error(RegionCallError::Unavailable(
+            "timed out".into()
+        ))));
+        assert!(unavailable(region_error(RegionCallError::NotApplied(
+            "the Hub did not answer".into()
+        ))));
+        for status in [401, 403, 429] {
+            assert!(unavailable(rejected(status)), "{status}");
+        }
+        assert!(matches!(rejected(409), ApiError::Conflict(m) if m == "refused"));
+        assert!(matches!(rejected(422), ApiError::Unprocessable(m) if m == "refused"));
+        for status in [400, 405, 410, 302] {
+            assert!(
+                matches!(rejected(status), ApiError::Internal(d) if d.contains(&status.to_string())),
+                "{status}"
+            );
+        }
+    }
+
+    /// Whether a failed operation keeps its key: only a database failure leaves the outcome
+    /// unknown.
+    #[test]
+    fn only_database_failures_leave_an_operation_unsettled() {
+        use central_store::sqlx;
+        let unsettled = |e: StoreError| matches!(store_failure(e), OperationError::Unsettled(_));
+        assert!(unsettled(StoreError::Unavailable(
+            sqlx::Error::PoolTimedOut
+        )));
+        assert!(unsettled(StoreError::Database(sqlx::Error::RowNotFound)));
+        assert!(!unsettled(StoreError::NameTaken));
+        assert!(!unsettled(StoreError::NotFound));
     }
 }
