@@ -328,6 +328,7 @@ async fn transient_errors_are_retried_until_success() {
     assert!(err.is_transient() && matches!(err, DoError::Server { status: 500, .. }));
 
     let before = api.mutating_calls();
+    let refused = calls_answered(&sim, 500);
     let update = {
         let api = api.clone();
         let (cid, pid) = (c.id.clone(), pool_id.clone());
@@ -336,7 +337,9 @@ async fn transient_errors_are_retried_until_success() {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The update's first attempt is refused; then the fault clears.
+    let more_refused = async || calls_answered(&sim, 500) > refused;
+    test_support::until(Duration::from_secs(10), "an attempt refused", more_refused).await;
     sim.set_faults(no_faults());
     let pool = update.await.unwrap().expect("retried to success");
     assert_eq!(pool.count, 2);
@@ -375,7 +378,8 @@ async fn rate_limits_are_retried_after_retry_after() {
         let id = c.id.clone();
         tokio::spawn(async move { api.cluster_get(&id).await })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let limited = async || calls_answered(&sim, 429) > 0;
+    test_support::until(Duration::from_secs(10), "a 429", limited).await;
     sim.set_faults(no_faults());
     let got = get.await.unwrap().expect("retried after Retry-After");
     assert_eq!(got.id, c.id);

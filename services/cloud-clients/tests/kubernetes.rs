@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ::common::errors::{Classify, ErrorClass};
 use cloud_clients::kubernetes::known_resource;
@@ -306,16 +306,23 @@ async fn kube_faults_are_retried() {
     assert_eq!(err.class(), ErrorClass::TRANSIENT, "{err:?}");
     assert_eq!(err.code(), Some(500));
 
-    let start = Instant::now();
+    let kube_calls = || -> u64 {
+        sim.stats()
+            .requests
+            .get("kube")
+            .map_or(0, |k| k.values().sum())
+    };
+    let before = kube_calls();
     let task = {
         let kube = kube.clone();
         tokio::spawn(async move { kube.apply(&config_map("c", true, "v")).await })
     };
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Its first attempt and a retry meet the fault; then it clears.
+    let retried = async || kube_calls() >= before + 2;
+    test_support::until(Duration::from_secs(10), "a retry under the fault", retried).await;
     sim.set_faults(FaultConfig::default());
     let applied = task.await.unwrap().expect("retried to success");
     assert!(applied.changed);
-    assert!(start.elapsed() >= Duration::from_millis(150));
 
     // 429s are transient too.
     sim.set_faults(FaultConfig {

@@ -2,7 +2,6 @@
 
 #![allow(dead_code)]
 
-use std::future::Future;
 use std::time::Duration;
 
 use cloud_clients::digitalocean::{ClusterCreateRequest, NodePoolCreateRequest};
@@ -70,18 +69,8 @@ pub async fn kube_client(do_api: &DoClient, cluster_id: &str, retry: RetryConfig
 }
 
 /// Polls `f` until it yields a value (about 10 s at most).
-pub async fn eventually<T, F, Fut>(what: &str, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    for _ in 0..400 {
-        if let Some(v) = f().await {
-            return v;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("timed out waiting for {what}");
+pub async fn eventually<T>(what: &str, f: impl AsyncFnMut() -> Option<T>) -> T {
+    test_support::eventually(Duration::from_secs(10), what, f).await
 }
 
 pub fn no_faults() -> FaultConfig {
