@@ -5,6 +5,7 @@
 //! answers the first request after zero (the gateway holds it while a replica starts). Every
 //! decision is an event, and the DI says how many replicas it runs and wants.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,6 +14,7 @@ use region_sim::Delays;
 use reqwest::Method;
 use serde_json::{json, Value};
 use system_tests::{CloudOptions, System};
+use test_support::within;
 use uuid::Uuid;
 
 use crate::lifecycle::{di_path, fetch_ca, get, spec, start, wait_active};
@@ -137,28 +139,29 @@ async fn wait_replicas(
     api: &str,
     id: &str,
     what: &str,
-    within: Duration,
+    limit: Duration,
     cond: impl Fn(u64, u64) -> bool,
 ) -> Vec<(u64, u64)> {
-    let deadline = Instant::now() + within;
-    let mut seen: Vec<(u64, u64)> = Vec::new();
-    loop {
+    let seen: RefCell<Vec<(u64, u64)>> = RefCell::default();
+    let status = RefCell::new(Value::Null);
+    let reached = within(limit, || async {
         let di = get(sys, api, id).await.body["dedicated_inference"].clone();
-        if let Some(r) = replicas(&di) {
-            if seen.last() != Some(&r) {
-                seen.push(r);
-            }
-            if cond(r.0, r.1) {
-                return seen;
-            }
+        *status.borrow_mut() = di["status"].clone();
+        let r = replicas(&di)?;
+        if seen.borrow().last() != Some(&r) {
+            seen.borrow_mut().push(r);
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {within:?}; (ready, wanted) seen: {seen:?}; status {}",
-            di["status"]
+        cond(r.0, r.1).then_some(())
+    })
+    .await;
+    let seen = seen.into_inner();
+    if reached.is_none() {
+        panic!(
+            "{what}: not within {limit:?}; (ready, wanted) seen: {seen:?}; status {}",
+            status.into_inner()
         );
-        tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    seen
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use hub_sim::{Gated, Repo};
 use reqwest::Method;
 use serde_json::{json, Value};
-use system_tests::{eventually, CloudOptions, System};
+use system_tests::{CloudOptions, System};
 use uuid::Uuid;
 
 use crate::lifecycle::{assert_chat_ok, ca_client, di_path, fetch_ca, start, wait_active, Caller};
@@ -348,11 +348,9 @@ async fn a_model_that_can_no_longer_be_loaded_is_an_error_with_the_reason() {
         .await;
     // The deployment's repository did not change: the PATCH does not wait on the Hub.
     assert_eq!(patched.status, 202, "{}", patched.body);
-    let errored = eventually(Duration::from_secs(60), || async {
-        let di = sys.call(Method::GET, &di_path(&id, ""), &api, None).await;
-        (di.body["dedicated_inference"]["status"] == "error").then_some(di.body)
-    })
-    .await;
+    let errored = sys
+        .wait_status(&api, &id, "error", Duration::from_secs(60))
+        .await;
     let events = sys
         .call(Method::GET, &di_path(&id, "/events"), &api, None)
         .await;

@@ -10,6 +10,7 @@
 //! Every journey runs on the real system with a simulated cloud and quick delays; every switch
 //! happens under continuous calls that must all be answered.
 
+use std::future::ready;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -19,6 +20,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use system_tests::python::{self, describe, tests_dir};
 use system_tests::{CloudOptions, System};
+use test_support::within;
 use uuid::Uuid;
 
 use crate::lifecycle::{
@@ -84,17 +86,16 @@ fn model_servers(sys: &System, id: &str) -> Vec<(String, String)> {
 /// Waits (10 s at most) until every model server of the DI loads `repo` under [`NAME`].
 async fn assert_serving(sys: &System, id: &str, repo: &str) {
     let want = (repo.to_string(), NAME.to_string());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
+    let serving = within(Duration::from_secs(10), || {
         let servers = model_servers(sys, id);
-        if !servers.is_empty() && servers.iter().all(|s| *s == want) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{id}'s model servers should all load {repo} as {NAME}: {servers:?}"
+        ready((!servers.is_empty() && servers.iter().all(|s| *s == want)).then_some(()))
+    })
+    .await;
+    if serving.is_none() {
+        panic!(
+            "{id}'s model servers should all load {repo} as {NAME}: {:?}",
+            model_servers(sys, id)
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -6,7 +6,8 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::{json, Value};
 use system_tests::proxy::Mode;
-use system_tests::{create_body, eventually, Options, Reply, System};
+use system_tests::{create_body, Options, Reply, System};
+use test_support::{eventually, until};
 use uuid::Uuid;
 
 async fn post_with_key(sys: &System, token: &str, key: &str, body: &Value) -> Reply {
@@ -69,7 +70,12 @@ impl Keyed<'_> {
 
 /// Rows of a table in central's database.
 async fn central_rows(sys: &System, table: &str) -> i64 {
-    sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+    central_count(sys, &format!("SELECT count(*) FROM {table}")).await
+}
+
+/// A `SELECT count(*) …` in central's database.
+async fn central_count(sys: &System, query: &str) -> i64 {
+    sqlx::query_scalar(query)
         .fetch_one(sys.central.app.store.pool())
         .await
         .unwrap()
@@ -190,7 +196,7 @@ async fn a_down_region_keeps_reads_and_refuses_writes_with_503() {
     // When the region returns, the create that failed during the outage is finished by recovery
     // (it was accepted into central's pending creates), exactly once.
     sys.region("atl1").come_back();
-    let names = eventually(Duration::from_secs(15), || async {
+    let names = eventually(Duration::from_secs(15), "during-outage listed", || async {
         let names: Vec<String> = listed(&sys, &token)
             .await
             .iter()
@@ -274,8 +280,8 @@ async fn a_slow_region_timeout_then_retry_yields_one_di() {
         )
         .await;
     keyless.assert_error(503, "service_unavailable");
-    eventually(Duration::from_secs(5), || async {
-        (region_rows(&sys, "atl1").await == 1).then_some(())
+    until(Duration::from_secs(5), "the DI made in atl1", || async {
+        region_rows(&sys, "atl1").await == 1
     })
     .await;
 
@@ -329,12 +335,16 @@ async fn an_identical_create_retried_after_recovery_settled_it_gets_its_202() {
         .unwrap()
         .parse()
         .unwrap();
+    // Real time: the region's stall is the scenario, as long as it says.
     tokio::time::sleep_until(stall + Duration::from_secs(7)).await;
     sys.proxy("atl1").set_mode(Mode::Pass);
-    eventually(Duration::from_secs(20), || async {
-        (central_rows(&sys, "pending_creates").await == 0).then_some(())
-    })
+    until(
+        Duration::from_secs(20),
+        "recovery settled the create",
+        || async { central_rows(&sys, "pending_creates").await == 0 },
+    )
     .await;
+    // A client's pace: it retries once Retry-After has passed, as pydo does.
     tokio::time::sleep_until(answered + Duration::from_secs(retry_after)).await;
 
     // The client retries the same body, as pydo and plain clients do after Retry-After.
@@ -427,15 +437,18 @@ async fn keyed_operations_cut_off_by_a_central_restart_are_finished_by_recovery(
     sys.region("atl1").come_back();
 
     // Recovery finishes both without any client asking again.
-    eventually(Duration::from_secs(20), || async {
-        let unfinished = sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM idempotency_keys WHERE status_code IS NULL",
-        )
-        .fetch_one(sys.central.app.store.pool())
-        .await
-        .unwrap();
-        (unfinished == 0).then_some(())
-    })
+    until(
+        Duration::from_secs(20),
+        "recovery finished both keyed operations",
+        || async {
+            central_count(
+                &sys,
+                "SELECT count(*) FROM idempotency_keys WHERE status_code IS NULL",
+            )
+            .await
+                == 0
+        },
+    )
     .await;
 
     let keyed = Keyed {
@@ -538,7 +551,7 @@ async fn recovery_after_central_restart_settles_unanswered_creates() {
     // Central restarts: a new process on the same database, running the background work.
     sys.restart_central().await;
 
-    let names = eventually(Duration::from_secs(20), || async {
+    let names = eventually(Duration::from_secs(20), "both creates listed", || async {
         let list = listed(&sys, &token).await;
         (list.len() == 2).then_some(list)
     })
@@ -743,10 +756,14 @@ async fn recovery_leaves_a_create_alone_while_a_request_sends_it() {
     assert_eq!(answered, 503, "the region answered after central's wait");
     sys.proxy("atl1").set_mode(Mode::Pass);
     // Now recovery finishes it, once.
-    eventually(Duration::from_secs(20), || async {
-        let done = central::feed::recover_once(&sys.central.app).await.unwrap();
-        (central_rows(&sys, "pending_creates").await == 0).then_some(done)
-    })
+    eventually(
+        Duration::from_secs(20),
+        "recovery finished the create",
+        || async {
+            let done = central::feed::recover_once(&sys.central.app).await.unwrap();
+            (central_rows(&sys, "pending_creates").await == 0).then_some(done)
+        },
+    )
     .await;
     assert_eq!(region_rows(&sys, "atl1").await, 1);
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use region_sim::Delays;
 use reqwest::Method;
 use serde_json::{json, Value};
-use system_tests::{eventually, CloudOptions, System};
+use system_tests::{CloudOptions, System};
 use uuid::Uuid;
 
 use crate::lifecycle::{
@@ -293,11 +293,9 @@ async fn an_update_that_fails_mid_rollout_leaves_the_endpoint_serving() {
         assert_eq!(patched.status, 202, "{}", patched.body);
         tokio::time::sleep(Duration::from_millis(pause)).await;
     }
-    let errored = eventually(Duration::from_secs(60), || async {
-        let di = sys.call(Method::GET, &di_path(&id, ""), &api, None).await;
-        (di.body["dedicated_inference"]["status"] == "error").then_some(di.body)
-    })
-    .await;
+    let errored = sys
+        .wait_status(&api, &id, "error", Duration::from_secs(60))
+        .await;
     // Keep calling through what follows the failure.
     tokio::time::sleep(Duration::from_secs(6)).await;
     let log = caller.finish().await;
