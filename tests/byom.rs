@@ -147,7 +147,8 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
         token.clone(),
         vec!["support-bot".to_string()],
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Under way on the old repository first.
+    caller.until_ok(2).await;
     let mut spec = active["spec"].clone();
     spec["model_deployments"][0]["provider_model_id"] = json!("my-org/support-llama-v2");
     let patched = sys
@@ -160,7 +161,8 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
         .await;
     assert_eq!(patched.status, 202, "{}", patched.body);
     let (switched, _) = wait_active(&sys, &api, "atl1", &id, 2).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // And after the switch: four rounds, about half a second at the caller's pace.
+    caller.more_rounds(4).await;
     let log = caller.finish().await;
     assert!(log.failures.is_empty(), "{:#?}", log.failures);
     assert!(log.ok >= 10, "the client must have been calling: {log:?}");

@@ -109,8 +109,8 @@ fn hf_token_in_cluster(sys: &System, id: &str) -> Option<Vec<u8>> {
         .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
 }
 
-/// Calls `endpoint` by [`NAME`] back to back from now on (see [`Caller`]), for half a second
-/// before this returns.
+/// Calls `endpoint` by [`NAME`] back to back from now on (see [`Caller`]); returns once it has
+/// answered a few times.
 async fn call_continuously(client: &reqwest::Client, endpoint: &str, token: &str) -> Caller {
     let caller = Caller::start(
         client.clone(),
@@ -118,7 +118,7 @@ async fn call_continuously(client: &reqwest::Client, endpoint: &str, token: &str
         token.to_string(),
         vec![NAME.to_string()],
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    caller.until_ok(2).await;
     caller
 }
 
@@ -462,7 +462,8 @@ async fn godos_requests_create_update_and_delete_a_custom_repository() {
     assert_eq!(pending["version"], 2, "{patched}");
     godo_reads_spec(pending, NEXT_REPO);
     let (switched, _) = wait_active(&sys, &api, REGION, &id, 2).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // And after the switch: four rounds, about half a second at the caller's pace.
+    caller.more_rounds(4).await;
     let calls = not_one_failed(caller).await;
     let (_, same_model_id) = godo_reads(&switched, NEXT_REPO);
     assert_eq!(same_model_id, model_id, "the same deployment: {switched}");

@@ -22,6 +22,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use system_tests::{create_body, python, CloudOptions, Options, System, HF_TOKEN};
 use test_support::{eventually, within};
+use tokio::sync::watch;
 use uuid::Uuid;
 
 /// Gated on Hugging Face: a create needs `access_tokens.hugging_face_token`.
@@ -469,18 +470,26 @@ pub(crate) async fn assert_chat_ok(
 }
 
 /// What a [`Caller`] saw.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct CallLog {
     pub(crate) ok: u64,
     pub(crate) failures: Vec<String>,
     /// Per endpoint, when it moved on to the next model (see [`Caller::start`]).
     pub(crate) switches: Vec<String>,
+    /// Rounds of calls made: one call to every endpoint each, answered or not.
+    pub(crate) rounds: u64,
 }
+
+/// How long a test waits for the calls of a [`Caller`] it waits for: a round takes the 50 ms
+/// pace and a call per endpoint, a call that is not answered up to 5 s.
+const CALLS_WITHIN: Duration = Duration::from_secs(30);
 
 /// Calls chat completions on every endpoint back to back, in the background, until stopped.
 pub(crate) struct Caller {
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<CallLog>,
+    /// What it saw so far: a test waits on it for calls made, instead of for a length of time.
+    log: watch::Receiver<CallLog>,
+    task: tokio::task::JoinHandle<()>,
 }
 
 impl Caller {
@@ -500,8 +509,8 @@ impl Caller {
     ) -> Caller {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
+        let (record, log) = watch::channel(CallLog::default());
         let task = tokio::spawn(async move {
-            let mut log = CallLog::default();
             let mut current = vec![0usize; endpoints.len()];
             while !flag.load(Ordering::SeqCst) {
                 for (i, endpoint) in endpoints.iter().enumerate() {
@@ -511,36 +520,68 @@ impl Caller {
                         if body["error"]["message"].as_str().is_some_and(|m| m.contains("does not exist")));
                     if unknown_model && current[i] + 1 < models.len() {
                         current[i] += 1;
-                        log.switches
-                            .push(format!("{endpoint}: {model} -> {}", models[current[i]]));
-                        let again = chat(&client, endpoint, &token, &models[current[i]]).await;
-                        match again {
+                        let next = &models[current[i]];
+                        record.send_modify(|log| {
+                            log.switches.push(format!("{endpoint}: {model} -> {next}"))
+                        });
+                        let again = chat(&client, endpoint, &token, next).await;
+                        record.send_modify(|log| match again {
                             Ok((200, _)) => log.ok += 1,
                             other => log.failures.push(format!(
-                                "{endpoint} right after the switch to {}: {other:?}",
-                                models[current[i]]
+                                "{endpoint} right after the switch to {next}: {other:?}"
                             )),
-                        }
+                        });
                         continue;
                     }
-                    match answer {
+                    record.send_modify(|log| match answer {
                         Ok((200, body)) if body["model"] == model.as_str() => log.ok += 1,
                         other => log
                             .failures
                             .push(format!("{endpoint} with {model}: {other:?}")),
-                    }
+                    });
                 }
+                record.send_modify(|log| log.rounds += 1);
                 // A pace, not a wait for a condition: about 20 calls per second per endpoint.
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            log
         });
-        Caller { stop, task }
+        Caller { stop, log, task }
+    }
+
+    /// Waits until `n` calls in all have succeeded since the caller started: it is under way.
+    pub(crate) async fn until_ok(&self, n: u64) {
+        self.until(&format!("{n} successful calls"), |log| log.ok >= n)
+            .await;
+    }
+
+    /// Waits until the caller has made `n` more rounds of calls (answered or not) than so far:
+    /// each the 50 ms pace and a call per endpoint, so 100 to 200 ms under load.
+    pub(crate) async fn more_rounds(&self, n: u64) {
+        let target = self.log.borrow().rounds + n;
+        self.until(&format!("{n} more rounds of calls"), |log| {
+            log.rounds >= target
+        })
+        .await;
+    }
+
+    async fn until(&self, what: &str, holds: impl Fn(&CallLog) -> bool) {
+        let reached = within(CALLS_WITHIN, || {
+            ready(holds(&self.log.borrow()).then_some(()))
+        })
+        .await;
+        if reached.is_none() {
+            panic!(
+                "the caller did not make {what} within {CALLS_WITHIN:?}: {:?}",
+                *self.log.borrow()
+            );
+        }
     }
 
     pub(crate) async fn finish(self) -> CallLog {
         self.stop.store(true, Ordering::SeqCst);
-        self.task.await.expect("the caller task")
+        self.task.await.expect("the caller task");
+        let log = self.log.borrow().clone();
+        log
     }
 }
 
