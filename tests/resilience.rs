@@ -81,6 +81,16 @@ async fn central_count(sys: &System, query: &str) -> i64 {
         .unwrap()
 }
 
+/// Makes central's pending creates older than recovery's age, by the database's clock (the one
+/// recovery goes by), instead of waiting for that age to pass.
+async fn age_pending_creates(sys: &System) {
+    sqlx::query("UPDATE pending_creates SET created_at = created_at - make_interval(secs => $1)")
+        .bind((central::feed::RECOVERY_AGE + Duration::from_secs(1)).as_secs_f64())
+        .execute(sys.central.app.store.pool())
+        .await
+        .unwrap();
+}
+
 /// The lowercase hex SHA-256 of each live access token of DI `id`, as its region stores them.
 async fn region_token_hashes(sys: &System, region: &str, id: &str) -> Vec<String> {
     let handle = sys.regions.iter().find(|r| r.name == region).unwrap();
@@ -394,7 +404,20 @@ async fn a_keyed_patch_runs_to_its_end_after_its_client_gave_up() {
     keyed
         .give_up_after_half_a_second(Method::PATCH, &path, "patch-once", Some(&body))
         .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Central drives it on once the client is gone, to an answer it keeps for the key.
+    until(
+        Duration::from_secs(10),
+        "the PATCH answered for its key after its client gave up",
+        || async {
+            central_count(
+                &sys,
+                "SELECT count(*) FROM idempotency_keys WHERE key = 'patch-once' AND status_code IS NOT NULL",
+            )
+            .await
+                == 1
+        },
+    )
+    .await;
     sys.proxy("atl1").set_mode(Mode::Pass);
 
     let retried = keyed
@@ -503,7 +526,7 @@ async fn recovery_settles_a_create_it_cannot_open_as_failed() {
         })
         .await
         .unwrap();
-    tokio::time::sleep(central::feed::RECOVERY_AGE + Duration::from_millis(200)).await;
+    age_pending_creates(&sys).await;
     let _ = central::feed::recover_once(&sys.central.app).await;
     assert_eq!(
         central_rows(&sys, "pending_creates").await,
@@ -735,13 +758,21 @@ async fn recovery_leaves_a_create_alone_while_a_request_sends_it() {
                 .map(|r| r.status())
         })
     };
-    // Older than recovery's age (3 s) and still waiting on the region (6 s): recovery's turn.
-    tokio::time::sleep(Duration::from_millis(3500)).await;
-    assert_eq!(
-        central_rows(&sys, "pending_creates").await,
-        1,
-        "the request is sending it"
-    );
+    // Still waiting on the region (6 s) and older than recovery's age: recovery's turn.
+    until(
+        Duration::from_secs(5),
+        "the request is sending it",
+        || async {
+            central_count(
+                &sys,
+                "SELECT count(*) FROM pending_creates WHERE driven_until > now()",
+            )
+            .await
+                == 1
+        },
+    )
+    .await;
+    age_pending_creates(&sys).await;
     let completed = central::feed::recover_once(&sys.central.app)
         .await
         .expect("recovery runs");
@@ -809,7 +840,19 @@ async fn a_keyed_retry_whose_first_attempt_is_refused_gets_the_refusal() {
         keyed.send(Method::PATCH, &path, "refused", Some(&body)),
         async {
             // Sent while the first attempt waits for the region's answer.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            until(
+                Duration::from_secs(5),
+                "the first attempt sent to the region",
+                || async {
+                    central_count(
+                        &sys,
+                        "SELECT count(*) FROM idempotency_keys WHERE key = 'refused' AND driven_until > now()",
+                    )
+                    .await
+                        == 1
+                },
+            )
+            .await;
             keyed
                 .send(Method::PATCH, &path, "refused", Some(&body))
                 .await
