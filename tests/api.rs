@@ -250,19 +250,9 @@ async fn worker_progress_reaches_the_read_model() {
         .await
         .unwrap();
     // The background feed consumer brings the change to central without help.
-    let di = system_tests::eventually(std::time::Duration::from_secs(10), || async {
-        let got = sys
-            .call(
-                Method::GET,
-                &format!("/v2/dedicated-inferences/{id}"),
-                &token,
-                None,
-            )
-            .await;
-        (got.body["dedicated_inference"]["status"] == "active")
-            .then_some(got.body["dedicated_inference"].clone())
-    })
-    .await;
+    let di = sys
+        .wait_status(&token, &id, "active", std::time::Duration::from_secs(10))
+        .await;
     assert!(di["pending_deployment_spec"].is_null());
     assert_eq!(
         di["endpoints"]["public_endpoint_fqdn"],

@@ -5,6 +5,7 @@
 //! answers the first request after zero (the gateway holds it while a replica starts). Every
 //! decision is an event, and the DI says how many replicas it runs and wants.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,11 +14,14 @@ use region_sim::Delays;
 use reqwest::Method;
 use serde_json::{json, Value};
 use system_tests::{CloudOptions, System};
+use test_support::{until, within};
 use uuid::Uuid;
 
 use crate::lifecycle::{di_path, fetch_ca, get, spec, start, wait_active};
 
 const MODEL: &str = "qwen/qwen2.5-7b-instruct";
+/// Clients of the load, each calling without pause.
+const CLIENTS: u64 = 24;
 
 fn cloud() -> CloudOptions {
     CloudOptions {
@@ -121,6 +125,20 @@ impl Load {
         }
     }
 
+    /// Requests made so far, answered or not.
+    fn made(&self) -> u64 {
+        self.ok.load(Ordering::Relaxed) + self.failures.lock().unwrap().len() as u64
+    }
+
+    /// Waits until `n` more requests than so far have been made, answered or not.
+    async fn more(&self, n: u64, within: Duration) {
+        let target = self.made() + n;
+        until(within, format!("{n} more requests of the load"), || async {
+            self.made() >= target
+        })
+        .await;
+    }
+
     async fn finish(self) -> (u64, Vec<String>) {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.tasks {
@@ -137,28 +155,29 @@ async fn wait_replicas(
     api: &str,
     id: &str,
     what: &str,
-    within: Duration,
+    limit: Duration,
     cond: impl Fn(u64, u64) -> bool,
 ) -> Vec<(u64, u64)> {
-    let deadline = Instant::now() + within;
-    let mut seen: Vec<(u64, u64)> = Vec::new();
-    loop {
+    let seen: RefCell<Vec<(u64, u64)>> = RefCell::default();
+    let status = RefCell::new(Value::Null);
+    let reached = within(limit, || async {
         let di = get(sys, api, id).await.body["dedicated_inference"].clone();
-        if let Some(r) = replicas(&di) {
-            if seen.last() != Some(&r) {
-                seen.push(r);
-            }
-            if cond(r.0, r.1) {
-                return seen;
-            }
+        *status.borrow_mut() = di["status"].clone();
+        let r = replicas(&di)?;
+        if seen.borrow().last() != Some(&r) {
+            seen.borrow_mut().push(r);
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {within:?}; (ready, wanted) seen: {seen:?}; status {}",
-            di["status"]
+        cond(r.0, r.1).then_some(())
+    })
+    .await;
+    let seen = seen.into_inner();
+    if reached.is_none() {
+        panic!(
+            "{what}: not within {limit:?}; (ready, wanted) seen: {seen:?}; status {}",
+            status.into_inner()
         );
-        tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    seen
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -208,7 +227,7 @@ async fn a_declared_slo_scales_up_under_load_down_after_it_to_zero_when_idle_and
 
     // Under load: prompts of 1,500 uncached tokens from 24 clients queue for prefill far past
     // the 150 ms TTFT objective on one replica. The DI grows, and not one request fails.
-    let load = Load::start(&client, &endpoint, &token, 24);
+    let load = Load::start(&client, &endpoint, &token, CLIENTS);
     let grew = wait_replicas(
         &sys,
         &api,
@@ -218,7 +237,8 @@ async fn a_declared_slo_scales_up_under_load_down_after_it_to_zero_when_idle_and
         |r, w| r >= 2 && w >= 2,
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // And on the grown DI: two more requests from every client, about two seconds at this load.
+    load.more(2 * CLIENTS, Duration::from_secs(60)).await;
     let (ok, failures) = load.finish().await;
     println!("under load: {ok} answered, (ready, wanted) went {grew:?}");
     assert!(

@@ -3,7 +3,8 @@
 
 use reqwest::Method;
 use serde_json::json;
-use system_tests::{create_body, eventually, System};
+use system_tests::{create_body, System};
+use test_support::eventually;
 use uuid::Uuid;
 
 async fn raw(
@@ -480,12 +481,16 @@ async fn authentication_and_authorisation() {
         .api_token_revoke(doomed_id)
         .await
         .unwrap();
-    eventually(std::time::Duration::from_secs(5), || async {
-        let reply = sys
-            .call(Method::GET, "/v2/dedicated-inferences", &doomed, None)
-            .await;
-        (reply.status == 401).then_some(reply)
-    })
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the revoked API token refused",
+        || async {
+            let reply = sys
+                .call(Method::GET, "/v2/dedicated-inferences", &doomed, None)
+                .await;
+            (reply.status == 401).then_some(reply)
+        },
+    )
     .await
     .assert_error(401, "unauthorized");
 

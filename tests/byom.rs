@@ -8,7 +8,7 @@ use std::time::Duration;
 use hub_sim::{Gated, Repo};
 use reqwest::Method;
 use serde_json::{json, Value};
-use system_tests::{eventually, CloudOptions, System};
+use system_tests::{CloudOptions, System};
 use uuid::Uuid;
 
 use crate::lifecycle::{assert_chat_ok, ca_client, di_path, fetch_ca, start, wait_active, Caller};
@@ -147,7 +147,8 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
         token.clone(),
         vec!["support-bot".to_string()],
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Under way on the old repository first.
+    caller.until_ok(2).await;
     let mut spec = active["spec"].clone();
     spec["model_deployments"][0]["provider_model_id"] = json!("my-org/support-llama-v2");
     let patched = sys
@@ -160,7 +161,8 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
         .await;
     assert_eq!(patched.status, 202, "{}", patched.body);
     let (switched, _) = wait_active(&sys, &api, "atl1", &id, 2).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // And after the switch: four rounds, about half a second at the caller's pace.
+    caller.more_rounds(4).await;
     let log = caller.finish().await;
     assert!(log.failures.is_empty(), "{:#?}", log.failures);
     assert!(log.ok >= 10, "the client must have been calling: {log:?}");
@@ -348,11 +350,9 @@ async fn a_model_that_can_no_longer_be_loaded_is_an_error_with_the_reason() {
         .await;
     // The deployment's repository did not change: the PATCH does not wait on the Hub.
     assert_eq!(patched.status, 202, "{}", patched.body);
-    let errored = eventually(Duration::from_secs(60), || async {
-        let di = sys.call(Method::GET, &di_path(&id, ""), &api, None).await;
-        (di.body["dedicated_inference"]["status"] == "error").then_some(di.body)
-    })
-    .await;
+    let errored = sys
+        .wait_status(&api, &id, "error", Duration::from_secs(60))
+        .await;
     let events = sys
         .call(Method::GET, &di_path(&id, "/events"), &api, None)
         .await;

@@ -10,6 +10,7 @@
 //! Every journey runs on the real system with a simulated cloud and quick delays; every switch
 //! happens under continuous calls that must all be answered.
 
+use std::future::ready;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -19,6 +20,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use system_tests::python::{self, describe, tests_dir};
 use system_tests::{CloudOptions, System};
+use test_support::within;
 use uuid::Uuid;
 
 use crate::lifecycle::{
@@ -84,17 +86,16 @@ fn model_servers(sys: &System, id: &str) -> Vec<(String, String)> {
 /// Waits (10 s at most) until every model server of the DI loads `repo` under [`NAME`].
 async fn assert_serving(sys: &System, id: &str, repo: &str) {
     let want = (repo.to_string(), NAME.to_string());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
+    let serving = within(Duration::from_secs(10), || {
         let servers = model_servers(sys, id);
-        if !servers.is_empty() && servers.iter().all(|s| *s == want) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{id}'s model servers should all load {repo} as {NAME}: {servers:?}"
+        ready((!servers.is_empty() && servers.iter().all(|s| *s == want)).then_some(()))
+    })
+    .await;
+    if serving.is_none() {
+        panic!(
+            "{id}'s model servers should all load {repo} as {NAME}: {:?}",
+            model_servers(sys, id)
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -108,8 +109,8 @@ fn hf_token_in_cluster(sys: &System, id: &str) -> Option<Vec<u8>> {
         .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
 }
 
-/// Calls `endpoint` by [`NAME`] back to back from now on (see [`Caller`]), for half a second
-/// before this returns.
+/// Calls `endpoint` by [`NAME`] back to back from now on (see [`Caller`]); returns once it has
+/// answered a few times.
 async fn call_continuously(client: &reqwest::Client, endpoint: &str, token: &str) -> Caller {
     let caller = Caller::start(
         client.clone(),
@@ -117,7 +118,7 @@ async fn call_continuously(client: &reqwest::Client, endpoint: &str, token: &str
         token.to_string(),
         vec![NAME.to_string()],
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    caller.until_ok(2).await;
     caller
 }
 
@@ -461,7 +462,8 @@ async fn godos_requests_create_update_and_delete_a_custom_repository() {
     assert_eq!(pending["version"], 2, "{patched}");
     godo_reads_spec(pending, NEXT_REPO);
     let (switched, _) = wait_active(&sys, &api, REGION, &id, 2).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // And after the switch: four rounds, about half a second at the caller's pace.
+    caller.more_rounds(4).await;
     let calls = not_one_failed(caller).await;
     let (_, same_model_id) = godo_reads(&switched, NEXT_REPO);
     assert_eq!(same_model_id, model_id, "the same deployment: {switched}");

@@ -81,6 +81,7 @@ async fn expiring_cluster_credentials_never_stall_a_di() {
     let mut reached = Vec::new();
     for _ in 0..3 {
         let calls = sim.calls(Api::Kube);
+        // Real time: a credential lifetime runs on the simulator's clock; each look is one.
         tokio::time::sleep(TTL).await;
         reached.push(sim.calls(Api::Kube) - calls);
     }

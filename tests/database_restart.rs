@@ -11,7 +11,8 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::{json, Value};
 use system_tests::postgres::OwnPostgres;
-use system_tests::{create_body, eventually, CloudOptions, Options, Reply, System, REGIONS};
+use system_tests::{create_body, CloudOptions, Options, Reply, System, REGIONS};
+use test_support::until;
 use uuid::Uuid;
 
 use crate::lifecycle::wait_active;
@@ -80,6 +81,7 @@ impl Load {
                 .await;
             self.record("list", &listed);
             if !self.take_create() {
+                // A pace, not a wait: the clients list about 50 times a second between creates.
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 continue;
             }
@@ -101,6 +103,7 @@ impl Load {
                 if reply.status != 503 {
                     break reply;
                 }
+                // A client's retry pace after a 503 (pydo's), not a wait for a condition.
                 tokio::time::sleep(Duration::from_millis(200)).await;
             };
             let mut seen = self.seen.lock().unwrap();
@@ -120,10 +123,14 @@ impl Load {
     }
 
     async fn all_answered(&self) {
-        eventually(Duration::from_secs(120), || async {
-            (self.creates.load(Ordering::SeqCst) == 0 && self.in_flight.load(Ordering::SeqCst) == 0)
-                .then_some(())
-        })
+        until(
+            Duration::from_secs(120),
+            "every create handed out answered",
+            || async {
+                self.creates.load(Ordering::SeqCst) == 0
+                    && self.in_flight.load(Ordering::SeqCst) == 0
+            },
+        )
         .await;
     }
 }

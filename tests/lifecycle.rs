@@ -8,7 +8,9 @@
 //! The OpenAI client runs in a venv built under the target directory from the pinned
 //! `tests/openai/requirements.txt` (PyPI must be reachable on first use; nothing is skipped).
 
+use std::cell::RefCell;
 use std::collections::BTreeSet;
+use std::future::ready;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -19,6 +21,8 @@ use region_sim::{Api, ApiFaults, ArmedKind, FaultConfig, Inventory, RegionSim};
 use reqwest::Method;
 use serde_json::{json, Value};
 use system_tests::{create_body, python, CloudOptions, Options, System, HF_TOKEN};
+use test_support::{eventually, within};
+use tokio::sync::watch;
 use uuid::Uuid;
 
 /// Gated on Hugging Face: a create needs `access_tokens.hugging_face_token`.
@@ -87,6 +91,7 @@ pub(crate) async fn create(
             reply = Some(attempt);
             break;
         }
+        // A client's retry pace (pydo's backoff), not a wait for a condition.
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let reply = reply.unwrap_or_else(|| panic!("create {name}: 503 on every attempt"));
@@ -214,15 +219,15 @@ pub(crate) async fn wait_for(
     timeout: Duration,
     done: impl Fn(&Value) -> bool,
 ) -> (Value, Vec<String>) {
-    let deadline = Instant::now() + timeout;
-    let mut seen: Vec<String> = Vec::new();
-    loop {
+    let seen: RefCell<Vec<String>> = RefCell::default();
+    let last = RefCell::new(Value::Null);
+    let found = within(timeout, || async {
         let reply = get(sys, api_token, id).await;
         assert_eq!(reply.status, 200, "GET {id}: {}", reply.body);
         let di = reply.body["dedicated_inference"].clone();
         let status = di["status"].as_str().unwrap_or_default().to_string();
-        if seen.last() != Some(&status) {
-            seen.push(status.clone());
+        if seen.borrow().last() != Some(&status) {
+            seen.borrow_mut().push(status.clone());
         }
         if status == "error" {
             panic!(
@@ -232,15 +237,20 @@ pub(crate) async fn wait_for(
             );
         }
         if done(&di) {
-            return (di, seen);
+            return Some(di);
         }
-        if Instant::now() > deadline {
-            panic!(
-                "timed out after {timeout:?} waiting for {what}; statuses seen {seen:?}; last {di}\n{}",
-                diagnose(sys, api_token, region, id).await
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(40)).await;
+        *last.borrow_mut() = di;
+        None
+    })
+    .await;
+    let seen = seen.into_inner();
+    match found {
+        Some(di) => (di, seen),
+        None => panic!(
+            "timed out after {timeout:?} waiting for {what}; statuses seen {seen:?}; last {}\n{}",
+            last.into_inner(),
+            diagnose(sys, api_token, region, id).await
+        ),
     }
 }
 
@@ -270,25 +280,25 @@ pub(crate) async fn wait_active(
 
 /// After a DELETE: 404, out of the list, and nothing of it left in the simulated region.
 pub(crate) async fn wait_gone(sys: &System, api_token: &str, region: &str, id: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    let gone = within(Duration::from_secs(60), || async {
         let reply = get(sys, api_token, id).await;
         if reply.status == 404 {
             reply.assert_error(404, "not_found");
-            break;
+            return Some(());
         }
         assert_eq!(reply.status, 200, "GET {id}: {}", reply.body);
         assert_eq!(
             reply.body["dedicated_inference"]["status"], "deleting",
             "a DI being deleted reads as deleting until it is gone"
         );
-        if Instant::now() > deadline {
-            panic!(
-                "{id} not gone within 60s\n{}",
-                diagnose(sys, api_token, region, id).await
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(40)).await;
+        None
+    })
+    .await;
+    if gone.is_none() {
+        panic!(
+            "{id} not gone within 60s\n{}",
+            diagnose(sys, api_token, region, id).await
+        );
     }
     let list = sys
         .call(
@@ -307,8 +317,8 @@ pub(crate) async fn wait_gone(sys: &System, api_token: &str, region: &str, id: &
         .collect();
     assert!(!ids.contains(&id), "{id} is gone but still listed: {ids:?}");
     let sim = &sys.cloud(region).sim;
-    until(Duration::from_secs(15), || {
-        sim.inventory().leftovers().is_empty().then_some(())
+    within(Duration::from_secs(15), || {
+        ready(sim.inventory().leftovers().is_empty().then_some(()))
     })
     .await
     .unwrap_or_else(|| {
@@ -317,21 +327,6 @@ pub(crate) async fn wait_gone(sys: &System, api_token: &str, region: &str, id: &
             sim.inventory().leftovers()
         )
     });
-}
-
-/// Polls a synchronous check (the simulator's state) every 25 ms; `None` on timeout so the caller
-/// can say what it saw.
-pub(crate) async fn until<T>(timeout: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = check() {
-            return Some(v);
-        }
-        if Instant::now() > deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
 }
 
 /// The DI a test follows: waits on the simulator that print the DI's story when they time out.
@@ -357,14 +352,15 @@ pub(crate) fn follow<'a>(
 }
 
 impl Follow<'_> {
-    /// [`until`], failing the test with `what` and the DI's diagnosis on timeout.
+    /// `check` (of the simulator's state) until it gives `Some`, failing the test with `what` and
+    /// the DI's diagnosis on timeout.
     pub(crate) async fn until<T>(
         &self,
         what: &str,
         timeout: Duration,
-        check: impl FnMut() -> Option<T>,
+        mut check: impl FnMut() -> Option<T>,
     ) -> T {
-        match until(timeout, check).await {
+        match within(timeout, || ready(check())).await {
             Some(v) => v,
             None => panic!(
                 "timed out after {timeout:?} waiting for {what}\n{}",
@@ -474,18 +470,26 @@ pub(crate) async fn assert_chat_ok(
 }
 
 /// What a [`Caller`] saw.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct CallLog {
     pub(crate) ok: u64,
     pub(crate) failures: Vec<String>,
     /// Per endpoint, when it moved on to the next model (see [`Caller::start`]).
     pub(crate) switches: Vec<String>,
+    /// Rounds of calls made: one call to every endpoint each, answered or not.
+    pub(crate) rounds: u64,
 }
+
+/// How long a test waits for the calls of a [`Caller`] it waits for: a round takes the 50 ms
+/// pace and a call per endpoint, a call that is not answered up to 5 s.
+const CALLS_WITHIN: Duration = Duration::from_secs(30);
 
 /// Calls chat completions on every endpoint back to back, in the background, until stopped.
 pub(crate) struct Caller {
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<CallLog>,
+    /// What it saw so far: a test waits on it for calls made, instead of for a length of time.
+    log: watch::Receiver<CallLog>,
+    task: tokio::task::JoinHandle<()>,
 }
 
 impl Caller {
@@ -505,8 +509,8 @@ impl Caller {
     ) -> Caller {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
+        let (record, log) = watch::channel(CallLog::default());
         let task = tokio::spawn(async move {
-            let mut log = CallLog::default();
             let mut current = vec![0usize; endpoints.len()];
             while !flag.load(Ordering::SeqCst) {
                 for (i, endpoint) in endpoints.iter().enumerate() {
@@ -516,36 +520,68 @@ impl Caller {
                         if body["error"]["message"].as_str().is_some_and(|m| m.contains("does not exist")));
                     if unknown_model && current[i] + 1 < models.len() {
                         current[i] += 1;
-                        log.switches
-                            .push(format!("{endpoint}: {model} -> {}", models[current[i]]));
-                        let again = chat(&client, endpoint, &token, &models[current[i]]).await;
-                        match again {
+                        let next = &models[current[i]];
+                        record.send_modify(|log| {
+                            log.switches.push(format!("{endpoint}: {model} -> {next}"))
+                        });
+                        let again = chat(&client, endpoint, &token, next).await;
+                        record.send_modify(|log| match again {
                             Ok((200, _)) => log.ok += 1,
                             other => log.failures.push(format!(
-                                "{endpoint} right after the switch to {}: {other:?}",
-                                models[current[i]]
+                                "{endpoint} right after the switch to {next}: {other:?}"
                             )),
-                        }
+                        });
                         continue;
                     }
-                    match answer {
+                    record.send_modify(|log| match answer {
                         Ok((200, body)) if body["model"] == model.as_str() => log.ok += 1,
                         other => log
                             .failures
                             .push(format!("{endpoint} with {model}: {other:?}")),
-                    }
+                    });
                 }
+                record.send_modify(|log| log.rounds += 1);
                 // A pace, not a wait for a condition: about 20 calls per second per endpoint.
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            log
         });
-        Caller { stop, task }
+        Caller { stop, log, task }
+    }
+
+    /// Waits until `n` calls in all have succeeded since the caller started: it is under way.
+    pub(crate) async fn until_ok(&self, n: u64) {
+        self.until(&format!("{n} successful calls"), |log| log.ok >= n)
+            .await;
+    }
+
+    /// Waits until the caller has made `n` more rounds of calls (answered or not) than so far:
+    /// each the 50 ms pace and a call per endpoint, so 100 to 200 ms under load.
+    pub(crate) async fn more_rounds(&self, n: u64) {
+        let target = self.log.borrow().rounds + n;
+        self.until(&format!("{n} more rounds of calls"), |log| {
+            log.rounds >= target
+        })
+        .await;
+    }
+
+    async fn until(&self, what: &str, holds: impl Fn(&CallLog) -> bool) {
+        let reached = within(CALLS_WITHIN, || {
+            ready(holds(&self.log.borrow()).then_some(()))
+        })
+        .await;
+        if reached.is_none() {
+            panic!(
+                "the caller did not make {what} within {CALLS_WITHIN:?}: {:?}",
+                *self.log.borrow()
+            );
+        }
     }
 
     pub(crate) async fn finish(self) -> CallLog {
         self.stop.store(true, Ordering::SeqCst);
-        self.task.await.expect("the caller task")
+        self.task.await.expect("the caller task");
+        let log = self.log.borrow().clone();
+        log
     }
 }
 
@@ -754,16 +790,12 @@ async fn a_dedicated_inference_lives_and_dies_through_the_public_api() {
     let second_id = created.body["token"]["id"].as_str().unwrap().to_string();
     assert_eq!(created.body["token"]["is_managed"], false);
     let began = Instant::now();
-    let mut accepted_after = None;
-    while began.elapsed() < Duration::from_secs(10) {
-        if let Ok((200, _)) = chat(&client, &public, &second, GATED_MODEL).await {
-            accepted_after = Some(began.elapsed());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    let accepted_after = accepted_after
-        .unwrap_or_else(|| panic!("the second token was not accepted by the endpoint within 10s"));
+    let accepted_after = within(Duration::from_secs(10), || async {
+        let answer = chat(&client, &public, &second, GATED_MODEL).await;
+        matches!(answer, Ok((200, _))).then(|| began.elapsed())
+    })
+    .await
+    .unwrap_or_else(|| panic!("the second token was not accepted by the endpoint within 10s"));
     println!("second token accepted after {accepted_after:?}");
 
     // The official OpenAI client, both tokens, plain and streaming; an unknown token is a 401.
@@ -792,20 +824,15 @@ async fn a_dedicated_inference_lives_and_dies_through_the_public_api() {
         .await;
     assert_eq!(revoked.status, 204, "{}", revoked.body);
     let revoked_at = Instant::now();
-    let mut refused_after = None;
-    while revoked_at.elapsed() < Duration::from_secs(5) {
+    let refused_after = within(Duration::from_secs(5), || async {
         match chat(&client, &public, &second, GATED_MODEL).await {
-            Ok((401, _)) => {
-                refused_after = Some(revoked_at.elapsed());
-                break;
-            }
-            Ok((200, _)) => {}
+            Ok((401, _)) => Some(revoked_at.elapsed()),
+            Ok((200, _)) => None,
             other => panic!("a revoked token must be accepted until refused with 401: {other:?}"),
         }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    let refused_after = refused_after
-        .unwrap_or_else(|| panic!("the revoked token still worked 5s after the revoke returned"));
+    })
+    .await
+    .unwrap_or_else(|| panic!("the revoked token still worked 5s after the revoke returned"));
     println!("revoked token refused after {refused_after:?}");
     assert_chat_ok(&client, &public, &di.token, GATED_MODEL).await;
     let tokens = sys
@@ -916,11 +943,15 @@ async fn a_dedicated_inference_lives_and_dies_through_the_public_api() {
         "each endpoint moved to the new model at most once: {log:?}"
     );
     for endpoint in [&public, &private] {
-        system_tests::eventually(Duration::from_secs(10), || async {
-            let old = chat(&client, endpoint, &di.token, GATED_MODEL).await;
-            let new = chat(&client, endpoint, &di.token, MODEL).await;
-            (matches!(old, Ok((404, _))) && matches!(new, Ok((200, _)))).then_some(())
-        })
+        eventually(
+            Duration::from_secs(10),
+            format!("{endpoint} to know only the new model's name"),
+            || async {
+                let old = chat(&client, endpoint, &di.token, GATED_MODEL).await;
+                let new = chat(&client, endpoint, &di.token, MODEL).await;
+                (matches!(old, Ok((404, _))) && matches!(new, Ok((200, _)))).then_some(())
+            },
+        )
         .await;
     }
     assert!(

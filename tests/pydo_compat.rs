@@ -14,7 +14,6 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use reqwest::Method;
 use serde_json::Value;
 use system_tests::python::{self, describe, tests_dir};
 use system_tests::System;
@@ -170,18 +169,8 @@ async fn pydo_drives_every_dedicated_inference_operation() {
         .await
         .expect("rollout of version 1");
     sys.settle().await;
-    system_tests::eventually(Duration::from_secs(10), || async {
-        let got = sys
-            .call(
-                Method::GET,
-                &format!("/v2/dedicated-inferences/{id}"),
-                &token,
-                None,
-            )
-            .await;
-        (got.body["dedicated_inference"]["status"] == "active").then_some(())
-    })
-    .await;
+    sys.wait_status(&token, &id, "active", Duration::from_secs(10))
+        .await;
 
     // Phase 2: everything else.
     let phase1_operations = serde_json::to_string(&first["operations"]).unwrap();

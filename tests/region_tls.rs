@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use reqwest::Method;
-use system_tests::{eventually, Options, Reply, System};
+use system_tests::{Options, Reply, System};
+use test_support::until;
 use uuid::Uuid;
 
 async fn tls_system() -> System {
@@ -82,10 +83,11 @@ async fn central_creates_and_reads_through_regions_that_serve_only_https() {
     // The change feed's long polls (central's other client) reach the region over TLS too.
     let head = sys.regions[0].store().outbox_head().await.unwrap();
     assert!(head > 0);
-    eventually(Duration::from_secs(10), || async {
-        let cursor = sys.central.app.store.cursor("atl1").await.unwrap_or(0);
-        (cursor >= head).then_some(())
-    })
+    until(
+        Duration::from_secs(10),
+        "central's change feed cursor of atl1 at the region's outbox head",
+        || async { sys.central.app.store.cursor("atl1").await.unwrap_or(0) >= head },
+    )
     .await;
 
     // The listener speaks TLS only: plain HTTP to it gets no answer, /healthz over HTTPS does.
@@ -181,9 +183,11 @@ async fn a_certificate_renewed_on_disk_is_served_without_a_restart() {
 
     let renewed = system_tests::tls::der(&tls.issue("atl1"));
     assert_ne!(first, renewed);
-    eventually(Duration::from_secs(10), || async {
-        (served_certificate(&sys, "atl1").await == renewed).then_some(())
-    })
+    until(
+        Duration::from_secs(10),
+        "the renewed certificate served",
+        || async { served_certificate(&sys, "atl1").await == renewed },
+    )
     .await;
 
     // Central trusts the CA, not a certificate: it goes on working, and a central started now
@@ -202,6 +206,8 @@ async fn a_certificate_renewed_on_disk_is_served_without_a_restart() {
     let tls = sys.region_tls.as_ref().expect("TLS is on");
     let (_, stray_key) = tls.ca.issue();
     std::fs::write(tls.files("atl1").1, stray_key).unwrap();
+    // Real time: that a pair is not taken up shows only over time, and nothing says when the
+    // regional service looked (every RELOAD): three looks' worth.
     tokio::time::sleep(system_tests::tls::RELOAD * 3).await;
     assert_eq!(served_certificate(&sys, "atl1").await, renewed);
 }

@@ -6,7 +6,8 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::{json, Value};
 use system_tests::proxy::Mode;
-use system_tests::{create_body, eventually, Options, Reply, System};
+use system_tests::{create_body, Options, Reply, System};
+use test_support::{eventually, until};
 use uuid::Uuid;
 
 async fn post_with_key(sys: &System, token: &str, key: &str, body: &Value) -> Reply {
@@ -69,10 +70,25 @@ impl Keyed<'_> {
 
 /// Rows of a table in central's database.
 async fn central_rows(sys: &System, table: &str) -> i64 {
-    sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+    central_count(sys, &format!("SELECT count(*) FROM {table}")).await
+}
+
+/// A `SELECT count(*) …` in central's database.
+async fn central_count(sys: &System, query: &str) -> i64 {
+    sqlx::query_scalar(query)
         .fetch_one(sys.central.app.store.pool())
         .await
         .unwrap()
+}
+
+/// Makes central's pending creates older than recovery's age, by the database's clock (the one
+/// recovery goes by), instead of waiting for that age to pass.
+async fn age_pending_creates(sys: &System) {
+    sqlx::query("UPDATE pending_creates SET created_at = created_at - make_interval(secs => $1)")
+        .bind((central::feed::RECOVERY_AGE + Duration::from_secs(1)).as_secs_f64())
+        .execute(sys.central.app.store.pool())
+        .await
+        .unwrap();
 }
 
 /// The lowercase hex SHA-256 of each live access token of DI `id`, as its region stores them.
@@ -190,7 +206,7 @@ async fn a_down_region_keeps_reads_and_refuses_writes_with_503() {
     // When the region returns, the create that failed during the outage is finished by recovery
     // (it was accepted into central's pending creates), exactly once.
     sys.region("atl1").come_back();
-    let names = eventually(Duration::from_secs(15), || async {
+    let names = eventually(Duration::from_secs(15), "during-outage listed", || async {
         let names: Vec<String> = listed(&sys, &token)
             .await
             .iter()
@@ -274,8 +290,8 @@ async fn a_slow_region_timeout_then_retry_yields_one_di() {
         )
         .await;
     keyless.assert_error(503, "service_unavailable");
-    eventually(Duration::from_secs(5), || async {
-        (region_rows(&sys, "atl1").await == 1).then_some(())
+    until(Duration::from_secs(5), "the DI made in atl1", || async {
+        region_rows(&sys, "atl1").await == 1
     })
     .await;
 
@@ -329,12 +345,16 @@ async fn an_identical_create_retried_after_recovery_settled_it_gets_its_202() {
         .unwrap()
         .parse()
         .unwrap();
+    // Real time: the region's stall is the scenario, as long as it says.
     tokio::time::sleep_until(stall + Duration::from_secs(7)).await;
     sys.proxy("atl1").set_mode(Mode::Pass);
-    eventually(Duration::from_secs(20), || async {
-        (central_rows(&sys, "pending_creates").await == 0).then_some(())
-    })
+    until(
+        Duration::from_secs(20),
+        "recovery settled the create",
+        || async { central_rows(&sys, "pending_creates").await == 0 },
+    )
     .await;
+    // A client's pace: it retries once Retry-After has passed, as pydo does.
     tokio::time::sleep_until(answered + Duration::from_secs(retry_after)).await;
 
     // The client retries the same body, as pydo and plain clients do after Retry-After.
@@ -384,7 +404,20 @@ async fn a_keyed_patch_runs_to_its_end_after_its_client_gave_up() {
     keyed
         .give_up_after_half_a_second(Method::PATCH, &path, "patch-once", Some(&body))
         .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Central drives it on once the client is gone, to an answer it keeps for the key.
+    until(
+        Duration::from_secs(10),
+        "the PATCH answered for its key after its client gave up",
+        || async {
+            central_count(
+                &sys,
+                "SELECT count(*) FROM idempotency_keys WHERE key = 'patch-once' AND status_code IS NOT NULL",
+            )
+            .await
+                == 1
+        },
+    )
+    .await;
     sys.proxy("atl1").set_mode(Mode::Pass);
 
     let retried = keyed
@@ -427,15 +460,18 @@ async fn keyed_operations_cut_off_by_a_central_restart_are_finished_by_recovery(
     sys.region("atl1").come_back();
 
     // Recovery finishes both without any client asking again.
-    eventually(Duration::from_secs(20), || async {
-        let unfinished = sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM idempotency_keys WHERE status_code IS NULL",
-        )
-        .fetch_one(sys.central.app.store.pool())
-        .await
-        .unwrap();
-        (unfinished == 0).then_some(())
-    })
+    until(
+        Duration::from_secs(20),
+        "recovery finished both keyed operations",
+        || async {
+            central_count(
+                &sys,
+                "SELECT count(*) FROM idempotency_keys WHERE status_code IS NULL",
+            )
+            .await
+                == 0
+        },
+    )
     .await;
 
     let keyed = Keyed {
@@ -490,7 +526,7 @@ async fn recovery_settles_a_create_it_cannot_open_as_failed() {
         })
         .await
         .unwrap();
-    tokio::time::sleep(central::feed::RECOVERY_AGE + Duration::from_millis(200)).await;
+    age_pending_creates(&sys).await;
     let _ = central::feed::recover_once(&sys.central.app).await;
     assert_eq!(
         central_rows(&sys, "pending_creates").await,
@@ -538,7 +574,7 @@ async fn recovery_after_central_restart_settles_unanswered_creates() {
     // Central restarts: a new process on the same database, running the background work.
     sys.restart_central().await;
 
-    let names = eventually(Duration::from_secs(20), || async {
+    let names = eventually(Duration::from_secs(20), "both creates listed", || async {
         let list = listed(&sys, &token).await;
         (list.len() == 2).then_some(list)
     })
@@ -722,13 +758,21 @@ async fn recovery_leaves_a_create_alone_while_a_request_sends_it() {
                 .map(|r| r.status())
         })
     };
-    // Older than recovery's age (3 s) and still waiting on the region (6 s): recovery's turn.
-    tokio::time::sleep(Duration::from_millis(3500)).await;
-    assert_eq!(
-        central_rows(&sys, "pending_creates").await,
-        1,
-        "the request is sending it"
-    );
+    // Still waiting on the region (6 s) and older than recovery's age: recovery's turn.
+    until(
+        Duration::from_secs(5),
+        "the request is sending it",
+        || async {
+            central_count(
+                &sys,
+                "SELECT count(*) FROM pending_creates WHERE driven_until > now()",
+            )
+            .await
+                == 1
+        },
+    )
+    .await;
+    age_pending_creates(&sys).await;
     let completed = central::feed::recover_once(&sys.central.app)
         .await
         .expect("recovery runs");
@@ -743,10 +787,14 @@ async fn recovery_leaves_a_create_alone_while_a_request_sends_it() {
     assert_eq!(answered, 503, "the region answered after central's wait");
     sys.proxy("atl1").set_mode(Mode::Pass);
     // Now recovery finishes it, once.
-    eventually(Duration::from_secs(20), || async {
-        let done = central::feed::recover_once(&sys.central.app).await.unwrap();
-        (central_rows(&sys, "pending_creates").await == 0).then_some(done)
-    })
+    eventually(
+        Duration::from_secs(20),
+        "recovery finished the create",
+        || async {
+            let done = central::feed::recover_once(&sys.central.app).await.unwrap();
+            (central_rows(&sys, "pending_creates").await == 0).then_some(done)
+        },
+    )
     .await;
     assert_eq!(region_rows(&sys, "atl1").await, 1);
 }
@@ -792,7 +840,19 @@ async fn a_keyed_retry_whose_first_attempt_is_refused_gets_the_refusal() {
         keyed.send(Method::PATCH, &path, "refused", Some(&body)),
         async {
             // Sent while the first attempt waits for the region's answer.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            until(
+                Duration::from_secs(5),
+                "the first attempt sent to the region",
+                || async {
+                    central_count(
+                        &sys,
+                        "SELECT count(*) FROM idempotency_keys WHERE key = 'refused' AND driven_until > now()",
+                    )
+                    .await
+                        == 1
+                },
+            )
+            .await;
             keyed
                 .send(Method::PATCH, &path, "refused", Some(&body))
                 .await

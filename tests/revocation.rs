@@ -3,12 +3,13 @@
 //! way, and `error` after an update the region could not satisfy (the old replicas keep
 //! serving).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use region_sim::Delays;
 use reqwest::Method;
 use serde_json::json;
 use system_tests::{CloudOptions, System};
+use test_support::within;
 use uuid::Uuid;
 
 use crate::lifecycle::{
@@ -37,17 +38,12 @@ pub(crate) async fn second_token(
     assert_eq!(created.status, 202, "{}", created.body);
     let value = created.body["token"]["value"].as_str().unwrap().to_string();
     let id = created.body["token"]["id"].as_str().unwrap().to_string();
-    let began = Instant::now();
-    loop {
-        if let Ok((200, _)) = chat(client, endpoint, &value, MODEL).await {
-            return (id, value);
-        }
-        assert!(
-            began.elapsed() < Duration::from_secs(10),
-            "the new token was not accepted within 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    within(Duration::from_secs(10), || async {
+        matches!(chat(client, endpoint, &value, MODEL).await, Ok((200, _))).then_some(())
+    })
+    .await
+    .unwrap_or_else(|| panic!("the new token was not accepted within 10 s"));
+    (id, value)
 }
 
 /// Revokes token `token_id` and asserts that the endpoint refuses `value` (401) within 5 s,
@@ -70,19 +66,19 @@ async fn revoke_and_expect_refusal(
         )
         .await;
     assert_eq!(revoked.status, 204, "{}", revoked.body);
-    let at = Instant::now();
-    loop {
+    let refused = within(Duration::from_secs(5), || async {
         match chat(client, endpoint, value, MODEL).await {
-            Ok((401, _)) => break,
-            Ok((200, _)) => {}
+            Ok((401, _)) => Some(()),
+            Ok((200, _)) => None,
             other => panic!("the token must work until refused with 401: {other:?}"),
         }
-        assert!(
-            at.elapsed() < Duration::from_secs(5),
+    })
+    .await;
+    if refused.is_none() {
+        panic!(
             "the revoked token still worked 5 s after the revoke returned (status {})",
             status(sys, api, &di.id).await
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_chat_ok(client, endpoint, other, MODEL).await;
 }
@@ -289,13 +285,11 @@ async fn a_revocation_does_not_wait_for_a_failing_cloud_api() {
 
 /// Polls until the DI is in `error`; returns it.
 async fn wait_error(sys: &System, api: &str, id: &str) -> serde_json::Value {
-    for _ in 0..600 {
+    within(Duration::from_secs(60), || async {
         let reply = sys.call(Method::GET, &di_path(id, ""), api, None).await;
         let di = reply.body["dedicated_inference"].clone();
-        if di["status"] == "error" {
-            return di;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("{id} did not go to error within 60 s");
+        (di["status"] == "error").then_some(di)
+    })
+    .await
+    .unwrap_or_else(|| panic!("{id} did not go to error within 60 s"))
 }

@@ -8,6 +8,7 @@
 //!   uses it, and a client trusting the bundle sees no failed request across the switch.
 
 use std::collections::BTreeSet;
+use std::future::ready;
 use std::time::Duration;
 
 use common::seal::Sealer;
@@ -15,10 +16,11 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use system_tests::{CloudOptions, Reply, System, HF_TOKEN};
+use test_support::{until, within};
 use uuid::Uuid;
 
 use crate::lifecycle::{
-    assert_chat_ok, ca_client, chat, create, di_path, fetch_ca, spec, start, until, wait_active,
+    assert_chat_ok, ca_client, chat, create, di_path, fetch_ca, spec, start, wait_active,
     wait_gone, Caller, Created,
 };
 
@@ -244,15 +246,23 @@ async fn eventually_answers(
     model: &str,
     status: u16,
 ) {
-    let mut last = None;
-    for _ in 0..300 {
+    let last = std::cell::RefCell::new(None);
+    let answered = within(Duration::from_secs(15), || async {
         match chat(client, endpoint, token, model).await {
-            Ok((s, _)) if s == status => return,
-            other => last = Some(other),
+            Ok((s, _)) if s == status => Some(()),
+            other => {
+                *last.borrow_mut() = Some(other);
+                None
+            }
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    })
+    .await;
+    if answered.is_none() {
+        panic!(
+            "{endpoint} never answered {status}; last: {:?}",
+            last.into_inner()
+        );
     }
-    panic!("{endpoint} never answered {status}; last: {last:?}");
 }
 
 /// Stops region `REGION`'s workers and service and starts them again sealing with `seal_key` and
@@ -444,11 +454,12 @@ async fn a_renewed_ca_is_published_before_the_endpoint_uses_it() {
         vec![MODEL.into()],
     );
     let passes = sys.cloud(REGION).worker_stats().passes;
-    until(Duration::from_secs(15), || {
-        (sys.cloud(REGION).worker_stats().passes > passes + 2).then_some(())
-    })
-    .await
-    .expect("the worker passes over the DI (resync every 300 ms)");
+    until(
+        Duration::from_secs(15),
+        "the worker passes over the DI (resync every 300 ms)",
+        || ready(sys.cloud(REGION).worker_stats().passes > passes + 2),
+    )
+    .await;
     assert_chat_ok(&trusts_old, &endpoint, &di.token, MODEL).await;
     assert!(
         chat(&trusts_new, &endpoint, &di.token, MODEL)

@@ -3,14 +3,16 @@
 //! removing the cluster), nothing remains once every DI is gone, and a live DI's cluster is never
 //! deleted under it. The cloud's deletions take seconds, as real ones do.
 
+use std::future::ready;
 use std::time::Duration;
 
 use region_sim::Delays;
 use reqwest::Method;
 use system_tests::{CloudOptions, System};
+use test_support::{until, within};
 use uuid::Uuid;
 
-use crate::lifecycle::{create, di_path, start, until, wait_active, wait_gone};
+use crate::lifecycle::{create, di_path, start, wait_active, wait_gone};
 
 const MODEL: &str = "qwen/qwen2.5-7b-instruct";
 
@@ -33,14 +35,12 @@ async fn delete(sys: &System, api: &str, id: &str) {
 
 /// Until `GET` of the DI is 404 (other DIs may still hold the region's resources).
 async fn wait_404(sys: &System, api: &str, id: &str) {
-    for _ in 0..600 {
+    within(Duration::from_secs(60), || async {
         let reply = sys.call(Method::GET, &di_path(id, ""), api, None).await;
-        if reply.status == 404 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("{id} not gone within 60 s");
+        (reply.status == 404).then_some(())
+    })
+    .await
+    .unwrap_or_else(|| panic!("{id} not gone within 60 s"));
 }
 
 /// The clusters of the region that are not being deleted.
@@ -83,16 +83,20 @@ async fn a_create_during_the_last_teardown_gets_a_cluster_and_nothing_leaks() {
     delete(&sys, &api, &a.id).await;
     // The last DI's teardown reaches the cluster…
     let sim = &sys.cloud(region).sim;
-    until(Duration::from_secs(30), || {
-        sim.inventory()
-            .cloud
-            .clusters
-            .iter()
-            .any(|c| c["state"] == "deleting")
-            .then_some(())
-    })
-    .await
-    .expect("the teardown deletes the VPC's cluster");
+    until(
+        Duration::from_secs(30),
+        "the teardown deletes the VPC's cluster",
+        || {
+            ready(
+                sim.inventory()
+                    .cloud
+                    .clusters
+                    .iter()
+                    .any(|c| c["state"] == "deleting"),
+            )
+        },
+    )
+    .await;
     // …and a create in the same VPC arrives meanwhile: it becomes active on a cluster of its own.
     let b = create(&sys, &api, region, "second", MODEL, 1).await;
     wait_active(&sys, &api, region, &b.id, 1).await;

@@ -2,9 +2,10 @@
 //! killed is started again and the restart is reported; SIGTERM stops the service and the
 //! supervisor; a supervisor whose parent is gone does not bring its service back.
 
+use std::future::ready;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/supervise")
@@ -23,6 +24,25 @@ fn alive(pid: u32) -> bool {
         .status()
         .unwrap()
         .success()
+}
+
+/// Whether `pid` runs: not gone, and not a zombie no one reaped (as an orphan may stay where
+/// nothing reaps them).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| Some(stat.rsplit_once(')')?.1.split_whitespace().next()? != "Z"))
+        .unwrap_or(false)
+}
+
+/// The parent of `pid`, from /proc.
+fn parent_of(pid: u32) -> u32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the process runs");
+    let (_, rest) = stat.rsplit_once(')').expect("a stat line");
+    rest.split_whitespace()
+        .nth(1)
+        .and_then(|ppid| ppid.parse().ok())
+        .expect("a parent pid")
 }
 
 fn signal(pid: u32, sig: &str) {
@@ -51,6 +71,8 @@ struct Cleanup {
 impl Drop for Cleanup {
     fn drop(&mut self) {
         signal(self.supervisor, "-TERM");
+        // A grace period, not a wait for a condition: the supervisor is our child and is not
+        // reaped here, so nothing says it is gone; it gets a moment to stop its service itself.
         std::thread::sleep(Duration::from_millis(200));
         for pid in started(&self.pids) {
             let _ = Command::new("kill")
@@ -65,12 +87,14 @@ impl Drop for Cleanup {
     }
 }
 
+/// Waits until `check` holds, failing the test at `timeout`. The tests are synchronous (they
+/// supervise processes, not tasks): the wait runs on a runtime of its own.
 fn until(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a runtime")
+        .block_on(test_support::until(timeout, what, || ready(check())));
 }
 
 fn supervise(dir: &Path, command: &[&str]) -> Child {
@@ -171,11 +195,16 @@ fn a_supervisor_whose_parent_is_gone_restarts_nothing() {
     until("the service to start", Duration::from_secs(10), || {
         started(&pids).len() == 1
     });
-    // The parent is killed (as a SIGKILLed scripts/run), then its service.
+    let service = started(&pids)[0];
+    let supervisor = parent_of(service);
+    // The parent is killed (as a SIGKILLed scripts/run), then its service: the supervisor
+    // exits instead of starting it again.
     parent.kill().unwrap();
     parent.wait().unwrap();
-    signal(started(&pids)[0], "-KILL");
-    std::thread::sleep(Duration::from_secs(3));
+    signal(service, "-KILL");
+    until("the supervisor to exit", Duration::from_secs(10), || {
+        !running(supervisor)
+    });
     assert_eq!(started(&pids).len(), 1, "the service was brought back");
 }
 
@@ -187,9 +216,10 @@ fn a_ctrl_c_at_the_terminal_does_not_make_the_supervisor_restart_its_service() {
     use std::os::unix::process::CommandExt;
     let dir = scratch();
     let pids = dir.join("pids");
-    // A service that exits cleanly on SIGINT, as the real ones do.
+    // A service that exits cleanly on SIGINT, as the real ones do, and says when it would.
     let service = "import signal, sys, time\n\
                    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))\n\
+                   print('handling SIGINT', flush=True)\n\
                    time.sleep(1000)";
     let mut sup = Command::new("bash")
         .arg("-c")
@@ -210,11 +240,22 @@ fn a_ctrl_c_at_the_terminal_does_not_make_the_supervisor_restart_its_service() {
     until("the service to start", Duration::from_secs(10), || {
         started(&pids).len() == 1
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // Until the service handles SIGINT: one that reached it now would stop it, as it must for the
+    // test to see a restart.
+    until(
+        "the service to handle SIGINT",
+        Duration::from_secs(10),
+        || {
+            std::fs::read_to_string(dir.join("svc.log"))
+                .is_ok_and(|log| log.contains("handling SIGINT"))
+        },
+    );
     Command::new("kill")
         .args(["-INT", "--", &format!("-{}", sup.id())])
         .status()
         .unwrap();
+    // Real time: that nothing happens shows only over time; a service stopped by the Ctrl-C
+    // would be reported at once and started again a second later.
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(
         started(&pids).len(),

@@ -14,7 +14,8 @@ use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use prost::Message;
 use reqwest::Method;
-use system_tests::{create_body, eventually, CloudOptions, Options, System};
+use system_tests::{create_body, CloudOptions, Options, System};
+use test_support::eventually;
 use uuid::Uuid;
 
 /// What the collector keeps of a span.
@@ -123,24 +124,24 @@ async fn one_create_yields_one_trace_across_central_region_and_worker() {
         .as_str()
         .unwrap()
         .to_string();
-    let path = format!("/v2/dedicated-inferences/{id}");
-    eventually(Duration::from_secs(60), || async {
-        let reply = sys.call(Method::GET, &path, &token, None).await;
-        (reply.body["dedicated_inference"]["status"] == "active").then_some(())
-    })
-    .await;
+    sys.wait_status(&token, &id, "active", Duration::from_secs(60))
+        .await;
 
     // Every span of the create is finished once the DI is active; export them all.
-    let spans = eventually(Duration::from_secs(20), || async {
-        telemetry.flush();
-        let spans = collector.spans();
-        let done = spans.iter().any(|s| {
-            s.name == "reconcile"
-                && s.attr("di_id") == Some(&id)
-                && s.attr("status") == Some("active")
-        });
-        done.then_some(spans)
-    })
+    let spans = eventually(
+        Duration::from_secs(20),
+        "the worker's span of the pass that made it active, exported",
+        || async {
+            telemetry.flush();
+            let spans = collector.spans();
+            let done = spans.iter().any(|s| {
+                s.name == "reconcile"
+                    && s.attr("di_id") == Some(&id)
+                    && s.attr("status") == Some("active")
+            });
+            done.then_some(spans)
+        },
+    )
     .await;
 
     let created = spans

@@ -4,12 +4,14 @@
 //! touching the ones that serve.
 
 use std::collections::BTreeSet;
+use std::future::ready;
 use std::time::Duration;
 
-use region_sim::Delays;
+use region_sim::{Delays, Inventory};
 use reqwest::Method;
 use serde_json::{json, Value};
-use system_tests::{eventually, CloudOptions, System};
+use system_tests::{CloudOptions, System};
+use test_support::within;
 use uuid::Uuid;
 
 use crate::lifecycle::{
@@ -40,14 +42,24 @@ fn realistic() -> CloudOptions {
 
 /// The DI's model-server (vLLM) pods that are ready, by name.
 fn ready_pods(sys: &System, region: &str, id: &str) -> BTreeSet<String> {
-    let inv = sys.cloud(region).sim.inventory();
-    objects(&inv, "Pod", id)
+    ready_pods_in(&sys.cloud(region).sim.inventory(), id)
+}
+
+/// The DI's model-server (vLLM) pods, ready or not.
+fn model_server_pods<'a>(inv: &'a Inventory, id: &str) -> Vec<&'a Value> {
+    objects(inv, "Pod", id)
         .into_iter()
         .filter(|p| {
             p["metadata"]["name"]
                 .as_str()
                 .is_some_and(|n| n.starts_with("vllm-"))
         })
+        .collect()
+}
+
+fn ready_pods_in(inv: &Inventory, id: &str) -> BTreeSet<String> {
+    model_server_pods(inv, id)
+        .into_iter()
         .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
         .filter(|p| {
             p["status"]["conditions"].as_array().is_some_and(|cs| {
@@ -57,6 +69,15 @@ fn ready_pods(sys: &System, region: &str, id: &str) -> BTreeSet<String> {
         })
         .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_string))
         .collect()
+}
+
+/// Whether nothing is under way in the region: every node running, every model server of the
+/// DI ready and none leaving.
+fn at_rest(inv: &Inventory, id: &str) -> bool {
+    let servers = model_server_pods(inv, id).len();
+    inv.cloud.nodes.iter().all(|n| n["state"] == "running")
+        && servers > 0
+        && ready_pods_in(inv, id).len() == servers
 }
 
 struct Update<'a> {
@@ -80,8 +101,8 @@ impl Update<'_> {
             self.token.clone(),
             models.iter().map(|m| m.to_string()).collect(),
         );
-        // Let the client get going on the old spec first.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Let the client get going on the old spec first: two answers from every endpoint.
+        caller.until_ok(2 * self.endpoints.len() as u64).await;
         let patched = self
             .sys
             .call(
@@ -93,8 +114,9 @@ impl Update<'_> {
             .await;
         assert_eq!(patched.status, 202, "{what}: {}", patched.body);
         let (_, seen) = wait_active(self.sys, self.api, self.region, self.id, version).await;
-        // And keep calling a little after the rollout: what it left must serve too.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // And keep calling a little after the rollout: what it left must serve too. Four rounds
+        // at the caller's pace are about half a second.
+        caller.more_rounds(4).await;
         let log = caller.finish().await;
         println!("{what}: {seen:?}, {} calls ok, {:?}", log.ok, log.switches);
         assert!(
@@ -274,7 +296,8 @@ async fn an_update_that_fails_mid_rollout_leaves_the_endpoint_serving() {
         token,
         vec![OTHER_MODEL.to_string(), MODEL.to_string()],
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Under way on the first spec: two answers from each endpoint.
+    caller.until_ok(4).await;
     let mut last_gpu = at(MODEL, H100, 1, 3);
     last_gpu["model_deployments"][0]["model_id"] = model_id;
     for (spec, pause) in [
@@ -291,15 +314,29 @@ async fn an_update_that_fails_mid_rollout_leaves_the_endpoint_serving() {
             )
             .await;
         assert_eq!(patched.status, 202, "{}", patched.body);
+        // A pace, not a wait: the next update comes in the middle of this one's rollout (nodes
+        // and model loads take seconds), as the soak sent them.
         tokio::time::sleep(Duration::from_millis(pause)).await;
     }
-    let errored = eventually(Duration::from_secs(60), || async {
-        let di = sys.call(Method::GET, &di_path(&id, ""), &api, None).await;
-        (di.body["dedicated_inference"]["status"] == "error").then_some(di.body)
+    let errored = sys
+        .wait_status(&api, &id, "error", Duration::from_secs(60))
+        .await;
+    // Keep calling through what follows the failure: until what was under way in the region
+    // (nodes going, model servers loading or leaving) has come to rest, and a few rounds on.
+    let inventory = || sys.cloud(region).sim.inventory();
+    let rest = within(Duration::from_secs(30), || {
+        ready(at_rest(&inventory(), &id).then_some(()))
     })
     .await;
-    // Keep calling through what follows the failure.
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    if rest.is_none() {
+        let inv = inventory();
+        panic!(
+            "the region did not come to rest after the failure: nodes {:?}, model servers {:#?}",
+            inv.cloud.nodes,
+            model_server_pods(&inv, &id)
+        );
+    }
+    caller.more_rounds(4).await;
     let log = caller.finish().await;
     println!("{errored}\n{} calls ok, {:?}", log.ok, log.switches);
     assert!(

@@ -588,6 +588,29 @@ impl System {
         self.base = format!("http://{}", self.central.addr);
     }
 
+    /// DI `id` as `GET` shows it, once its status is `status`; the test fails at `limit`.
+    pub async fn wait_status(
+        &self,
+        token: &str,
+        id: impl std::fmt::Display,
+        status: &str,
+        limit: Duration,
+    ) -> Value {
+        test_support::eventually(limit, format!("{id} {status}, as GET shows it"), || async {
+            let got = self
+                .call(
+                    reqwest::Method::GET,
+                    &format!("/v2/dedicated-inferences/{id}"),
+                    token,
+                    None,
+                )
+                .await;
+            let di = &got.body["dedicated_inference"];
+            (di["status"] == status).then(|| di.clone())
+        })
+        .await
+    }
+
     /// Brings the read model up to date with every region now, without waiting for the feed.
     pub async fn settle(&self) {
         for region in REGIONS {
@@ -686,23 +709,4 @@ pub fn create_body_in(name: &str, region: &str, vpc: Uuid) -> Value {
             }]
         }
     })
-}
-
-/// Polls `f` until it returns `Some`, for up to `timeout`.
-pub async fn eventually<T, F, Fut>(timeout: Duration, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "condition not met within {timeout:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }

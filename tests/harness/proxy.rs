@@ -101,6 +101,7 @@ async fn pipe(mut client: TcpStream, mut server: TcpStream, modes: watch::Receiv
             };
             let mode = *modes.borrow();
             if let Mode::SlowResponses(delay) = mode {
+                // The fault itself: a region that answers late, as slow as the test asks.
                 tokio::time::sleep(delay).await;
             }
             if cw.write_all(&buf[..n]).await.is_err() {
