@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use reqwest::Method;
 use serde_json::{json, Value};
-use system_tests::{create_body, eventually, System};
+use system_tests::{create_body, System};
+use test_support::eventually;
 use uuid::Uuid;
 
 struct Run {
@@ -87,7 +88,8 @@ async fn create_via_api(sys: &System, token: &str, name: &str, region: &str) -> 
 
 /// The id of the DI named `name`, once the API lists it.
 async fn id_by_name(sys: &System, token: &str, name: &str) -> Uuid {
-    eventually(Duration::from_secs(20), || async {
+    let listed = format!("{name} listed");
+    eventually(Duration::from_secs(20), listed, async || {
         let list = sys
             .call(
                 Method::GET,
@@ -372,7 +374,7 @@ async fn update_sends_the_latest_version_and_keeps_missing_fields() {
     let region = store(&sys, "atl1");
     region.provisioning_begin(id).await.unwrap();
     region.rollout_complete(id, 1, &endpoints()).await.unwrap();
-    eventually(Duration::from_secs(10), || async {
+    eventually(Duration::from_secs(10), "active", async || {
         (status_of(&sys, &token, id).await == "active").then_some(())
     })
     .await;
@@ -428,7 +430,7 @@ async fn delete_wait_force_succeeds_once_the_di_is_gone() {
         ),
         token.clone(),
     ));
-    eventually(Duration::from_secs(20), || async {
+    eventually(Duration::from_secs(20), "deleting", async || {
         (status_of(&sys, &token, id).await == "deleting").then_some(())
     })
     .await;
