@@ -97,9 +97,9 @@ async fn controller_reconciles_and_settles() {
     .await;
     // The reconciler's own apply of an unchanged Secret writes nothing, so the
     // controller is not re-triggered forever.
-    tokio::time::advance(Duration::from_millis(500)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let runs = ctx.runs.load(Ordering::SeqCst);
-    tokio::time::advance(Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
     assert_eq!(ctx.runs.load(Ordering::SeqCst), runs, "controller settled");
     assert!(secrets.get_opt("other").await.unwrap().is_none());
     handle.abort();

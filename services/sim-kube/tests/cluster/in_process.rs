@@ -103,7 +103,8 @@ async fn an_in_process_cluster_has_no_url() {
 /// The controllers run after changes and when one of their timers is due, not on a clock: a
 /// cluster where nothing happens costs no pass (the region simulator runs thousands), while
 /// timed work (a pod's model load) still completes on its own. On tokio's paused clock: the
-/// seconds of quiet pass at once.
+/// seconds of quiet pass at once (`sleep`, not `advance`: a paused clock's sleep moves time one
+/// timer at a time, so every wake-up that falls due in the quiet actually runs).
 #[tokio::test(start_paused = true)]
 async fn a_settled_cluster_makes_no_controller_passes() {
     let config = ClusterConfig {
@@ -112,9 +113,9 @@ async fn a_settled_cluster_makes_no_controller_passes() {
     };
     let cluster = Cluster::start_in_process("quiet", config).unwrap();
     let client = in_process_client(&cluster);
-    tokio::time::advance(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let idle = cluster.controller_passes();
-    tokio::time::advance(Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
     assert_eq!(cluster.controller_passes(), idle, "no change, no pass");
 
     // A Deployment on a node: scheduled on the change, Ready when the load timer fires.
@@ -145,9 +146,9 @@ async fn a_settled_cluster_makes_no_controller_passes() {
     assert!(cluster.controller_passes() > idle);
 
     // Settled again: passes stop.
-    tokio::time::advance(Duration::from_millis(500)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let settled = cluster.controller_passes();
-    tokio::time::advance(Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
     assert_eq!(cluster.controller_passes(), settled, "settled, no pass");
     cluster.shutdown().await;
 }

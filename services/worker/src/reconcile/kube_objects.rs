@@ -138,10 +138,11 @@ impl Reconciler {
                 .iter()
                 .map(|a| at.kube.apply_observed(a.object, a.listed));
             let applied = futures::future::try_join_all(applies).await?;
-            let n = applied.iter().filter(|a| a.changed).count() as u64;
-            self.kube_writes_total.fetch_add(n, Ordering::SeqCst);
-            changed += n;
+            changed += applied.iter().filter(|a| a.changed).count() as u64;
         }
+        // Counted once every wave has gone through, as before the waves were planned apart: a
+        // pass that fails halfway is run again and counts its writes then.
+        self.kube_writes_total.fetch_add(changed, Ordering::SeqCst);
         for key in writes.prune {
             let (namespace, name) = (key.namespace.as_deref(), &key.name);
             let deleted = at
