@@ -148,26 +148,51 @@ impl Plane {
 
     /// A chat completion of exactly `tokens` tokens: (pod, answer).
     async fn chat(&self, messages: &[Value], tokens: u32) -> (String, String) {
-        let r = self
-            .http
-            .post(format!("{}/v1/chat/completions", self.ep.url()))
-            .bearer_auth(TOKEN)
-            .json(&json!({"model": MODEL, "messages": messages, "max_tokens": tokens, "ignore_eos": true}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        let pod = r.headers()["x-sim-backend"].to_str().unwrap().to_string();
-        let v: Value = r.json().await.unwrap();
-        assert_eq!(v["usage"]["completion_tokens"], tokens);
-        (
-            pod,
-            v["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-        )
+        chat_at(&self.http, &self.ep.url(), messages, tokens).await
     }
+
+    /// `chat` as a task of its own, answered after `admitted` once the engine has taken it in:
+    /// requests started one after another reach the picker in that order, whatever the timing.
+    async fn start_chat(
+        &self,
+        messages: Vec<Value>,
+        tokens: u32,
+    ) -> tokio::task::JoinHandle<(String, String)> {
+        let (http, url) = (self.http.clone(), self.ep.url());
+        let admitted = self.counters().prefix_queries;
+        let task = tokio::spawn(async move { chat_at(&http, &url, &messages, tokens).await });
+        eventually("the engine takes the request in", async || {
+            (self.counters().prefix_queries > admitted).then_some(())
+        })
+        .await;
+        task
+    }
+}
+
+async fn chat_at(
+    http: &reqwest::Client,
+    url: &str,
+    messages: &[Value],
+    tokens: u32,
+) -> (String, String) {
+    let r = http
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"model": MODEL, "messages": messages, "max_tokens": tokens, "ignore_eos": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let pod = r.headers()["x-sim-backend"].to_str().unwrap().to_string();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], tokens);
+    (
+        pod,
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string(),
+    )
 }
 
 async fn eventually<T>(what: &str, f: impl AsyncFnMut() -> Option<T>) -> T {
@@ -183,7 +208,10 @@ fn words(tag: &str, n: usize) -> String {
 }
 
 /// Multi-turn conversations, `parallel` at a time: a system prompt every conversation shares,
-/// a document of its own, then `turns` questions, each with the history so far.
+/// a document of its own, then `turns` questions, each with the history so far. The
+/// conversations of a batch take their turns together, each turn's requests reaching the
+/// picker in conversation order, so what a picker decides does not depend on the machine's
+/// speed.
 async fn workload(
     p: &Plane,
     conversations: usize,
@@ -193,26 +221,27 @@ async fn workload(
     let system = words("sys", 200);
     let mut per_pod = BTreeMap::new();
     for batch in (0..conversations).collect::<Vec<_>>().chunks(parallel) {
-        let runs = batch.iter().map(|c| {
-            let system = system.clone();
-            async move {
-                let mut pods = Vec::new();
-                let mut messages = vec![
+        let mut histories: Vec<Vec<Value>> = batch
+            .iter()
+            .map(|c| {
+                vec![
                     json!({"role": "system", "content": system}),
                     json!({"role": "user", "content": format!("{} {}", words(&format!("doc{c}w"), 300), words(&format!("q{c}t0w"), 20))}),
-                ];
-                for t in 0..turns {
-                    let (pod, answer) = p.chat(&messages, 40).await;
-                    pods.push(pod);
-                    messages.push(json!({"role": "assistant", "content": answer}));
-                    messages.push(json!({"role": "user", "content": words(&format!("q{c}t{}w", t + 1), 20)}));
-                }
-                pods
+                ]
+            })
+            .collect();
+        for t in 0..turns {
+            let mut running = Vec::new();
+            for messages in &histories {
+                running.push(p.start_chat(messages.clone(), 40).await);
             }
-        });
-        for pods in futures::future::join_all(runs).await {
-            for pod in pods {
+            for ((c, messages), task) in batch.iter().zip(&mut histories).zip(running) {
+                let (pod, answer) = task.await.unwrap();
                 *per_pod.entry(pod).or_insert(0) += 1;
+                messages.push(json!({"role": "assistant", "content": answer}));
+                messages.push(
+                    json!({"role": "user", "content": words(&format!("q{c}t{}w", t + 1), 20)}),
+                );
             }
         }
     }
@@ -234,8 +263,9 @@ async fn prefix_aware_routing_hits_the_cache_more_than_round_robin() {
     );
     assert!(a > 0.6, "{a}");
     assert!(a > r + 0.1, "picker {a} vs round robin {r}");
-    // Both replicas served: the picker does not pile everything on one.
-    assert_eq!(spread.len(), 2, "{spread:?}");
+    // Where the replicas went is not asserted: at this light load the prefix scorer rightly
+    // keeps every conversation where the shared system prompt is cached; spreading under load
+    // is `queue_and_kv_scorers_spread_the_load`'s.
     assert_eq!(
         rr_spread.values().copied().collect::<Vec<_>>(),
         vec![18, 18]
