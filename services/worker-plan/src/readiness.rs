@@ -11,12 +11,88 @@ use uuid::Uuid;
 
 use super::names;
 
-/// Whether the DI's objects are ready, and if not, what the worker is waiting for (in a form
-/// fit for an event message).
+/// Whether the DI's objects are ready, and if not, which objects the worker is waiting for.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Progress {
     pub ready: bool,
-    pub waiting_for: Vec<String>,
+    pub waiting_for: Vec<ObjectWait>,
+}
+
+/// An object of the DI not yet as declared. Its text (an event's message, and part of the
+/// progress fingerprint that passes record) is what it was when these were strings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ObjectWait {
+    Deployment {
+        name: String,
+        state: DeploymentWait,
+    },
+    /// A LoadBalancer Service without an address.
+    LoadBalancer {
+        name: String,
+    },
+}
+
+/// How far a Deployment is from what the pass declared.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeploymentWait {
+    NotCreated,
+    /// It carries another template than the one declared.
+    NotApplied,
+    /// Its controller has not observed the latest generation.
+    ControllerBehind,
+    Replicas {
+        ready: i64,
+        wanted: i64,
+        /// Replicas of an older template still running.
+        old: i64,
+        /// A pod the scheduler cannot place.
+        unschedulable: Option<String>,
+        /// A pod that cannot load its model, with the container's message (without the
+        /// restart count: the text must not change while the pod keeps failing alike).
+        cannot_load: Option<(String, String)>,
+    },
+}
+
+impl std::fmt::Display for ObjectWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ObjectWait::LoadBalancer { name } => {
+                write!(f, "service {name}: waiting for a load balancer address")
+            }
+            ObjectWait::Deployment { name, state } => write!(f, "deployment {name}: {state}"),
+        }
+    }
+}
+
+impl std::fmt::Display for DeploymentWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeploymentWait::NotCreated => f.write_str("not created yet"),
+            DeploymentWait::NotApplied => f.write_str("new version not applied yet"),
+            DeploymentWait::ControllerBehind => {
+                f.write_str("waiting for the controller to see the change")
+            }
+            DeploymentWait::Replicas {
+                ready,
+                wanted,
+                old,
+                unschedulable,
+                cannot_load,
+            } => {
+                write!(f, "{ready} of {wanted} replicas ready")?;
+                if *old > 0 {
+                    write!(f, ", {old} old replicas still running")?;
+                }
+                if let Some(pod) = unschedulable {
+                    write!(f, ", pod {pod} unschedulable")?;
+                }
+                if let Some((pod, message)) = cannot_load {
+                    write!(f, ", pod {pod} cannot load its model: {message}")?;
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// One GPU node of the DI's node pools.
@@ -112,19 +188,23 @@ fn template_hash(v: &Value) -> Option<&str> {
         .and_then(Value::as_str)
 }
 
-fn deployment_waits(desired: &Value, observed: &[Value]) -> Option<String> {
-    let name = s(desired, "/metadata/name").unwrap_or("");
+fn deployment_waits(desired: &Value, observed: &[Value]) -> Option<ObjectWait> {
+    let name = s(desired, "/metadata/name").unwrap_or("").to_string();
+    let wait = |state| {
+        Some(ObjectWait::Deployment {
+            name: name.clone(),
+            state,
+        })
+    };
     let Some(o) = observed_of(desired, observed) else {
-        return Some(format!("deployment {name}: not created yet"));
+        return wait(DeploymentWait::NotCreated);
     };
     if template_hash(desired) != template_hash(o) {
-        return Some(format!("deployment {name}: new version not applied yet"));
+        return wait(DeploymentWait::NotApplied);
     }
     let replicas = int(desired, "/spec/replicas");
     if int(o, "/status/observedGeneration") < int(o, "/metadata/generation") {
-        return Some(format!(
-            "deployment {name}: waiting for the controller to see the change"
-        ));
+        return wait(DeploymentWait::ControllerBehind);
     }
     let ready = int(o, "/status/readyReplicas");
     let available = int(o, "/status/availableReplicas");
@@ -132,13 +212,6 @@ fn deployment_waits(desired: &Value, observed: &[Value]) -> Option<String> {
     let total = int(o, "/status/replicas");
     if updated >= replicas && ready >= replicas && available >= replicas && total <= replicas {
         return None;
-    }
-    let mut msg = format!(
-        "deployment {name}: {} of {replicas} replicas ready",
-        ready.min(available)
-    );
-    if total > updated {
-        msg.push_str(&format!(", {} old replicas still running", total - updated));
     }
     let unschedulable = pods_of(o, observed).into_iter().find(|p| {
         !pod_finished(p)
@@ -152,20 +225,13 @@ fn deployment_waits(desired: &Value, observed: &[Value]) -> Option<String> {
                     })
                 })
     });
-    if let Some(p) = unschedulable {
-        msg.push_str(&format!(
-            ", pod {} unschedulable",
-            s(p, "/metadata/name").unwrap_or("?")
-        ));
-    }
-    // Without the restart count: the text must not change while the pod keeps failing alike.
-    if let Some(f) = deployment_load_failure(desired, observed, None) {
-        msg.push_str(&format!(
-            ", pod {} cannot load its model: {}",
-            f.pod, f.message
-        ));
-    }
-    Some(msg)
+    wait(DeploymentWait::Replicas {
+        ready: ready.min(available),
+        wanted: replicas,
+        old: (total - updated).max(0),
+        unschedulable: unschedulable.map(|p| s(p, "/metadata/name").unwrap_or("?").to_string()),
+        cannot_load: deployment_load_failure(desired, observed, None).map(|f| (f.pod, f.message)),
+    })
 }
 
 /// The status reason of a DI whose model server cannot load its model.
@@ -536,9 +602,9 @@ pub fn assess(di_id: &Uuid, desired: &[Value], observed: &[Value]) -> Assessment
                 let name = s(d, "/metadata/name").unwrap_or("");
                 let url = observed_of(d, observed).and_then(endpoint_url);
                 match (&url, name) {
-                    (None, _) => waiting_for.push(format!(
-                        "service {name}: waiting for a load balancer address"
-                    )),
+                    (None, _) => waiting_for.push(ObjectWait::LoadBalancer {
+                        name: name.to_string(),
+                    }),
                     (Some(_), names::PUBLIC_SERVICE) => out.public_endpoint = url,
                     (Some(_), names::PRIVATE_SERVICE) => out.private_endpoint = url,
                     _ => {}
@@ -558,6 +624,15 @@ pub fn assess(di_id: &Uuid, desired: &[Value], observed: &[Value]) -> Assessment
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The waits as an event would print them, one per line.
+    fn text(waits: &[ObjectWait]) -> String {
+        waits
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
     use crate::manifests::{manifests, ManifestInput, TlsPair};
     use crate::model::{models, tests::deployment};
     use serde_json::json;
@@ -645,7 +720,7 @@ mod tests {
         let d = desired(1, true, false);
         let a = assess(&di(), &d, &[]);
         assert!(!a.progress.ready);
-        let w = a.progress.waiting_for.join("\n");
+        let w = text(&a.progress.waiting_for);
         assert!(
             w.contains("deployment vllm-aaaaaaaa: not created yet"),
             "{w}"
@@ -673,8 +748,8 @@ mod tests {
         let a = assess(&di(), &d, &o);
         assert!(!a.progress.ready);
         assert_eq!(
-            a.progress.waiting_for,
-            vec!["deployment vllm-aaaaaaaa: 1 of 2 replicas ready, 1 old replicas still running"]
+            text(&a.progress.waiting_for),
+            "deployment vllm-aaaaaaaa: 1 of 2 replicas ready, 1 old replicas still running"
         );
     }
 
@@ -684,7 +759,9 @@ mod tests {
         let o = converged(&desired(1, false, true));
         let a = assess(&di(), &d, &o);
         assert!(
-            a.progress.waiting_for[0].contains("new version not applied"),
+            a.progress.waiting_for[0]
+                .to_string()
+                .contains("new version not applied"),
             "{a:?}"
         );
         let mut o = converged(&d);
@@ -888,8 +965,8 @@ mod tests {
         // the text stays the same while the pod keeps failing alike).
         let a = assess(&di(), &d, &o);
         assert_eq!(
-            a.progress.waiting_for,
-            vec![format!("deployment vllm-aaaaaaaa: 1 of 2 replicas ready, pod vllm-aaaaaaaa-1 cannot load its model: {}", f.message)]
+            text(&a.progress.waiting_for),
+            format!("deployment vllm-aaaaaaaa: 1 of 2 replicas ready, pod vllm-aaaaaaaa-1 cannot load its model: {}", f.message)
         );
     }
 

@@ -202,7 +202,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::readiness::Progress;
+    use crate::readiness::{ObjectWait, Progress};
 
     fn assessment(ready: bool, public: Option<&str>) -> Assessment {
         Assessment {
@@ -211,7 +211,7 @@ mod tests {
                 waiting_for: if ready {
                     vec![]
                 } else {
-                    vec!["deployment x".into()]
+                    vec![ObjectWait::LoadBalancer { name: "x".into() }]
                 },
             },
             public_endpoint: public.map(str::to_string),

@@ -4,6 +4,8 @@
 
 use std::fmt;
 
+use crate::readiness::ObjectWait;
+
 /// Why a pass left a DI short of serving as declared (or of being gone).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Waiting {
@@ -15,8 +17,8 @@ pub enum Waiting {
     ScaleUpRefused { message: String },
     /// The pass changed this many objects or pools; the next pass looks at their effect.
     Applied { changes: u64 },
-    /// Objects not yet as declared, in the readiness assessment's words.
-    Rollout { waiting_for: Vec<String> },
+    /// Objects not yet as declared.
+    Rollout { waiting_for: Vec<ObjectWait> },
     /// The gateway has no address yet.
     EndpointAddress,
     /// The endpoint does not yet answer the probe as it would answer a customer.
@@ -76,7 +78,15 @@ impl fmt::Display for Waiting {
             Waiting::ClusterUnreachable => f.write_str("cluster not reachable yet"),
             Waiting::ScaleUpRefused { message } => write!(f, "scale-up refused: {message}"),
             Waiting::Applied { changes } => write!(f, "applied {changes} changes"),
-            Waiting::Rollout { waiting_for } => f.write_str(&waiting_for.join("; ")),
+            Waiting::Rollout { waiting_for } => {
+                for (i, w) in waiting_for.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str("; ")?;
+                    }
+                    write!(f, "{w}")?;
+                }
+                Ok(())
+            }
             Waiting::EndpointAddress => f.write_str("waiting for an endpoint address"),
             Waiting::Probe { url, why } => write!(f, "endpoint {url}: {why}"),
             Waiting::Superseded { why } => f.write_str(why),
@@ -101,6 +111,7 @@ impl fmt::Display for ClusterWait {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::readiness::DeploymentWait;
 
     /// Progress fingerprints are compared with those recorded before the reasons were typed:
     /// the text must stay what it was.
@@ -124,9 +135,25 @@ mod tests {
             (Waiting::Applied { changes: 3 }, "applied 3 changes"),
             (
                 Waiting::Rollout {
-                    waiting_for: vec!["a".into(), "b".into()],
+                    waiting_for: vec![
+                        ObjectWait::Deployment {
+                            name: "vllm-a".into(),
+                            state: DeploymentWait::Replicas {
+                                ready: 1,
+                                wanted: 2,
+                                old: 1,
+                                unschedulable: Some("vllm-a-2".into()),
+                                cannot_load: None,
+                            },
+                        },
+                        ObjectWait::LoadBalancer {
+                            name: "inference-public".into(),
+                        },
+                    ],
                 },
-                "a; b",
+                "deployment vllm-a: 1 of 2 replicas ready, 1 old replicas still running, pod \
+                 vllm-a-2 unschedulable; service inference-public: waiting for a load balancer \
+                 address",
             ),
             (
                 Waiting::Probe {
