@@ -50,3 +50,31 @@ flock -u 9
 
 KUBECTL=$VENV/bin/kubectl
 VALIDATE=$VENV/bin/kubernetes-validate
+
+# Validates the objects of $1 that have a schema in scripts/schemas/ (named
+# <group>_<version>_<Kind>.yaml) against it, and writes every other object to $2. Prints
+# ", N <Kind> valid for its schema in scripts/schemas" for the ok line.
+check_custom_resources() {
+    "$VENV/bin/python" - "$1" "$2" <<'PY'
+import collections, json, os, sys, yaml, jsonschema
+objs = [o for o in yaml.safe_load_all(open(sys.argv[1])) if o]
+core, checked, errors = [], collections.Counter(), 0
+for o in objs:
+    path = f'scripts/schemas/{o["apiVersion"].replace("/", "_")}_{o["kind"]}.yaml'
+    if not os.path.exists(path):
+        core.append(o)
+        continue
+    validator = jsonschema.Draft202012Validator(yaml.safe_load(open(path)))
+    for e in sorted(validator.iter_errors(o), key=lambda e: list(e.absolute_path)):
+        errors += 1
+        where = ".".join(str(p) for p in e.absolute_path) or "(object)"
+        print(f'{o["kind"]}/{o["metadata"]["name"]}: {where}: {e.message} (schema {path})')
+    checked[o["kind"]] += 1
+with open(sys.argv[2], "w") as f:
+    for o in core:
+        f.write("---\n" + json.dumps(o) + "\n")
+if errors:
+    sys.exit(1)
+print("".join(f", {n} {kind} valid for its schema in scripts/schemas" for kind, n in sorted(checked.items())), end="")
+PY
+}
