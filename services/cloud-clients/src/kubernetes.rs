@@ -176,6 +176,12 @@ const KINDS: &[(&str, &str, &str, bool)] = &[
     ("gateway.networking.k8s.io", "Gateway", "gateways", true),
     ("gateway.networking.k8s.io", "HTTPRoute", "httproutes", true),
     (
+        "gateway.envoyproxy.io",
+        "SecurityPolicy",
+        "securitypolicies",
+        true,
+    ),
+    (
         "inference.networking.k8s.io",
         "InferencePool",
         "inferencepools",

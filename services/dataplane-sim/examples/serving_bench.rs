@@ -13,7 +13,6 @@
 //! simulated seconds: measured on the client, divided by `--time-scale`. Details and results:
 //! `bench/README.md`.
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -163,7 +162,9 @@ impl Plane {
         };
         ep.update(EndpointConfig {
             tls: Some((cert.pem(), key.serialize_pem())),
-            token_hashes: Some(BTreeSet::from([token_hash(TOKEN)])),
+            auth: dataplane_sim::auth::Authentication::external(
+                endpoint_auth::TokenHashes::from_hex([token_hash(TOKEN)]),
+            ),
             route: Route::Pool {
                 paths: vec!["/".into()],
                 endpoints: pods

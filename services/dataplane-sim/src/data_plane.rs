@@ -13,13 +13,14 @@
 //! route's request timeout ([`PoolRoute::hold_limit`]) passes (503 with `Retry-After`). Held
 //! requests are counted per pool ([`held_requests`]): the EPP's queue-size gauge.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::Duration;
 
+use crate::auth::Authentication;
 use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -187,8 +188,8 @@ impl Backend {
 pub struct EndpointConfig {
     /// PEM certificate chain and private key of the gateway's HTTPS listener.
     pub tls: Option<(String, String)>,
-    /// Lowercase hex SHA-256 of every valid bearer token; `None` when the token Secret is missing.
-    pub token_hashes: Option<BTreeSet<String>>,
+    /// How requests are authenticated before they are routed.
+    pub auth: Authentication,
     pub route: Route,
 }
 
@@ -406,25 +407,7 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
             "route not found",
         ));
     }
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    let valid = match (token, &cfg.token_hashes) {
-        (Some(t), Some(hashes)) if !t.is_empty() => {
-            hashes.contains(&hex::encode(Sha256::digest(t.as_bytes())))
-        }
-        _ => false,
-    };
-    if !valid {
-        return Err(oai_error(
-            StatusCode::UNAUTHORIZED,
-            "invalid_request_error",
-            json!("invalid_api_key"),
-            "Invalid or missing access token.",
-        ));
-    }
+    authenticate(&cfg.auth, headers)?;
     let endpoints = if !endpoints.is_empty() {
         endpoints
     } else if let Some(pool) = pools.iter().find(|p| p.flow_control) {
@@ -439,6 +422,42 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
         backends: endpoints,
         turn,
     })
+}
+
+/// What Envoy does with a request before routing it, under the Gateway's SecurityPolicy
+/// ([`Authentication`]): a refusal is endpoint-auth's own answer (401 in OpenAI's error shape),
+/// relayed as Envoy relays a denied check; Envoy's own answers have plain-text bodies.
+fn authenticate(auth: &Authentication, headers: &HeaderMap) -> Result<(), Response> {
+    let envoy = |code: u16, body: &'static str| {
+        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::FORBIDDEN);
+        Err((status, body).into_response())
+    };
+    match auth {
+        Authentication::Open => Ok(()),
+        Authentication::Refused => envoy(500, ""),
+        Authentication::External {
+            hashes: None,
+            fail_open: true,
+            ..
+        } => Ok(()),
+        Authentication::External {
+            hashes: None,
+            status_on_error,
+            ..
+        } => envoy(*status_on_error, ""),
+        Authentication::External {
+            hashes: Some(hashes),
+            ..
+        } => {
+            let authorization = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok());
+            match endpoint_auth::decide(authorization, Some(hashes)) {
+                endpoint_auth::Decision::Allow => Ok(()),
+                endpoint_auth::Decision::Refuse => Err(endpoint_auth::refusal()),
+            }
+        }
+    }
 }
 
 fn no_healthy_upstream() -> Response {

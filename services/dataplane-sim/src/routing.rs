@@ -6,10 +6,10 @@
 //! gateway pods they deploy, so such a Service fronts Gateway `<gw>` in its namespace) → the
 //! Gateway's HTTPS listener → its `tls.certificateRefs` Secret → an HTTPRoute whose parentRef is
 //! the Gateway → a backendRef of kind `InferencePool` → the pool's `spec.selector.matchLabels` →
-//! ready Pods. Tokens come from the Secret [`TOKENS_SECRET`] in the same namespace.
+//! ready Pods. Requests are authenticated as the SecurityPolicy on the Gateway says
+//! ([`crate::auth`]).
 //! Everything here is a pure function of JSON objects.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,8 +23,6 @@ use crate::objects::{
 
 /// Selector label that ties a Service to the Gateway it fronts.
 pub const GATEWAY_NAME_LABEL: &str = "gateway.networking.k8s.io/gateway-name";
-/// Secret holding the SHA-256 hashes (lowercase hex) of valid access tokens, one per data key.
-pub const TOKENS_SECRET: &str = "inference-access-tokens";
 const INFERENCE_GROUP: &str = "inference.networking.k8s.io";
 
 /// An endpoint's configuration and what is wrong with the wiring, if anything.
@@ -51,29 +49,6 @@ fn secret_value(secret: &Value, key: &str) -> Option<String> {
         .and_then(|d| d.get(key))
         .and_then(Value::as_str)
         .map(str::to_string)
-}
-
-fn secret_keys(secret: &Value) -> Vec<String> {
-    let mut keys = BTreeSet::new();
-    for field in ["/data", "/stringData"] {
-        if let Some(m) = secret.pointer(field).and_then(Value::as_object) {
-            keys.extend(m.keys().cloned());
-        }
-    }
-    keys.into_iter().collect()
-}
-
-/// The token hashes in the access-token Secret of `ns`, or `None` if there is no such Secret.
-pub fn token_hashes(objs: &[Arc<Value>], ns: &str) -> Option<BTreeSet<String>> {
-    let secret = find(objs, "Secret", "", ns, TOKENS_SECRET)?;
-    Some(
-        secret_keys(secret)
-            .iter()
-            .filter_map(|k| secret_value(secret, k))
-            .map(|v| v.trim().to_ascii_lowercase())
-            .filter(|v| !v.is_empty())
-            .collect(),
-    )
 }
 
 /// Where traffic to a pod comes from, as NetworkPolicy rules see it.
@@ -179,18 +154,7 @@ pub fn ingress_admits(
 /// Derives the endpoint configuration for LoadBalancer Service `svc` from the cluster's objects.
 pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     let ns = ns_of(svc).to_string();
-    let mut w = Wiring {
-        config: EndpointConfig {
-            token_hashes: token_hashes(objs, &ns),
-            ..Default::default()
-        },
-        problems: Vec::new(),
-    };
-    if w.config.token_hashes.is_none() {
-        w.problems.push(format!(
-            "secret {ns}/{TOKENS_SECRET} not found: every request is 401"
-        ));
-    }
+    let mut w = Wiring::default();
     let Some(gw_name) = s(
         svc,
         &format!("/spec/selector/{}", GATEWAY_NAME_LABEL.replace('/', "~1")),
@@ -235,6 +199,9 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         ));
         return w;
     }
+    let (auth, problem) = crate::auth::authentication(objs, &ns, gw_name, &gateway_pods);
+    w.config.auth = auth;
+    w.problems.extend(problem);
     // TLS: the first certificateRef, a kubernetes.io/tls Secret.
     match listener.pointer("/tls/certificateRefs/0") {
         None => w.problems.push(format!(
@@ -510,8 +477,6 @@ mod tests {
         [
             json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tls", "namespace": "di-1"},
                    "type": "kubernetes.io/tls", "data": {"tls.crt": b64("CERT"), "tls.key": b64("KEY")}}),
-            json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": TOKENS_SECRET, "namespace": "di-1"},
-                   "data": {"tok-1": b64(&crate::data_plane::token_hash("secret-token"))}}),
             json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway", "metadata": {"name": "gw", "namespace": "di-1"},
                    "spec": {"gatewayClassName": "x", "listeners": [
                        {"name": "http", "port": 80, "protocol": "HTTP"},
@@ -534,6 +499,7 @@ mod tests {
         ]
         .into_iter()
         .map(Arc::new)
+        .chain(crate::auth::tests::objects("di-1", "secret-token"))
         .collect()
     }
 
@@ -562,12 +528,9 @@ mod tests {
         let w = wire(&svc(), &objects());
         assert!(w.problems.is_empty(), "{:?}", w.problems);
         assert_eq!(w.config.tls, Some(("CERT".into(), "KEY".into())));
-        assert!(w
-            .config
-            .token_hashes
-            .as_ref()
-            .unwrap()
-            .contains(&crate::data_plane::token_hash("secret-token")));
+        assert!(
+            matches!(&w.config.auth, crate::auth::Authentication::External { hashes: Some(h), .. } if h.len() == 1)
+        );
         assert_eq!(
             without_serving(&w.config.route),
             Route::Pool {
@@ -734,7 +697,7 @@ mod tests {
             &svc(),
             &objs
                 .iter()
-                .filter(|o| o["kind"] != "Service")
+                .filter(|o| o["kind"] != "Service" || o["metadata"]["name"] == "auth")
                 .cloned()
                 .collect::<Vec<_>>(),
         );
@@ -816,8 +779,10 @@ mod tests {
         assert!(w.problems.iter().any(|p| p.contains("certificate")));
 
         let mut objs = objects();
-        objs.retain(|o| o["metadata"]["name"] != TOKENS_SECRET);
-        assert!(wire(&svc(), &objs).config.token_hashes.is_none());
+        objs.retain(|o| o["kind"] != "SecurityPolicy");
+        let w = wire(&svc(), &objs);
+        assert_eq!(w.config.auth, crate::auth::Authentication::Open);
+        assert!(w.problems.iter().any(|p| p.contains("not authenticated")));
 
         let mut other = svc();
         other["spec"]["selector"] = json!({"app": "x"});
@@ -881,8 +846,23 @@ mod tests {
         );
         // Allowed on another port than the pool's: still no endpoints.
         assert!(endpoints(&with(&[deny.clone(), https.clone(), from_gateway(9000)])).is_empty());
-        // The data path's allows: served.
+        // The data path's allows: served, but the authorization service is closed off.
         let w = with(&[deny.clone(), https.clone(), from_gateway(8000)]);
+        assert_eq!(endpoints(&w), ["vllm-1-a"]);
+        assert!(
+            w.problems
+                .iter()
+                .any(|p| p.contains("authorization service")),
+            "{:?}",
+            w.problems
+        );
+        let auth = policy(
+            "auth",
+            json!({"podSelector": {"matchLabels": {"app": "auth"}},
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {GATEWAY_NAME_LABEL: "gw"}}}],
+                         "ports": [{"protocol": "TCP", "port": 8080}]}]}),
+        );
+        let w = with(&[deny.clone(), https.clone(), from_gateway(8000), auth]);
         assert!(w.problems.is_empty(), "{:?}", w.problems);
         assert_eq!(endpoints(&w), ["vllm-1-a"]);
         // A pod of another namespace is not the gateway, even with the gateway's labels.

@@ -137,6 +137,7 @@ struct Lease {
 const HF_TOKEN: &str = "hugging_face_token";
 /// The worker's endpoint probe credential of one DI (see [`Store::probe_token`]).
 const PROBE_TOKEN: &str = "probe_token";
+pub(crate) const RETIRED_PROBE_TOKEN: &str = "retired_probe_token";
 
 impl Store {
     pub fn new(pool: PgPool, sealer: Sealer) -> Store {

@@ -261,6 +261,12 @@ impl Store {
         self.probe_token_on(&mut conn, id).await
     }
 
+    /// The probe token DI `id` had before its last rotation, if it was ever rotated.
+    pub async fn retired_probe_token(&self, id: Uuid) -> Result<Option<String>> {
+        let mut conn = self.pool.acquire().await?;
+        self.secret_on(&mut conn, id, RETIRED_PROBE_TOKEN).await
+    }
+
     pub(crate) async fn probe_token_on(&self, conn: &mut PgConnection, id: Uuid) -> Result<String> {
         if let Some(token) = self.secret_on(conn, id, PROBE_TOKEN).await? {
             return Ok(token);
@@ -288,7 +294,9 @@ impl Store {
 
     /// Replaces DI `id`'s probe token (e.g. when it may have leaked): the next pass writes the
     /// new one's hash in place of the old one's, so the old one stops working within seconds,
-    /// in any status in which the endpoint serves.
+    /// in any status in which the endpoint serves. The old one is kept as the retired probe
+    /// token ([`Store::retired_probe_token`]): a token the endpoint accepted once and must
+    /// refuse now, which the probe checks.
     pub async fn probe_token_rotate(&self, id: Uuid) -> Result<()> {
         let mut tx = self.pool.begin().await?;
         let row = lock_live(&mut tx, id, None).await?;
@@ -296,6 +304,10 @@ impl Store {
             return Err(StoreError::Conflict(
                 "the dedicated inference is being deleted".into(),
             ));
+        }
+        if let Some(old) = self.secret_on(&mut tx, id, PROBE_TOKEN).await? {
+            self.put_secret(&mut tx, id, RETIRED_PROBE_TOKEN, &old)
+                .await?;
         }
         self.put_secret(&mut tx, id, PROBE_TOKEN, &common::tokens::mint("di_"))
             .await?;

@@ -114,6 +114,8 @@ pub struct PassInputs {
     pub hugging_face_token: Option<String>,
     /// The worker's probe token for this DI (see [`Store::probe_token`]).
     pub probe_token: String,
+    /// The one it replaced, which the endpoint must refuse (see [`Store::retired_probe_token`]).
+    pub retired_probe_token: Option<String>,
     /// The replica counts and autoscaler memory as last recorded, by model id.
     pub replicas: Vec<DeploymentReplicas>,
     /// The database's clock (milliseconds since the epoch): one clock for every worker.
@@ -410,6 +412,9 @@ impl Store {
         let token_hashes = crate::token_hashes_on(&mut conn, di_id).await?;
         let hugging_face_token = self.hugging_face_token_on(&mut conn, di_id).await?;
         let probe_token = self.probe_token_on(&mut conn, di_id).await?;
+        let retired_probe_token = self
+            .secret_on(&mut conn, di_id, crate::RETIRED_PROBE_TOKEN)
+            .await?;
         // The replica rows and the database's clock in one round trip (an aggregate over no
         // rows is still one row).
         let (now_ms, replicas): (i64, sqlx::types::Json<Vec<ReplicasRow>>) = sqlx::query_as(
@@ -439,6 +444,7 @@ impl Store {
             token_hashes,
             hugging_face_token,
             probe_token,
+            retired_probe_token,
         })
     }
 

@@ -73,6 +73,8 @@ const fn rt(
 
 pub const GATEWAY_GROUP: &str = "gateway.networking.k8s.io";
 pub const INFERENCE_GROUP: &str = "inference.networking.k8s.io";
+/// Envoy Gateway's policies: the SecurityPolicy that puts endpoint authentication on a Gateway.
+pub const ENVOY_GATEWAY_GROUP: &str = "gateway.envoyproxy.io";
 
 /// Index of Namespace in [`TYPES`]; namespaces are looked up on every namespaced write.
 pub const NAMESPACE: usize = 0;
@@ -238,6 +240,17 @@ pub static TYPES: &[ResourceType] = &[
         "HTTPRoute",
         "httproutes",
         "httproute",
+        true,
+        &[],
+        true,
+        NameRule::Subdomain,
+    ),
+    rt(
+        ENVOY_GATEWAY_GROUP,
+        "v1alpha1",
+        "SecurityPolicy",
+        "securitypolicies",
+        "securitypolicy",
         true,
         &[],
         true,

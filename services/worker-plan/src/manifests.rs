@@ -17,6 +17,10 @@ pub const VLLM_PORT: u16 = 8000;
 pub const EPP_GRPC_PORT: u16 = 9002;
 pub const EPP_HEALTH_PORT: u16 = 9003;
 pub const EPP_METRICS_PORT: u16 = 9090;
+/// The port endpoint-auth answers Envoy's authorization checks (and its probes) on.
+pub const ENDPOINT_AUTH_PORT: u16 = 8080;
+/// The path prefix of those checks: Envoy appends the client's path.
+pub const ENDPOINT_AUTH_PATH: &str = "/check";
 /// The port both load balancers and the Gateway listener serve HTTPS on.
 pub const HTTPS_PORT: u16 = 443;
 /// File name of the EndpointPickerConfig inside the EPP ConfigMap (mounted at `/config`).
@@ -29,6 +33,8 @@ pub struct Images {
     pub vllm_nvidia: String,
     pub vllm_amd: String,
     pub epp: String,
+    /// `services/endpoint-auth`, released with this control plane.
+    pub endpoint_auth: String,
 }
 
 impl Default for Images {
@@ -37,6 +43,11 @@ impl Default for Images {
             vllm_nvidia: "vllm/vllm-openai:v0.19.1".into(),
             vllm_amd: "vllm/vllm-openai-rocm:v0.19.1".into(),
             epp: "ghcr.io/llm-d/llm-d-router-endpoint-picker:v0.10.0".into(),
+            endpoint_auth: concat!(
+                "registry.digitalocean.com/dedicated-inference/endpoint-auth:",
+                env!("CARGO_PKG_VERSION")
+            )
+            .into(),
         }
     }
 }
@@ -456,6 +467,130 @@ fn epp_objects(input: &ManifestInput, m: &Model) -> Vec<Value> {
     ]
 }
 
+/// The service that decides, for Envoy, whether a request carries one of the DI's tokens
+/// (`services/endpoint-auth`): it watches the access-token Secret of its namespace (its Role
+/// reads that Secret and nothing else) and answers Envoy's HTTP authorization checks. Two
+/// replicas spread over nodes, so that neither a node drain nor a rollout leaves the endpoint
+/// refusing everyone (Envoy fails closed when no replica answers).
+fn endpoint_auth_objects(input: &ManifestInput) -> Vec<Value> {
+    let di = &input.di_id;
+    let name = names::ENDPOINT_AUTH;
+    let selector = json!({names::ENDPOINT_AUTH_LABEL: "true"});
+    let mut pod_labels = labels_of(di, &[]);
+    pod_labels[names::ENDPOINT_AUTH_LABEL] = json!("true");
+    let http_probe = |path: &str, period: u32| json!({"httpGet": {"path": path, "port": ENDPOINT_AUTH_PORT}, "periodSeconds": period});
+    vec![
+        json!({
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": meta(di, name, &[]),
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta(di, name, &[]),
+            "rules": [{
+                "apiGroups": [""],
+                "resources": ["secrets"],
+                "resourceNames": [names::ACCESS_TOKENS_SECRET],
+                "verbs": ["get", "list", "watch"],
+            }],
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta(di, name, &[]),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": names::namespace(di)}],
+        }),
+        json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta(di, name, &[]),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": selector,
+                "ports": [{"name": "http", "port": ENDPOINT_AUTH_PORT,
+                           "targetPort": ENDPOINT_AUTH_PORT, "protocol": "TCP"}],
+            },
+        }),
+        json!({
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta(di, name, &[]),
+            "spec": {
+                "replicas": 2,
+                "selector": {"matchLabels": selector},
+                "strategy": {"type": "RollingUpdate",
+                             "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                "template": {
+                    "metadata": {"labels": pod_labels},
+                    "spec": {
+                        "serviceAccountName": name,
+                        "topologySpreadConstraints": [{
+                            "maxSkew": 1,
+                            "topologyKey": "kubernetes.io/hostname",
+                            "whenUnsatisfiable": "ScheduleAnyway",
+                            "labelSelector": {"matchLabels": selector},
+                        }],
+                        "securityContext": {"runAsNonRoot": true,
+                                            "seccompProfile": {"type": "RuntimeDefault"}},
+                        "containers": [{
+                            "name": name,
+                            "image": input.images.endpoint_auth,
+                            "args": [
+                                "--listen", format!("0.0.0.0:{ENDPOINT_AUTH_PORT}"),
+                                "--secret", names::ACCESS_TOKENS_SECRET,
+                            ],
+                            "env": [{"name": "POD_NAMESPACE",
+                                     "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+                            "ports": [{"name": "http", "containerPort": ENDPOINT_AUTH_PORT,
+                                       "protocol": "TCP"}],
+                            "livenessProbe": http_probe("/healthz", 10),
+                            "readinessProbe": http_probe("/readyz", 2),
+                            "resources": {
+                                "requests": {"cpu": "10m", "memory": "32Mi"},
+                                "limits": {"memory": "128Mi"},
+                            },
+                            "securityContext": {
+                                "allowPrivilegeEscalation": false,
+                                "readOnlyRootFilesystem": true,
+                                "capabilities": {"drop": ["ALL"]},
+                            },
+                        }],
+                    },
+                },
+            },
+        }),
+    ]
+}
+
+/// Envoy Gateway's SecurityPolicy on the DI's Gateway: every request is first sent (its
+/// method, path and Authorization header) to endpoint-auth, and only an answer of 200 lets it
+/// through; endpoint-auth's 401 goes back to the client as it is. When no replica answers,
+/// the request fails closed with 503, which clients retry, rather than Envoy's default 403,
+/// which would tell them their token is bad.
+fn security_policy(input: &ManifestInput) -> Value {
+    json!({
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "SecurityPolicy",
+        "metadata": meta(&input.di_id, names::ENDPOINT_AUTH, &[]),
+        "spec": {
+            "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": names::GATEWAY}],
+            "extAuth": {
+                "http": {
+                    "backendRefs": [{"group": "", "kind": "Service", "name": names::ENDPOINT_AUTH,
+                                     "port": ENDPOINT_AUTH_PORT}],
+                    "path": ENDPOINT_AUTH_PATH,
+                },
+                "headersToExtAuth": ["authorization"],
+                "failOpen": false,
+                "statusOnError": 503,
+            },
+        },
+    })
+}
+
 fn inference_pool(input: &ManifestInput, m: &Model) -> Value {
     let extra = [(names::MODEL_ID_LABEL, m.model_id.to_string())];
     json!({
@@ -572,6 +707,7 @@ fn tcp(port: u16) -> Value {
 ///   balancers forward to (from client or node addresses, depending on the CNI and traffic
 ///   policy, so no peer can be named) and the worker's probe arrives through; every request
 ///   there must carry one of the DI's tokens;
+/// - endpoint-auth admits only the gateway, which asks it about every request;
 /// - each model's EPP admits only the gateway, on its ext-proc gRPC port;
 /// - each model's vLLM pods admit only the gateway (requests) and their own EPP (it scrapes
 ///   `/metrics` for its scorers), on the serving port.
@@ -590,6 +726,16 @@ fn network_policies(input: &ManifestInput) -> Vec<Value> {
             "ingress": [{"ports": [tcp(HTTPS_PORT)]}],
         }),
     )];
+    out.push(network_policy(
+        di,
+        names::ENDPOINT_AUTH,
+        &[],
+        json!({
+            "podSelector": {"matchLabels": {names::ENDPOINT_AUTH_LABEL: "true"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [gateway_peer()], "ports": [tcp(ENDPOINT_AUTH_PORT)]}],
+        }),
+    ));
     for m in &input.models {
         let extra = [(names::MODEL_ID_LABEL, m.model_id.to_string())];
         let epp_pods = json!({names::EPP_LABEL: names::inference_pool(&m.model_id)});
@@ -654,9 +800,9 @@ pub fn access_tokens_secret(di: &Uuid, tokens: &[AccessTokenHash]) -> Value {
 }
 
 /// Every object of one DI, in apply order: Namespace, Secrets, NetworkPolicies (the default
-/// deny last), per model (EPP ConfigMap,
-/// ServiceAccount, Role, RoleBinding, Service, Deployment; vLLM Deployment; InferencePool),
-/// Gateway, HTTPRoute, LoadBalancer Services. Deterministic: the same input gives the same
+/// deny last), endpoint-auth (ServiceAccount, Role, RoleBinding, Service, Deployment), per
+/// model (EPP ConfigMap, ServiceAccount, Role, RoleBinding, Service, Deployment; vLLM
+/// Deployment; InferencePool), Gateway, HTTPRoute, SecurityPolicy, LoadBalancer Services. Deterministic: the same input gives the same
 /// bytes (access tokens are sorted by id).
 pub fn manifests(input: &ManifestInput) -> Vec<Value> {
     let di = &input.di_id;
@@ -683,6 +829,7 @@ pub fn manifests(input: &ManifestInput) -> Vec<Value> {
     }));
     out.push(access_tokens_secret(di, &input.access_tokens));
     out.extend(network_policies(input));
+    out.extend(endpoint_auth_objects(input));
     for m in &input.models {
         out.extend(epp_objects(input, m));
         out.push(vllm_deployment(input, m));
@@ -707,6 +854,7 @@ pub fn manifests(input: &ManifestInput) -> Vec<Value> {
         },
     }));
     out.push(http_route(input));
+    out.push(security_policy(input));
     out.push(load_balancer(
         input,
         names::PRIVATE_SERVICE,
@@ -1194,6 +1342,45 @@ mod tests {
         assert!(prune(&di(), &after, &after).is_empty());
     }
 
+    /// What a real gateway enforces: Envoy Gateway's SecurityPolicy on the DI's Gateway asks
+    /// endpoint-auth, failing closed; endpoint-auth reads the token hashes and nothing else.
+    #[test]
+    fn endpoint_auth_is_a_policy_on_the_gateway_asking_a_service_that_reads_only_the_hashes() {
+        let objs = manifests(&two());
+        let sp = find(&objs, "SecurityPolicy", "endpoint-auth");
+        assert_eq!(
+            sp["spec"]["targetRefs"],
+            json!([{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "inference-gateway"}])
+        );
+        let ext = &sp["spec"]["extAuth"];
+        assert_eq!(ext["failOpen"], false);
+        assert_eq!(ext["http"]["backendRefs"][0]["name"], "endpoint-auth");
+        assert_eq!(ext["http"]["backendRefs"][0]["port"], 8080);
+        let svc = find(&objs, "Service", "endpoint-auth");
+        let dep = find(&objs, "Deployment", "endpoint-auth");
+        let pod_labels = &dep["spec"]["template"]["metadata"]["labels"];
+        for (k, v) in svc["spec"]["selector"].as_object().unwrap() {
+            assert_eq!(&pod_labels[k], v, "the Service selects the pods");
+        }
+        let args = &dep["spec"]["template"]["spec"]["containers"][0]["args"];
+        assert_eq!(args[2], "--secret");
+        assert_eq!(args[3], "inference-access-tokens");
+        let role = find(&objs, "Role", "endpoint-auth");
+        assert_eq!(
+            role["rules"],
+            json!([{"apiGroups": [""], "resources": ["secrets"],
+                    "resourceNames": ["inference-access-tokens"], "verbs": ["get", "list", "watch"]}])
+        );
+        // The policy comes after the Gateway it targets and the service it asks.
+        let pos = |kind: &str, name: &str| {
+            objs.iter()
+                .position(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+                .unwrap()
+        };
+        assert!(pos("SecurityPolicy", "endpoint-auth") > pos("Gateway", "inference-gateway"));
+        assert!(pos("SecurityPolicy", "endpoint-auth") > pos("Deployment", "endpoint-auth"));
+    }
+
     fn policies(objs: &[Value]) -> Vec<&Value> {
         objs.iter()
             .filter(|o| o["kind"] == "NetworkPolicy")
@@ -1204,8 +1391,9 @@ mod tests {
     fn namespace_denies_ingress_by_default_then_allows_the_data_path() {
         let objs = manifests(&two());
         let ps = policies(&objs);
-        // Namespace-wide: the gateway's HTTPS and the default deny; per model: EPP and vLLM.
-        assert_eq!(ps.len(), 2 + 2 * 2);
+        // Namespace-wide: the gateway's HTTPS, endpoint-auth and the default deny; per model:
+        // EPP and vLLM.
+        assert_eq!(ps.len(), 3 + 2 * 2);
         for p in &ps {
             assert_eq!(p["apiVersion"], "networking.k8s.io/v1");
             assert_eq!(p["spec"]["policyTypes"], json!(["Ingress"]), "{p}");
@@ -1249,6 +1437,12 @@ mod tests {
             json!([{"ports": [{"protocol": "TCP", "port": 443}]}])
         );
         let gateway_peer = json!({"podSelector": {"matchLabels": gateway_pods}});
+        // Only the gateway asks endpoint-auth.
+        let auth = find(&objs, "NetworkPolicy", "endpoint-auth");
+        assert_eq!(
+            auth["spec"]["ingress"],
+            json!([{"from": [gateway_peer], "ports": [{"protocol": "TCP", "port": 8080}]}])
+        );
         for (m, model) in [(M1, "aaaaaaaa"), (M2, "bbbbbbbb")] {
             let epp = find(&objs, "NetworkPolicy", &format!("pool-{model}-epp"));
             let epp_pods = &find(&objs, "Deployment", &format!("pool-{model}-epp"))["spec"]

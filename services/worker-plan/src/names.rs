@@ -41,6 +41,12 @@ pub const PUBLIC_SERVICE: &str = "inference-public";
 /// NetworkPolicies of the namespace as a whole (per-model ones take the model's object names).
 pub const DEFAULT_DENY_POLICY: &str = "default-deny-ingress";
 pub const GATEWAY_POLICY: &str = "inference-gateway-https";
+/// The DI's endpoint authentication: Envoy Gateway's SecurityPolicy on the Gateway, and the
+/// service of ours it asks (`services/endpoint-auth`): its Deployment, Service, ServiceAccount,
+/// Role, RoleBinding and NetworkPolicy all take this name.
+pub const ENDPOINT_AUTH: &str = "endpoint-auth";
+/// Selector label of the endpoint-auth pods.
+pub const ENDPOINT_AUTH_LABEL: &str = "dedicated-inference.dev/endpoint-auth";
 /// Request header that selects a model when a DI serves several.
 pub const MODEL_HEADER: &str = "X-Gateway-Model-Name";
 

@@ -30,6 +30,12 @@ pub enum ObjectWait {
     LoadBalancer {
         name: String,
     },
+    /// A policy of the gateway (the endpoint's authentication) that its controller has not
+    /// accepted for the current generation; `refused`: the reason it gave, if it refused.
+    Policy {
+        name: String,
+        refused: Option<String>,
+    },
 }
 
 /// How far a Deployment is from what the pass declared.
@@ -60,6 +66,14 @@ impl std::fmt::Display for ObjectWait {
                 write!(f, "service {name}: waiting for a load balancer address")
             }
             ObjectWait::Deployment { name, state } => write!(f, "deployment {name}: {state}"),
+            ObjectWait::Policy {
+                name,
+                refused: None,
+            } => write!(f, "securitypolicy {name}: not accepted yet"),
+            ObjectWait::Policy {
+                name,
+                refused: Some(why),
+            } => write!(f, "securitypolicy {name}: not accepted: {why}"),
         }
     }
 }
@@ -232,6 +246,47 @@ fn deployment_waits(desired: &Value, observed: &[Value]) -> Option<ObjectWait> {
         unschedulable: unschedulable.map(|p| s(p, "/metadata/name").unwrap_or("?").to_string()),
         cannot_load: deployment_load_failure(desired, observed, None).map(|f| (f.pod, f.message)),
     })
+}
+
+/// A gateway policy is in force once its controller reports it Accepted, for its current
+/// generation, on every ancestor (the Gateway) it reports: Envoy Gateway writes one ancestor
+/// status per target. A policy that is not in force leaves the endpoint unauthenticated or
+/// answering 500, so the DI must not be declared active on it.
+fn policy_waits(desired: &Value, observed: &[Value]) -> Option<ObjectWait> {
+    let name = s(desired, "/metadata/name").unwrap_or("").to_string();
+    let wait = |refused| {
+        Some(ObjectWait::Policy {
+            name: name.clone(),
+            refused,
+        })
+    };
+    let Some(o) = observed_of(desired, observed) else {
+        return wait(None);
+    };
+    let generation = int(o, "/metadata/generation");
+    let ancestors = o
+        .pointer("/status/ancestors")
+        .and_then(Value::as_array)
+        .filter(|a| !a.is_empty());
+    let Some(ancestors) = ancestors else {
+        return wait(None);
+    };
+    for a in ancestors {
+        let accepted = a["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == "Accepted");
+        match accepted {
+            Some(c) if c["observedGeneration"].as_i64().unwrap_or(0) < generation => {
+                return wait(None)
+            }
+            Some(c) if c["status"] == "True" => {}
+            Some(c) => return wait(Some(c["message"].as_str().unwrap_or("").to_string())),
+            None => return wait(None),
+        }
+    }
+    None
 }
 
 /// The status reason of a DI whose model server cannot load its model.
@@ -598,6 +653,7 @@ pub fn assess(di_id: &Uuid, desired: &[Value], observed: &[Value]) -> Assessment
     for d in desired {
         match d["kind"].as_str() {
             Some("Deployment") => waiting_for.extend(deployment_waits(d, observed)),
+            Some("SecurityPolicy") => waiting_for.extend(policy_waits(d, observed)),
             Some("Service") if d["spec"]["type"] == "LoadBalancer" => {
                 let name = s(d, "/metadata/name").unwrap_or("");
                 let url = observed_of(d, observed).and_then(endpoint_url);
@@ -680,6 +736,12 @@ mod tests {
                         "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}));
                 }
             }
+            if d["kind"] == "SecurityPolicy" {
+                o["metadata"]["generation"] = json!(1);
+                o["status"] = json!({"ancestors": [{"ancestorRef": d["spec"]["targetRefs"][0],
+                    "controllerName": "c", "conditions": [{"type": "Accepted", "status": "True",
+                    "observedGeneration": 1}]}]});
+            }
             if d["spec"]["type"] == "LoadBalancer" {
                 let port = if d["metadata"]["name"] == "inference-public" {
                     8443
@@ -698,6 +760,47 @@ mod tests {
             names::DI_ID_LABEL: di, names::MODEL_ID_LABEL: M1,
             names::INSTANCE_TYPE_LABEL: "gpu-h100x1-80gb", names::NODE_POOL_LABEL: "p"}},
             "status": {"conditions": [{"type": "Ready", "status": ready}]}})
+    }
+
+    /// The endpoint's authentication is in force only once the gateway's controller accepted
+    /// the policy, for its current generation.
+    #[test]
+    fn an_auth_policy_not_accepted_keeps_the_di_waiting() {
+        let d = desired(1, true, false);
+        let mut o = converged(&d);
+        let policy = |o: &mut Vec<Value>| {
+            o.iter_mut()
+                .find(|x| x["kind"] == "SecurityPolicy")
+                .unwrap()
+                .clone()
+        };
+        let set = |o: &mut Vec<Value>, v: Value| {
+            *o.iter_mut()
+                .find(|x| x["kind"] == "SecurityPolicy")
+                .unwrap() = v;
+        };
+        assert!(assess(&di(), &d, &o).progress.ready);
+        let mut p = policy(&mut o);
+        p["metadata"]["generation"] = json!(2);
+        set(&mut o, p.clone());
+        let a = assess(&di(), &d, &o);
+        assert_eq!(
+            text(&a.progress.waiting_for),
+            "securitypolicy endpoint-auth: not accepted yet"
+        );
+        p["status"]["ancestors"][0]["conditions"] = json!([{"type": "Accepted",
+            "status": "False", "observedGeneration": 2, "message": "backend Service di-x/endpoint-auth not found"}]);
+        set(&mut o, p.clone());
+        let a = assess(&di(), &d, &o);
+        assert_eq!(
+            text(&a.progress.waiting_for),
+            "securitypolicy endpoint-auth: not accepted: backend Service di-x/endpoint-auth not found"
+        );
+        p["status"] = json!({});
+        set(&mut o, p);
+        assert!(!assess(&di(), &d, &o).progress.ready);
+        o.retain(|x| x["kind"] != "SecurityPolicy");
+        assert!(!assess(&di(), &d, &o).progress.ready, "a missing policy");
     }
 
     #[test]

@@ -7,9 +7,11 @@ use std::process::Command;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use dataplane_sim::auth::Authentication;
 use dataplane_sim::data_plane::{
     held_requests, token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, PoolRoute, Route,
 };
+use endpoint_auth::TokenHashes;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use region_sim_base::faults::{ApiFaults, FaultConfig, Faults};
 use region_sim_base::front::Front;
@@ -40,7 +42,7 @@ pub(crate) fn ca_and_cert(cn: &str, hosts: Vec<String>) -> (String, String, Stri
 fn wired(cert: &str, key: &str, endpoints: &[&str]) -> EndpointConfig {
     EndpointConfig {
         tls: Some((cert.to_string(), key.to_string())),
-        token_hashes: Some(BTreeSet::from([token_hash(TOKEN)])),
+        auth: Authentication::external(TokenHashes::from_hex([token_hash(TOKEN)])),
         route: Route::Pool {
             paths: vec!["/".into()],
             endpoints: endpoints
@@ -97,7 +99,7 @@ async fn fails_like_a_gateway_when_wiring_is_incomplete() {
     // Certificate but no route: 404.
     ep.update(EndpointConfig {
         tls: Some((cert.clone(), key.clone())),
-        token_hashes: Some(BTreeSet::from([token_hash(TOKEN)])),
+        auth: Authentication::external(TokenHashes::from_hex([token_hash(TOKEN)])),
         route: Route::None,
     })
     .unwrap();
@@ -136,10 +138,24 @@ async fn fails_like_a_gateway_when_wiring_is_incomplete() {
         r.json::<Value>().await.unwrap()["error"]["code"],
         "invalid_api_key"
     );
-    let mut no_secret = wired(&cert, &key, &["pod-a"]);
-    no_secret.token_hashes = None;
-    ep.update(no_secret).unwrap();
-    assert_eq!(chat(&c, &ep, TOKEN).await.status(), 401);
+    // The authorization service unreachable: Envoy's statusOnError, whatever the token.
+    let mut unreachable = wired(&cert, &key, &["pod-a"]);
+    unreachable.auth = Authentication::External {
+        hashes: None,
+        status_on_error: 503,
+        fail_open: false,
+    };
+    ep.update(unreachable).unwrap();
+    assert_eq!(chat(&c, &ep, TOKEN).await.status(), 503);
+    // A policy Envoy Gateway refused: 500. None at all: nothing is checked.
+    let mut refused = wired(&cert, &key, &["pod-a"]);
+    refused.auth = Authentication::Refused;
+    ep.update(refused).unwrap();
+    assert_eq!(chat(&c, &ep, TOKEN).await.status(), 500);
+    let mut open = wired(&cert, &key, &["pod-a"]);
+    open.auth = Authentication::Open;
+    ep.update(open).unwrap();
+    assert_eq!(chat(&c, &ep, "made-up").await.status(), 200);
 
     // A path the route does not match is 404.
     let mut narrow = wired(&cert, &key, &["pod-a"]);

@@ -1,16 +1,17 @@
 //! The region's front on its own: load balancers (and cluster APIs) at loopback addresses of
 //! their own, all on one port, told apart by the address a connection arrived on.
 
-use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
+use dataplane_sim::auth::Authentication;
 use dataplane_sim::data_plane::{
     token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route,
 };
+use endpoint_auth::TokenHashes;
 use region_sim_base::faults::Faults;
 use region_sim_base::front::{Front, Site, SiteId};
 use rustls::pki_types::{CertificateDer, ServerName};
@@ -30,7 +31,7 @@ fn pki(ip: Ipv4Addr) -> (String, String, String) {
 fn serving(cert: &str, key: &str, pod: &str, model: &str) -> EndpointConfig {
     EndpointConfig {
         tls: Some((cert.to_string(), key.to_string())),
-        token_hashes: Some(BTreeSet::from([token_hash(TOKEN)])),
+        auth: Authentication::external(TokenHashes::from_hex([token_hash(TOKEN)])),
         route: Route::Pool {
             paths: vec![],
             endpoints: vec![Backend::new(pod, Some(model))],

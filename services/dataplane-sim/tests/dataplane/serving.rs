@@ -3,15 +3,17 @@
 //! alone (in a simulated cluster whose ConfigMap holds the picker's configuration: `region-sim`'s
 //! tests).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use dataplane_sim::auth::Authentication;
 use dataplane_sim::data_plane::{
     token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, Route,
 };
 use dataplane_sim::picker::{PickerConfig, PoolSpec, LLM_D_DEFAULT_CONFIG};
 use dataplane_sim::serving::{BackendServing, Counters, Replica, ReplicaSpec, ServingConfig};
+use endpoint_auth::TokenHashes;
 use region_sim_base::faults::Faults;
 use region_sim_base::front::Front;
 use serde_json::{json, Value};
@@ -83,7 +85,7 @@ impl Plane {
         };
         EndpointConfig {
             tls: Some((cert.into(), key.into())),
-            token_hashes: Some(BTreeSet::from([token_hash(TOKEN)])),
+            auth: Authentication::external(TokenHashes::from_hex([token_hash(TOKEN)])),
             route: Route::Pool {
                 paths: vec!["/".into()],
                 endpoints: self

@@ -144,6 +144,67 @@ impl Kube {
         let (s, v) = self.call(Method::POST, path, Some(body)).await;
         assert!(s.is_success(), "POST {path}: {s} {v}");
     }
+
+    /// Authentication for Gateway `gw` of `ns` as a real cluster runs it: Envoy Gateway's
+    /// SecurityPolicy asking an endpoint-auth Deployment, which may watch the Secret holding
+    /// the hash of `token` (what the worker renders, by hand).
+    pub(crate) async fn authenticate_gateway(&self, ns: &str, gw: &str, token: &str) {
+        let core = format!("/api/v1/namespaces/{ns}");
+        let rbac = format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}");
+        self.create(
+            &format!("{core}/secrets"),
+            json!({
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tokens"}, "type": "Opaque",
+            "data": {"tok-1": b64(&token_hash(token))}}),
+        )
+        .await;
+        self.create(
+            &format!("{core}/serviceaccounts"),
+            json!({
+            "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "auth"}}),
+        )
+        .await;
+        self.create(&format!("{rbac}/roles"), json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "auth"},
+            "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["tokens"],
+                       "verbs": ["get", "list", "watch"]}]})).await;
+        self.create(&format!("{rbac}/rolebindings"), json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "auth"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "auth"},
+            "subjects": [{"kind": "ServiceAccount", "name": "auth", "namespace": ns}]})).await;
+        self.create(
+            &format!("{core}/services"),
+            json!({
+            "apiVersion": "v1", "kind": "Service", "metadata": {"name": "auth"},
+            "spec": {"selector": {"app": "auth"}, "ports": [{"port": 8080, "targetPort": 8080}]}}),
+        )
+        .await;
+        self.create(&format!("/apis/apps/v1/namespaces/{ns}/deployments"), json!({
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "auth"},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "auth"}},
+              "template": {"metadata": {"labels": {"app": "auth"}}, "spec": {"serviceAccountName": "auth",
+                "containers": [{"name": "auth", "image": "endpoint-auth", "args": ["--secret", "tokens"]}]}}}})).await;
+        self.create(&format!("/apis/gateway.envoyproxy.io/v1alpha1/namespaces/{ns}/securitypolicies"), json!({
+            "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "SecurityPolicy", "metadata": {"name": "auth"},
+            "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gw}],
+                     "extAuth": {"http": {"backendRefs": [{"name": "auth", "port": 8080}], "path": "/check"}}}})).await;
+        // In force once the policy is accepted and a replica can answer; before, Envoy would
+        // admit everyone or fail every check.
+        let policy =
+            format!("/apis/gateway.envoyproxy.io/v1alpha1/namespaces/{ns}/securitypolicies/auth");
+        eventually("the SecurityPolicy accepted", async || {
+            let (_, p) = self.get(&policy).await;
+            (p.pointer("/status/ancestors/0/conditions/0/status") == Some(&json!("True")))
+                .then_some(())
+        })
+        .await;
+        let deployment = format!("/apis/apps/v1/namespaces/{ns}/deployments/auth");
+        eventually("an endpoint-auth replica ready", async || {
+            let (_, d) = self.get(&deployment).await;
+            (d["status"]["readyReplicas"].as_i64() >= Some(1)).then_some(())
+        })
+        .await;
+    }
 }
 
 pub(crate) async fn eventually<T>(what: &str, f: impl AsyncFnMut() -> Option<T>) -> T {
@@ -618,9 +679,6 @@ async fn load_balancer_services_are_mirrored_and_serve_the_model() {
     kube.create(&format!("{core}/secrets"), json!({
         "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "endpoint-tls"}, "type": "kubernetes.io/tls",
         "data": {"tls.crt": b64(&cert), "tls.key": b64(&key)}})).await;
-    kube.create(&format!("{core}/secrets"), json!({
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "inference-access-tokens"}, "type": "Opaque",
-        "data": {"tok-1": b64(&token_hash(DI_TOKEN))}})).await;
     kube.create(&format!("/apis/apps/v1/namespaces/{ns}/deployments"), json!({
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "vllm"},
         "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "vllm"}},
@@ -648,6 +706,7 @@ async fn load_balancer_services_are_mirrored_and_serve_the_model() {
             "service.beta.kubernetes.io/do-loadbalancer-network": "INTERNAL"}},
         "spec": {"type": "LoadBalancer", "selector": {"gateway.networking.k8s.io/gateway-name": "gw"},
                  "ports": [{"name": "https", "port": 443, "targetPort": 443, "protocol": "TCP"}]}})).await;
+    kube.authenticate_gateway(ns, "gw", DI_TOKEN).await;
 
     // The DO API shows a load balancer for the Service: new, then active with an address.
     let lb = eventually("active load balancer", async || {

@@ -5,7 +5,6 @@
 
 use std::time::{Duration, Instant};
 
-use dataplane_sim::data_plane::token_hash;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 
@@ -57,13 +56,6 @@ pub(crate) async fn pool_di(
     kube.create(
         "/api/v1/namespaces",
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
-    )
-    .await;
-    kube.create(
-        &format!("{core}/secrets"),
-        json!({
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "inference-access-tokens"},
-        "data": {"tok-1": b64(&token_hash(TOKEN))}}),
     )
     .await;
     kube.create(&format!("{apps}/deployments"), json!({
@@ -118,6 +110,7 @@ pub(crate) async fn pool_di(
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": "public"},
         "spec": {"type": "LoadBalancer", "selector": {"gateway.networking.k8s.io/gateway-name": "gw"},
                  "ports": [{"name": "https", "port": 443, "targetPort": 443, "protocol": "TCP"}]}})).await;
+    kube.authenticate_gateway(ns, "gw", TOKEN).await;
     let url = eventually("a load balancer address", async || {
         Some(sim.inventory().endpoints.first()?.url.clone())
     })

@@ -1,6 +1,7 @@
 //! The cloud controller and gateway implementation: LoadBalancer Services and
 //! Gateways get addresses after their delays; HTTPRoutes and InferencePools get
-//! the parent status a Gateway API implementation would write.
+//! the parent status a Gateway API implementation would write; Envoy Gateway's SecurityPolicies
+//! get the ancestor status Envoy Gateway writes (Accepted, or not with the reason).
 //!
 //! Addresses are only assigned while empty: the crate that wires the simulated
 //! data plane may overwrite them through `/status`, and that must stick.
@@ -44,6 +45,7 @@ pub fn run(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &Cluster
     gateways(store, snap, timers, config);
     routes(store, snap);
     pools(store, snap);
+    security_policies(store, snap);
 }
 
 fn load_balancers(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &ClusterConfig) {
@@ -488,4 +490,75 @@ fn pools(store: &Store, snap: &Snapshot) {
             }
         });
     }
+}
+
+/// Envoy Gateway's status of a SecurityPolicy: one ancestor per Gateway it targets (a policy
+/// on a Gateway reports the Gateway itself), Accepted when the Gateway exists and the extAuth
+/// backend Services do; otherwise Accepted False and, as Envoy Gateway does, every route under
+/// the Gateway answers 500 (the data plane reads the same conditions).
+fn security_policies(store: &Store, snap: &Snapshot) {
+    for (key, policy) in snap.of_kind("SecurityPolicy") {
+        if is_deleting(policy) {
+            continue;
+        }
+        let generation = policy["metadata"]["generation"].as_i64();
+        let problem = security_policy_problem(snap, &key.ns, policy);
+        let old = policy
+            .pointer("/status/ancestors")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let ancestors: Vec<Value> = policy
+            .pointer("/spec/targetRefs")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter(|t| t["kind"] == "Gateway")
+            .map(|t| {
+                let aref = json!({"group": GATEWAY_GROUP, "kind": "Gateway",
+                                  "name": t["name"], "namespace": key.ns});
+                let mut conds = old
+                    .iter()
+                    .find(|a| a["ancestorRef"] == aref)
+                    .map(|a| a["conditions"].clone())
+                    .unwrap_or(json!([]));
+                match &problem {
+                    None => set_condition(&mut conds, "Accepted", "True", "Accepted", "Policy has been accepted.", generation, false),
+                    Some(why) => set_condition(&mut conds, "Accepted", "False", "Invalid", why, generation, false),
+                }
+                json!({"ancestorRef": aref, "controllerName": GATEWAY_CONTROLLER, "conditions": conds})
+            })
+            .collect();
+        ops::mutate_status(store, key, GATEWAY_MANAGER, |st| {
+            st["ancestors"] = json!(ancestors)
+        });
+    }
+}
+
+/// Why Envoy Gateway would not accept `policy`: its target Gateway or an extAuth backend
+/// Service is missing, or it asks for something this simulation does not enforce.
+fn security_policy_problem(snap: &Snapshot, ns: &str, policy: &Value) -> Option<String> {
+    let spec = &policy["spec"];
+    for t in spec["targetRefs"].as_array().into_iter().flatten() {
+        let name = t["name"].as_str().unwrap_or_default();
+        if t["kind"] != "Gateway" || snap.get("Gateway", ns, name).is_none() {
+            return Some(format!("Gateway {name} not found"));
+        }
+    }
+    let Some(http) = spec.pointer("/extAuth/http") else {
+        return Some("only extAuth over HTTP is simulated".into());
+    };
+    let refs = http["backendRefs"].as_array().cloned().unwrap_or_default();
+    if refs.is_empty() {
+        return Some("extAuth has no backendRefs".into());
+    }
+    for b in &refs {
+        let name = b["name"].as_str().unwrap_or_default();
+        let kind = b["kind"].as_str().unwrap_or("Service");
+        let b_ns = b["namespace"].as_str().unwrap_or(ns);
+        if kind != "Service" || b_ns != ns || snap.get("Service", ns, name).is_none() {
+            return Some(format!("backend Service {b_ns}/{name} not found"));
+        }
+    }
+    None
 }

@@ -327,7 +327,9 @@ impl Reconciler {
                 Ok(Pass::new(c.status, next))
             }
             Verdict::Probe { url, version } => {
-                if let Err(why) = self.probe(&url, &c.inputs.cas, &c.inputs.probe_token).await {
+                let retired = c.inputs.retired_probe_token.as_deref();
+                let probed = self.probe(&url, &c.inputs.cas, &c.inputs.probe_token, retired);
+                if let Err(why) = probed.await {
                     return Ok(pass.wait(Waiting::Probe { url, why }, s.poll));
                 }
                 match self.store.rollout_complete(id, version, &endpoints).await {

@@ -47,13 +47,17 @@ pub(super) fn access_tokens(
 }
 
 impl Reconciler {
-    /// `GET {url}/v1/models` with the probe token, trusting only the DI's CAs (as customers do
-    /// with `GET …/ca`): 200 or why not.
+    /// The endpoint as a customer and an attacker meet it, trusting only the DI's CAs (as
+    /// customers do with `GET …/ca`): `GET {url}/v1/models` answers 200 with the probe token,
+    /// and 401 with no token, with a token nobody was given, and with the retired probe token
+    /// (one it accepted before, if there is one). An endpoint that admits anyone is not
+    /// serving as declared, whichever gateway runs it. Ok, or why not.
     pub(super) async fn probe(
         &self,
         url: &str,
         cas: &[NewCa],
         token: &str,
+        retired: Option<&str>,
     ) -> std::result::Result<(), String> {
         let mut client = reqwest::Client::builder().tls_built_in_root_certs(false);
         for ca in cas {
@@ -66,17 +70,36 @@ impl Reconciler {
             .timeout(self.settings.probe_timeout)
             .build()
             .map_err(|e| e.to_string())?;
-        let resp = client
-            .get(format!("{}/v1/models", url.trim_end_matches('/')))
-            .bearer_auth(token)
-            .send()
-            .await
-            .map_err(|e| format!("not answering ({e})"))?;
-        if resp.status() == reqwest::StatusCode::OK {
-            Ok(())
-        } else {
-            Err(format!("answered {}", resp.status()))
+        let models = format!("{}/v1/models", url.trim_end_matches('/'));
+        let status = |token: Option<String>| {
+            let mut req = client.get(&models);
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            async move {
+                req.send()
+                    .await
+                    .map(|r| r.status())
+                    .map_err(|e| format!("not answering ({e})"))
+            }
+        };
+        match status(Some(token.to_string())).await? {
+            reqwest::StatusCode::OK => {}
+            other => return Err(format!("answered {other}")),
         }
+        // (what the request carries, the token if any); the retired one only if there is one.
+        let refused = [
+            Some(("no token", None)),
+            Some(("a made-up token", Some(common::tokens::mint("di_")))),
+            retired.map(|t| ("the retired probe token", Some(t.to_string()))),
+        ];
+        for (what, token) in refused.into_iter().flatten() {
+            match status(token).await? {
+                reqwest::StatusCode::UNAUTHORIZED => {}
+                other => return Err(format!("answered {other} to a request with {what}")),
+            }
+        }
+        Ok(())
     }
 }
 

@@ -29,6 +29,7 @@ const RENDERED_KINDS: &[(&str, &str)] = &[
     ("inference.networking.k8s.io/v1", "InferencePool"),
     ("gateway.networking.k8s.io/v1", "Gateway"),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+    ("gateway.envoyproxy.io/v1alpha1", "SecurityPolicy"),
 ];
 
 fn label_selector(di_id: Uuid) -> String {
