@@ -58,12 +58,27 @@ fn delete_pod(store: &Store, pod: &Value) {
     );
 }
 
-/// Order in which to remove pods: unscheduled, then not ready, then newest.
+/// The annotation with which a controller of the pods ranks them for removal (Kubernetes's
+/// `PodDeletionCost`, on by default since 1.22): lower goes first; absent or not an int32, 0.
+pub const POD_DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
+
+fn deletion_cost(pod: &Value) -> i32 {
+    pod.pointer("/metadata/annotations")
+        .and_then(|a| a.get(POD_DELETION_COST))
+        .and_then(Value::as_str)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Order in which to remove pods, as the ReplicaSet controller ranks them
+/// (`controller.ActivePodsWithRanks`): unscheduled, then not ready, then the lower
+/// [`POD_DELETION_COST`], then newest.
 fn deletion_order(pods: &mut [&Value]) {
     pods.sort_by_key(|p| {
         (
             p.pointer("/spec/nodeName").is_some(),
             ready(p),
+            deletion_cost(p),
             std::cmp::Reverse(
                 p.pointer("/metadata/creationTimestamp")
                     .and_then(Value::as_str)

@@ -998,3 +998,61 @@ async fn network_policies_are_stored_validated_and_go_with_their_namespace() {
         .all(|o| o["kind"] != "NetworkPolicy"));
     cluster.shutdown().await;
 }
+
+/// A scale-down removes the pods the ReplicaSet controller ranks first: among ready pods, the
+/// lowest `controller.kubernetes.io/pod-deletion-cost` (how a controller of the pods, here the
+/// worker, says which replica is least busy).
+#[tokio::test]
+async fn a_scale_down_removes_the_lowest_deletion_cost_first() {
+    use k8s_openapi::api::core::v1::Pod;
+    let (cluster, client) = start().await;
+    cluster.upsert_node(crate::common::cpu_node("cpu-1", "default-pool"));
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), "default");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let mut d = deployment("web", "nginx");
+    d["spec"]["replicas"] = json!(3);
+    let d: Deployment = serde_json::from_value(d).unwrap();
+    deploys.create(&PostParams::default(), &d).await.unwrap();
+    let live = async || {
+        let list = pods
+            .list(&ListParams::default().labels("app=web"))
+            .await
+            .unwrap();
+        let mut names: Vec<String> = list
+            .items
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| p.name_any())
+            .collect();
+        names.sort();
+        names
+    };
+    eventually(Duration::from_secs(10), "3 ready pods", async || {
+        let ready = deploys.get("web").await.unwrap().status?.ready_replicas;
+        (ready == Some(3)).then_some(())
+    })
+    .await;
+    let names = live().await;
+    // The busiest last: the middle one by name is the one to keep.
+    for (name, cost) in names.iter().zip(["-5", "10", "3"]) {
+        let patch = json!({"metadata": {"annotations": {"controller.kubernetes.io/pod-deletion-cost": cost}}});
+        pods.patch(name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .unwrap();
+    }
+    deploys
+        .patch_scale(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 1}})),
+        )
+        .await
+        .unwrap();
+    let kept = eventually(Duration::from_secs(10), "one pod left", async || {
+        let l = live().await;
+        (l.len() == 1).then_some(l)
+    })
+    .await;
+    assert_eq!(kept, [names[1].clone()]);
+    cluster.shutdown().await;
+}
