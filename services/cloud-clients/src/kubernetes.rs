@@ -531,6 +531,29 @@ impl KubeClient {
         })
     }
 
+    /// Sets annotation `key` to `value` on one object with a JSON merge patch, leaving every
+    /// other field (and its owner) alone: for marks on objects another controller owns, such as
+    /// a pod's `controller.kubernetes.io/pod-deletion-cost`.
+    pub async fn annotate(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: Option<&str>,
+        name: &str,
+        key: &str,
+        value: &str,
+    ) -> Result<(), KubeError> {
+        let (api, _) = self.api(api_version, kind, namespace, false)?;
+        let patch = serde_json::json!({"metadata": {"annotations": {key: value}}});
+        let params = PatchParams::default();
+        let done = retry(&self.retry, "kubernetes annotate", || async {
+            self.counters.mutating.fetch_add(1, Ordering::SeqCst);
+            counted("patch", api.patch(name, &params, &Patch::Merge(&patch)).await)
+        })
+        .await;
+        self.noted(done).map(|_| ())
+    }
+
     /// The object, or `None` if it does not exist. `namespace` is ignored for cluster-scoped
     /// kinds and required for namespaced ones.
     pub async fn get(

@@ -595,6 +595,33 @@ pub fn decide(
     }
 }
 
+/// The annotation with which the ReplicaSet controller ranks a Deployment's pods for removal
+/// (Kubernetes's `PodDeletionCost`, on by default since 1.22): the lowest goes first.
+pub const POD_DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
+
+/// The deletion cost each ready model server should carry before its Deployment shrinks: its
+/// requests in flight (running and waiting, as last read), so that Kubernetes removes the least
+/// busy and the busiest keep their streams. Only pods whose mark would change are returned
+/// (`marked`: each pod's current annotation).
+pub fn deletion_costs(
+    in_flight: &BTreeMap<String, f64>,
+    marked: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    in_flight
+        .iter()
+        .map(|(pod, n)| {
+            (
+                pod,
+                (n.max(0.0).round() as i64)
+                    .min(i64::from(i32::MAX))
+                    .to_string(),
+            )
+        })
+        .filter(|(pod, cost)| marked.get(*pod) != Some(cost))
+        .map(|(pod, cost)| (pod.clone(), cost))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1070,5 +1097,31 @@ mod tests {
         let later = hist(0.2, 2.0);
         assert_eq!(later.since(Some(&h)), later);
         assert_eq!(h.since(Some(&later)).count(), 3.0);
+    }
+
+    #[test]
+    fn the_least_busy_server_gets_the_lowest_deletion_cost_and_unchanged_marks_are_not_rewritten() {
+        let in_flight = BTreeMap::from([
+            ("a".to_string(), 0.0),
+            ("b".to_string(), 7.4),
+            ("c".to_string(), 2.6),
+        ]);
+        let costs = deletion_costs(&in_flight, &BTreeMap::new());
+        assert_eq!(
+            costs,
+            BTreeMap::from([
+                ("a".into(), "0".into()),
+                ("b".into(), "7".into()),
+                ("c".into(), "3".into())
+            ])
+        );
+        let marked = BTreeMap::from([("b".to_string(), "7".to_string())]);
+        let again = deletion_costs(&in_flight, &marked);
+        assert_eq!(again.keys().collect::<Vec<_>>(), ["a", "c"]);
+        // Nonsense readings never make a cost the annotation cannot hold.
+        let odd = BTreeMap::from([("x".to_string(), -3.0), ("y".to_string(), 1e20)]);
+        let costs = deletion_costs(&odd, &BTreeMap::new());
+        assert_eq!(costs["x"], "0");
+        assert_eq!(costs["y"], i32::MAX.to_string());
     }
 }

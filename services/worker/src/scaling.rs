@@ -25,6 +25,8 @@ pub struct Scaled {
     /// The autoscaler's memory to keep (`None`: not autoscaled, or not steady).
     pub memory: Option<Memory>,
     pub decision: Option<Decision>,
+    /// Requests in flight on each ready model server, when this pass read them.
+    pub in_flight: BTreeMap<String, f64>,
 }
 
 fn label<'a>(o: &'a Value, key: &str) -> Option<&'a str> {
@@ -157,6 +159,7 @@ pub async fn decide_all(
                 wanted: scale,
                 memory: None,
                 decision: None,
+                in_flight: BTreeMap::new(),
             });
             continue;
         };
@@ -178,6 +181,7 @@ pub async fn decide_all(
                 // Kept with its old version: the first steady look starts from this count.
                 memory: remembered.map(|m| Memory { wanted, ..m }),
                 decision: None,
+                in_flight: BTreeMap::new(),
             });
             continue;
         }
@@ -200,9 +204,69 @@ pub async fn decide_all(
             wanted: outcome.memory.wanted,
             decision: outcome.decision,
             memory: Some(outcome.memory),
+            in_flight: in_flight(&seen),
         });
     }
     out
+}
+
+fn in_flight(seen: &Look) -> BTreeMap<String, f64> {
+    seen.ready
+        .iter()
+        .map(|(pod, s)| (pod.clone(), s.running + s.waiting))
+        .collect()
+}
+
+/// Before a model deployment's vLLM Deployment shrinks (the autoscaler's count or the
+/// customer's scale below what it runs), marks each ready model server with its requests in
+/// flight as its `pod-deletion-cost`, so that Kubernetes removes the least busy ones and the
+/// busiest keep their streams. Reads the servers when this pass has not. A mark that cannot be
+/// written leaves the choice to Kubernetes: worth a warning, not a failed pass.
+pub async fn mark_least_busy(kube: &KubeClient, ns: &str, observed: &[Value], scaled: &[Scaled]) {
+    for x in scaled {
+        let name = names::vllm_deployment(&x.model_id);
+        let running = observed
+            .iter()
+            .find(|o| {
+                o["kind"] == "Deployment"
+                    && o.pointer("/metadata/name").and_then(Value::as_str) == Some(&name)
+            })
+            .and_then(|d| d.pointer("/spec/replicas").and_then(Value::as_i64))
+            .unwrap_or(0);
+        if i64::from(x.wanted) >= running {
+            continue;
+        }
+        let in_flight = if x.in_flight.is_empty() {
+            self::in_flight(&look(kube, ns, observed, &x.model_id).await)
+        } else {
+            x.in_flight.clone()
+        };
+        let marked: BTreeMap<String, String> = observed
+            .iter()
+            .filter(|o| o["kind"] == "Pod")
+            .filter_map(|p| {
+                let cost = p
+                    .pointer("/metadata/annotations")?
+                    .get(autoscale::POD_DELETION_COST)?;
+                Some((pod_name(p).to_string(), cost.as_str()?.to_string()))
+            })
+            .collect();
+        for (pod, cost) in autoscale::deletion_costs(&in_flight, &marked) {
+            let marked = kube
+                .annotate(
+                    "v1",
+                    "Pod",
+                    Some(ns),
+                    &pod,
+                    autoscale::POD_DELETION_COST,
+                    &cost,
+                )
+                .await;
+            if let Err(e) = marked {
+                tracing::warn!(pod, error = %e, "could not mark the model server's deletion cost; Kubernetes chooses which replica goes");
+            }
+        }
+    }
 }
 
 /// How long after the cloud refused a scale-up (no GPU capacity) the autoscaler waits before
@@ -241,6 +305,7 @@ pub fn after_refusal(
             Scaled {
                 model_id: x.model_id,
                 wanted: back,
+                in_flight: x.in_flight.clone(),
                 memory: Some(Memory {
                     wanted: back,
                     changed_at: now_ms,

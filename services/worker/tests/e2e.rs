@@ -907,3 +907,74 @@ async fn a_model_the_hub_refuses_is_an_error_with_the_hubs_words() {
     w.shutdown().await;
     env.sim.shutdown().await;
 }
+
+/// A scale-down removes the least busy model server: the worker marks each with its requests in
+/// flight as its pod-deletion-cost before the Deployment shrinks, so the one streaming a long
+/// answer stays and its stream completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scale_down_keeps_the_busy_model_server_and_its_stream() {
+    let env = env_with(None).await;
+    // The serving model on, so that a server's metrics show the requests it runs.
+    env.sim.set_model_timing(region_sim::ModelTiming {
+        serving: region_sim::ServingConfig {
+            time_scale: 1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let w = env.worker().await;
+    let (rec, token) = env.create(2).await;
+    let active = env.wait_active(rec.id, 1).await;
+    let fqdn = active.public_endpoint_fqdn.clone().unwrap();
+    let client = ca_client(&env.store.ca_certificate(rec.id, env.team).await.unwrap());
+    let stream = client
+        .post(format!("{fqdn}/v1/chat/completions"))
+        .bearer_auth(&token)
+        .json(&serde_json::json!({
+            "model": MODEL, "messages": [{"role": "user", "content": "Tell a long story"}],
+            "max_tokens": 1500, "ignore_eos": true, "stream": true,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    let busy = stream.headers()["x-sim-backend"]
+        .to_str()
+        .unwrap()
+        .to_string();
+
+    let model_id = active.spec.as_ref().unwrap().model_deployments[0].model_id;
+    env.patch(rec.id, &env.spec(1, model_id)).await;
+    env.wait_active(rec.id, 2).await;
+    let kube = env.cluster_kube().await;
+    let ns = format!("di-{}", rec.id);
+    let servers = eventually(
+        Duration::from_secs(30),
+        "one model server left",
+        async || {
+            let pods = kube
+                .list("v1", "Pod", Some(&ns), "llm-d.ai/inference-serving=true")
+                .await
+                .ok()?;
+            let live: Vec<String> = pods
+                .iter()
+                .filter(|p| {
+                    p.pointer("/metadata/deletionTimestamp")
+                        .is_none_or(|t| t.is_null())
+                })
+                .filter_map(|p| p.pointer("/metadata/name")?.as_str().map(str::to_string))
+                .collect();
+            (live.len() == 1).then_some(live)
+        },
+    )
+    .await;
+    assert_eq!(servers, [busy], "the busy server stays");
+    let body = stream.text().await.unwrap();
+    assert!(
+        body.trim_end().ends_with("data: [DONE]"),
+        "the stream completes: {}",
+        &body[body.len().saturating_sub(200)..]
+    );
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}

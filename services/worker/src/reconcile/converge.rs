@@ -221,6 +221,7 @@ impl Reconciler {
         }
         self.record_replicas(id, &scaled, observed, &c.inputs.replicas)
             .await?;
+        scaling::mark_least_busy(kube, &names::namespace(&id), observed, &scaled).await;
         Ok((models, scaled))
     }
 
