@@ -548,7 +548,10 @@ impl KubeClient {
         let params = PatchParams::default();
         let done = retry(&self.retry, "kubernetes annotate", || async {
             self.counters.mutating.fetch_add(1, Ordering::SeqCst);
-            counted("patch", api.patch(name, &params, &Patch::Merge(&patch)).await)
+            counted(
+                "patch",
+                api.patch(name, &params, &Patch::Merge(&patch)).await,
+            )
         })
         .await;
         self.noted(done).map(|_| ())
