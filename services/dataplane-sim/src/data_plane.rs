@@ -449,10 +449,14 @@ fn authenticate(auth: &Authentication, headers: &HeaderMap) -> Result<(), Respon
             hashes: Some(hashes),
             ..
         } => {
-            let authorization = headers
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok());
-            match endpoint_auth::decide(authorization, Some(hashes)) {
+            // Envoy sends a repeated header to the service as one, its values joined by commas.
+            let values: Vec<&str> = headers
+                .get_all(header::AUTHORIZATION)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect();
+            let authorization = (!values.is_empty()).then(|| values.join(","));
+            match endpoint_auth::decide(authorization.as_deref(), Some(hashes)) {
                 endpoint_auth::Decision::Allow => Ok(()),
                 endpoint_auth::Decision::Refuse => Err(endpoint_auth::refusal()),
             }

@@ -148,8 +148,6 @@ pub fn refusal() -> Response {
 #[derive(Debug, Default)]
 struct Hashes {
     current: Option<TokenHashes>,
-    /// Whether `current` has been `Some` at least once: readiness.
-    loaded: bool,
 }
 
 /// Where the service gets its hashes: a cheap-clone handle on the current value, either set
@@ -172,10 +170,7 @@ impl HashSource {
 
     /// Replaces the hashes; `None` refuses every request from now on.
     pub fn set(&self, hashes: Option<TokenHashes>) {
-        self.hashes.send_modify(|h| {
-            h.loaded |= hashes.is_some();
-            h.current = hashes;
-        });
+        self.hashes.send_modify(|h| h.current = hashes);
     }
 
     /// The hashes in force (a copy).
@@ -183,9 +178,12 @@ impl HashSource {
         self.hashes.borrow().current.clone()
     }
 
-    /// Whether hashes have been read at least once (`/readyz`).
+    /// Whether there are hashes to check against (`/readyz`): not before the Secret has been
+    /// read, nor once it is deleted. An unready replica gets no checks from Envoy, which then
+    /// answers the policy's `statusOnError` (503, retried by clients) rather than this
+    /// service's 401 (which tells a client its key is bad).
     pub fn is_ready(&self) -> bool {
-        self.hashes.borrow().loaded
+        self.hashes.borrow().current.is_some()
     }
 
     /// [`decide`] against the hashes in force.
@@ -253,8 +251,8 @@ async fn feed(api: Api<Secret>, namespace: String, name: String, source: HashSou
 
 /// The service's router: any method on any path under `/check` (Envoy sends the original method
 /// and `path` prefix + original path) → 200 empty body on Allow, [`refusal`] on Refuse;
-/// `GET /healthz` → 200; `GET /readyz` → 200 once the hashes have been read at least once,
-/// else 503.
+/// 503 while there are no hashes; `GET /healthz` → 200; `GET /readyz` → 200 while there are
+/// hashes, else 503.
 pub fn router(hashes: HashSource) -> Router {
     Router::new()
         .route("/check", any(check))
@@ -272,12 +270,27 @@ async fn check(State(hashes): State<HashSource>, headers: HeaderMap) -> Response
         (Some(value), None) => value.to_str().ok(),
         _ => None,
     };
+    if !hashes.is_ready() {
+        // Nothing to check against: not the client's fault, so not a 401 (see `is_ready`).
+        tracing::debug!("no hashes to check against");
+        return unavailable();
+    }
     let decision = hashes.decide(authorization);
     tracing::debug!(?decision, "checked");
     match decision {
         Decision::Allow => StatusCode::OK.into_response(),
         Decision::Refuse => refusal(),
     }
+}
+
+/// The answer while there are no hashes: 503 with `Retry-After`, in OpenAI's error shape.
+fn unavailable() -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [(header::RETRY_AFTER, "5"), (header::CONTENT_TYPE, "application/json")],
+        r#"{"error":{"message":"The endpoint's access check is not ready; retry shortly.","type":"server_error","param":null,"code":503}}"#,
+    )
+        .into_response()
 }
 
 async fn readyz(State(hashes): State<HashSource>) -> StatusCode {
@@ -390,7 +403,7 @@ mod tests {
         assert_eq!(source.decide(Some(&bearer(OTHER))), Decision::Allow);
         source.set(None);
         assert_eq!(source.decide(Some(&bearer(OTHER))), Decision::Refuse);
-        assert!(source.is_ready(), "ready stays: hashes were read once");
+        assert!(!source.is_ready(), "nothing to check against: not ready");
     }
 
     fn secret(data: &[(&str, &str)], string_data: &[(&str, &str)]) -> Secret {

@@ -63,8 +63,8 @@ async fn checks_over_http_allow_a_known_token_and_refuse_in_openai_shape() {
     );
     assert_eq!(
         check(&base, Some(GOOD)).await,
-        401,
-        "fail closed before any hashes"
+        503,
+        "fail closed before any hashes, and not with the client's fault"
     );
 
     hashes.set(Some(TokenHashes::from_hex([sha(GOOD)])));
@@ -201,7 +201,7 @@ async fn the_secret_watched_in_kubernetes_grants_and_revokes() {
     };
 
     assert_eq!(ready().await, 503, "no hashes read yet");
-    assert_eq!(check(&base, Some(GOOD)).await, 401);
+    assert_eq!(check(&base, Some(GOOD)).await, 503);
 
     let id_good = "11111111-1111-4111-8111-111111111111";
     let id_other = "22222222-2222-4222-8222-222222222222";
@@ -249,7 +249,7 @@ async fn the_secret_watched_in_kubernetes_grants_and_revokes() {
     assert_eq!(check(&base, Some(OTHER)).await, 200);
     assert_eq!(hashes.current().map(|h| h.len()), Some(1));
 
-    // Deleted: every token refused, though the service stays ready.
+    // Deleted: nothing to check against: not ready, and every check 503 (never a 200).
     secrets
         .delete("access-tokens", &DeleteParams::default())
         .await
@@ -258,12 +258,8 @@ async fn the_secret_watched_in_kubernetes_grants_and_revokes() {
         hashes.current().is_none()
     })
     .await;
-    assert_eq!(check(&base, Some(OTHER)).await, 401);
-    assert_eq!(
-        ready().await,
-        200,
-        "ready once read, even with every token refused"
-    );
+    assert_eq!(check(&base, Some(OTHER)).await, 503);
+    assert_eq!(ready().await, 503);
 
     // Created again: read again.
     secrets

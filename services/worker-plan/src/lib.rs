@@ -19,7 +19,8 @@ pub mod waiting;
 
 pub use certificates::{issue, needs_reissue, signing_ca};
 pub use manifests::{
-    manifests, prune, teardown_order, AccessTokenHash, Images, ManifestInput, ObjectKey, TlsPair,
+    endpoint_auth_manifests, manifests, prune, teardown_order, AccessTokenHash, Images,
+    ManifestInput, ObjectKey, TlsPair,
 };
 pub use model::{models, GpuVendor, Model, PlanError};
 pub use pools::{

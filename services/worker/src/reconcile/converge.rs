@@ -354,7 +354,8 @@ impl Reconciler {
     /// A DI in `error` keeps serving with what its last good spec left in the cluster, and is
     /// not converged until its spec changes. What a customer changes meanwhile that is not the
     /// spec — its access tokens — must still reach the gateway: a revoked token is refused
-    /// within seconds whatever the status.
+    /// within seconds whatever the status. So must the token check itself: a DI that went to
+    /// `error` before endpoint auth existed gets it here.
     pub(super) async fn refresh_credentials(&self, rec: &Record) -> Result<Pass> {
         let done = Pass::new(rec.status, self.settings.resync);
         let name = names::cluster(&rec.vpc_uuid);
@@ -370,12 +371,14 @@ impl Reconciler {
         };
         let hashes = self.store.token_hashes(rec.id).await?;
         let probe = self.store.probe_token(rec.id).await?;
-        if let Err(e) = self
-            .apply_tokens(&kube, rec.id, &access_tokens(rec.id, hashes, &probe)?)
-            .await
-        {
+        let tokens = access_tokens(rec.id, hashes, &probe)?;
+        let refreshed = async {
+            self.apply_tokens(&kube, rec.id, &tokens).await?;
+            self.apply_endpoint_auth(&kube, rec.id).await
+        };
+        if let Err(e) = refreshed.await {
             self.distrust_cluster(&name, &cluster_id);
-            return Err(e.into());
+            return Err(e);
         }
         Ok(done)
     }

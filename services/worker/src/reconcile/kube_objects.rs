@@ -112,6 +112,20 @@ impl Reconciler {
         Ok(found.into_iter().flatten().collect())
     }
 
+    /// Applies the DI's endpoint authentication alone ([`plan::endpoint_auth_manifests`]), in
+    /// order and without prune: the DI's other objects stay as its last good spec left them.
+    /// Unlike a full pass it does not hold the policy back until endpoint-auth can answer: a DI
+    /// in `error` is looked at again only at its resync or when its tokens change, so a held
+    /// policy would leave it open until then; a few seconds of 503 is the lesser harm.
+    pub(super) async fn apply_endpoint_auth(&self, kube: &KubeClient, id: Uuid) -> Result<()> {
+        let mut changed = 0;
+        for object in plan::endpoint_auth_manifests(id, &self.settings.images) {
+            changed += u64::from(kube.apply(&object).await?.changed);
+        }
+        self.kube_writes_total.fetch_add(changed, Ordering::SeqCst);
+        Ok(())
+    }
+
     /// Applies the DI's objects wave by wave and prunes what the spec no longer asks for (the
     /// namespace is recorded in the ledger before it is created): how many writes changed
     /// something. Objects the last list shows up to date cost no request.
