@@ -194,12 +194,12 @@ async fn a_pass_that_lost_its_lease_writes_nothing() {
     let (rec, _token) = env.create(1).await;
     let claim = env
         .store
-        .work_claim("stalled", Duration::from_millis(100), 1)
+        .work_claim("stalled", Duration::from_secs(30), 1)
         .await
         .unwrap()
         .remove(0);
-    // Real time: the lease runs out by the database's clock, which only real time moves.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The lease runs out by the database's clock: its work item is moved past the lease's end.
+    env.age(rec.id, Duration::from_secs(60)).await;
     let taken = env
         .store
         .work_claim("next", Duration::from_secs(30), 1)
