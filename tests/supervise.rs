@@ -71,9 +71,9 @@ struct Cleanup {
 impl Drop for Cleanup {
     fn drop(&mut self) {
         signal(self.supervisor, "-TERM");
-        // A grace period, not a wait for a condition: the supervisor is our child and is not
-        // reaped here, so nothing says it is gone; it gets a moment to stop its service itself.
-        std::thread::sleep(Duration::from_millis(200));
+        // It stops its service itself (giving it up to 15 s), then exits: gone, or a zombie, as
+        // our child is until reaped. Whatever is left after that, or after 20 s, is killed.
+        within(Duration::from_secs(20), || !running(self.supervisor));
         for pid in started(&self.pids) {
             let _ = Command::new("kill")
                 .args(["-KILL", &pid.to_string()])
@@ -95,6 +95,19 @@ fn until(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
         .build()
         .expect("a runtime")
         .block_on(test_support::until(timeout, what, || ready(check())));
+}
+
+/// Whether `check` holds within `timeout`, looked at as [`until`] looks; never fails the test
+/// (for a cleanup, which may run while the test is failing).
+fn within(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a runtime")
+        .block_on(test_support::within(timeout, || {
+            ready(check().then_some(()))
+        }))
+        .is_some()
 }
 
 fn supervise(dir: &Path, command: &[&str]) -> Child {
