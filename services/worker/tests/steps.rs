@@ -566,6 +566,8 @@ impl<'a> Life<'a> {
 async fn settle(sim: &RegionSim, api: Api) {
     let mut calls = sim.calls(api);
     loop {
+        // Real time: a request still on its way (in a socket, in the simulator's accept queue)
+        // shows nowhere until it arrives, so only a quiet spell says none is left.
         tokio::time::sleep(Duration::from_millis(10)).await;
         let now = sim.calls(api);
         if now == calls {

@@ -277,6 +277,8 @@ async fn prefix_aware_routing_hits_the_cache_more_than_round_robin() {
 /// this time scale) without waiting for the answers: how many requests each replica got.
 async fn burst(p: &Plane, messages: &[Value]) -> BTreeMap<String, usize> {
     let runs = (0..6).map(|i| async move {
+        // A pace, not a wait for a condition: the workload's shape. The serving model and the
+        // picker's scrapes run on real time, scaled.
         tokio::time::sleep(Duration::from_millis(20 * i)).await;
         p.chat(messages, 30).await
     });
