@@ -71,9 +71,9 @@ struct Cleanup {
 impl Drop for Cleanup {
     fn drop(&mut self) {
         signal(self.supervisor, "-TERM");
-        // A grace period, not a wait for a condition: the supervisor is our child and is not
-        // reaped here, so nothing says it is gone; it gets a moment to stop its service itself.
-        std::thread::sleep(Duration::from_millis(200));
+        // It stops its service itself (giving it up to 15 s), then exits: gone, or a zombie, as
+        // our child is until reaped. Whatever is left after that, or after 20 s, is killed.
+        within(Duration::from_secs(20), || !running(self.supervisor));
         for pid in started(&self.pids) {
             let _ = Command::new("kill")
                 .args(["-KILL", &pid.to_string()])
@@ -95,6 +95,19 @@ fn until(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
         .build()
         .expect("a runtime")
         .block_on(test_support::until(timeout, what, || ready(check())));
+}
+
+/// Whether `check` holds within `timeout`, looked at as [`until`] looks; never fails the test
+/// (for a cleanup, which may run while the test is failing).
+fn within(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a runtime")
+        .block_on(test_support::within(timeout, || {
+            ready(check().then_some(()))
+        }))
+        .is_some()
 }
 
 fn supervise(dir: &Path, command: &[&str]) -> Child {
@@ -216,9 +229,11 @@ fn a_ctrl_c_at_the_terminal_does_not_make_the_supervisor_restart_its_service() {
     use std::os::unix::process::CommandExt;
     let dir = scratch();
     let pids = dir.join("pids");
-    // A service that exits cleanly on SIGINT, as the real ones do, and says when it would.
-    let service = "import signal, sys, time\n\
-                   signal.signal(signal.SIGINT, lambda *_: sys.exit(0))\n\
+    // A service that exits with code 0 on SIGINT, as the real ones do (at once: nothing of it
+    // runs after that), says when it would, and answers SIGUSR1 in its log.
+    let service = "import os, signal, time\n\
+                   signal.signal(signal.SIGINT, lambda *_: os._exit(0))\n\
+                   signal.signal(signal.SIGUSR1, lambda *_: print('answered SIGUSR1', flush=True))\n\
                    print('handling SIGINT', flush=True)\n\
                    time.sleep(1000)";
     let mut sup = Command::new("bash")
@@ -254,18 +269,37 @@ fn a_ctrl_c_at_the_terminal_does_not_make_the_supervisor_restart_its_service() {
         .args(["-INT", "--", &format!("-{}", sup.id())])
         .status()
         .unwrap();
-    // Real time: that nothing happens shows only over time; a service stopped by the Ctrl-C
-    // would be reported at once and started again a second later.
-    std::thread::sleep(Duration::from_secs(3));
+    // The service answers a signal sent after the Ctrl-C, so the Ctrl-C did not reach it: it
+    // would have exited first (pending signals are delivered lowest number first, and Python
+    // runs their handlers in that order).
+    let first = started(&pids)[0];
+    signal(first, "-USR1");
+    let log = || std::fs::read_to_string(dir.join("svc.log")).unwrap_or_default();
+    until(
+        "the service to answer SIGUSR1 after the Ctrl-C",
+        Duration::from_secs(10),
+        || log().contains("answered SIGUSR1"),
+    );
     assert_eq!(
         started(&pids).len(),
         1,
         "the service was restarted after a Ctrl-C"
     );
-    assert!(alive(started(&pids)[0]), "the service kept running");
+    // Nor did the supervisor act on it: it still watches its service and has reported no exit,
+    // so the service's death now is the first and only one it reports, and it restarts it.
+    signal(first, "-KILL");
+    until("a restart", Duration::from_secs(10), || {
+        started(&pids).len() == 2
+    });
+    let log = log();
+    let reports: Vec<&str> = log.lines().filter(|l| l.contains(" exited (")).collect();
+    assert!(
+        reports.len() == 1 && reports[0].contains("(killed by signal 9)"),
+        "{log}"
+    );
     signal(sup.id(), "-TERM");
     sup.wait().unwrap();
     until("the service to stop", Duration::from_secs(10), || {
-        !alive(started(&pids)[0])
+        !alive(started(&pids)[1])
     });
 }

@@ -2,12 +2,14 @@
 //! harness. Worker progress is simulated through the region stores, as a worker would make it.
 
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use reqwest::Method;
 use serde_json::{json, Value};
 use system_tests::{create_body, System};
-use test_support::eventually;
+use test_support::{eventually, until};
+use tokio::io::AsyncReadExt;
 use uuid::Uuid;
 
 struct Run {
@@ -39,27 +41,94 @@ fn command(base: &str, token: &str, args: &[&str]) -> tokio::process::Command {
     cmd
 }
 
-async fn finish(mut cmd: tokio::process::Command, token: String) -> Run {
-    let out = tokio::time::timeout(Duration::from_secs(120), cmd.output())
-        .await
-        .expect("dictl finishes within 2 minutes")
-        .expect("dictl runs");
-    let run = Run {
-        code: out.status.code().expect("dictl exited normally"),
-        stdout: String::from_utf8_lossy(&out.stdout).into(),
-        stderr: String::from_utf8_lossy(&out.stderr).into(),
-    };
-    if std::env::var_os("DICTL_TEST_SHOW").is_some() {
-        eprintln!(
-            "dictl {:?}\n{run:?}",
-            cmd.as_std().get_args().collect::<Vec<_>>()
-        );
+async fn finish(cmd: tokio::process::Command, token: String) -> Run {
+    Running::start(cmd, token).finish().await
+}
+
+/// dictl running, its output collected as it comes: a test can wait until dictl has shown
+/// something (its progress while it waits) before it changes what dictl looks at.
+struct Running {
+    child: tokio::process::Child,
+    args: Vec<String>,
+    token: String,
+    stdout: Arc<Mutex<Vec<u8>>>,
+    stderr: Arc<Mutex<Vec<u8>>>,
+    readers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// Appends what `from` gives to `into` until its end.
+fn collect(
+    mut from: impl tokio::io::AsyncRead + Unpin + Send + 'static,
+    into: Arc<Mutex<Vec<u8>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = from.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            into.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+    })
+}
+
+impl Running {
+    fn start(mut cmd: tokio::process::Command, token: String) -> Running {
+        let args = cmd
+            .as_std()
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let mut child = cmd.spawn().expect("dictl runs");
+        let (stdout, stderr) = (Arc::default(), Arc::default());
+        let readers = vec![
+            collect(child.stdout.take().expect("piped"), Arc::clone(&stdout)),
+            collect(child.stderr.take().expect("piped"), Arc::clone(&stderr)),
+        ];
+        Running {
+            child,
+            args,
+            token,
+            stdout,
+            stderr,
+            readers,
+        }
     }
-    assert!(
-        !run.stdout.contains(&token) && !run.stderr.contains(&token),
-        "the API token leaked: {run:?}"
-    );
-    run
+
+    /// Waits until dictl has written `what` to stderr, where `--wait` reports each status it
+    /// sees: then it has seen that status, whatever its own polling pace.
+    async fn shown(&self, what: &str) {
+        until(
+            Duration::from_secs(60),
+            format!("dictl to show {what:?} on stderr"),
+            async || String::from_utf8_lossy(&self.stderr.lock().unwrap()).contains(what),
+        )
+        .await
+    }
+
+    async fn finish(mut self) -> Run {
+        let status = tokio::time::timeout(Duration::from_secs(120), self.child.wait())
+            .await
+            .expect("dictl finishes within 2 minutes")
+            .expect("dictl runs");
+        for reader in self.readers {
+            reader.await.unwrap();
+        }
+        let text = |out: &Mutex<Vec<u8>>| String::from_utf8_lossy(&out.lock().unwrap()).into();
+        let run = Run {
+            code: status.code().expect("dictl exited normally"),
+            stdout: text(&self.stdout),
+            stderr: text(&self.stderr),
+        };
+        if std::env::var_os("DICTL_TEST_SHOW").is_some() {
+            eprintln!("dictl {:?}\n{run:?}", self.args);
+        }
+        assert!(
+            !run.stdout.contains(&self.token) && !run.stderr.contains(&self.token),
+            "the API token leaked: {run:?}"
+        );
+        run
+    }
 }
 
 async fn dictl(sys: &System, token: &str, args: &[&str]) -> Run {
@@ -274,21 +343,19 @@ async fn create_wait_succeeds_once_a_worker_promotes_the_di() {
     );
     // Small pages, so following the events crosses page boundaries.
     cmd.env("DICTL_PER_PAGE", "1");
-    let cli = tokio::spawn(finish(cmd, token.clone()));
+    let cli = Running::start(cmd, token.clone());
 
     let id = id_by_name(&sys, &token, "waited").await;
-    let region = store(&sys, "atl1").clone();
-    // Real time: dictl is another process polling on its own clock (once a second); each
-    // pause lets it see the status before the next change, as a worker's pace would.
-    let worker = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        region.provisioning_begin(id).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        region.rollout_complete(id, 1, &endpoints()).await.unwrap();
-    });
-    worker.await.unwrap();
+    let region = store(&sys, "atl1");
+    // dictl polls on its own clock (once a second): each change is made once dictl has shown
+    // the status before it, as a worker's pace would let it see every one. Waiting has begun
+    // once the first status shows: the events from here on are new to it.
+    cli.shown("status new").await;
+    region.provisioning_begin(id).await.unwrap();
+    cli.shown("status provisioning").await;
+    region.rollout_complete(id, 1, &endpoints()).await.unwrap();
 
-    let run = cli.await.unwrap();
+    let run = cli.finish().await;
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stdout.contains("is active"), "{run:?}");
     assert!(
@@ -307,34 +374,30 @@ async fn wait_exits_3_when_the_di_ends_in_error() {
     let sys = System::start().await;
     let token = sys.token(Uuid::new_v4(), &[]).await;
     let file = spec_file(&create_body("doomed", "nyc2"));
-    let cli = tokio::spawn(finish(
+    let cli = Running::start(
         command(
             &sys.base,
             &token,
             &["create", "-f", &file, "--wait", "--timeout", "60s"],
         ),
         token.clone(),
-    ));
+    );
     let id = id_by_name(&sys, &token, "doomed").await;
-    let region = store(&sys, "nyc2").clone();
-    // Real time, as above: dictl polls on its own clock.
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        region.provisioning_begin(id).await.unwrap();
-        region
-            .error_set(
-                id,
-                Some(1),
-                "CapacityExhausted",
-                "No gpu-h100x1-80gb left in nyc2.",
-            )
-            .await
-            .unwrap();
-    })
-    .await
-    .unwrap();
+    let region = store(&sys, "nyc2");
+    // As above: once dictl shows a status it is waiting, and the error's event is new to it.
+    cli.shown("status new").await;
+    region.provisioning_begin(id).await.unwrap();
+    region
+        .error_set(
+            id,
+            Some(1),
+            "CapacityExhausted",
+            "No gpu-h100x1-80gb left in nyc2.",
+        )
+        .await
+        .unwrap();
 
-    let run = cli.await.unwrap();
+    let run = cli.finish().await;
     assert_eq!(run.code, 3, "{run:?}");
     assert!(run.stderr.contains("CapacityExhausted"), "{run:?}");
     assert!(run.stderr.contains("No gpu-h100x1-80gb left"), "{run:?}");
@@ -415,7 +478,7 @@ async fn delete_wait_force_succeeds_once_the_di_is_gone() {
     let sys = System::start().await;
     let token = sys.token(Uuid::new_v4(), &[]).await;
     let id = create_via_api(&sys, &token, "short-lived", "atl1").await;
-    let cli = tokio::spawn(finish(
+    let cli = Running::start(
         command(
             &sys.base,
             &token,
@@ -429,21 +492,12 @@ async fn delete_wait_force_succeeds_once_the_di_is_gone() {
             ],
         ),
         token.clone(),
-    ));
-    eventually(Duration::from_secs(20), "deleting", async || {
-        (status_of(&sys, &token, id).await == "deleting").then_some(())
-    })
-    .await;
-    let region = store(&sys, "atl1").clone();
-    // Real time, as above: dictl polls on its own clock.
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        region.gone(id).await.unwrap();
-    })
-    .await
-    .unwrap();
+    );
+    // dictl waits through the deletion: it has seen the DI deleting before the DI is gone.
+    cli.shown("status deleting").await;
+    store(&sys, "atl1").gone(id).await.unwrap();
 
-    let run = cli.await.unwrap();
+    let run = cli.finish().await;
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stdout.contains("is deleted"), "{run:?}");
     let after = dictl(&sys, &token, &["get", &id.to_string()]).await;

@@ -42,6 +42,20 @@ async fn eventually<T>(what: &str, f: impl AsyncFnMut() -> Option<T>) -> T {
     test_support::eventually(Duration::from_secs(30), what, f).await
 }
 
+/// The open descriptors once their count stands still from one look to the next: descriptors a
+/// request leaves go on the runtime's own schedule, so the count is read once that has run its
+/// course, however long it takes.
+async fn settled_fds() -> usize {
+    let mut last = None;
+    eventually("the open file descriptors to settle", async || {
+        let now = open_fds();
+        let settled = (last == Some(now)).then_some(now);
+        last = Some(now);
+        settled
+    })
+    .await
+}
+
 /// Through the cluster's credentials (its own address, its own CA), with a client of its own
 /// that is dropped afterwards: creates a LoadBalancer Service.
 async fn add_load_balancer(http: &Client, sim: &RegionSim, id: &str) -> String {
@@ -85,9 +99,7 @@ async fn clusters_and_load_balancers_do_not_hold_file_descriptors() {
     let http = Client::new();
     // Warm up: the DO API connection this client keeps, the runtime's own descriptors.
     do_call(&http, &sim, Method::GET, "/v2/vpcs", None).await;
-    // Real time: descriptors a request leaves go on the runtime's own schedule.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let before = open_fds();
+    let before = settled_fds().await;
 
     let mut servers = Vec::new();
     for i in 0..CLUSTERS {

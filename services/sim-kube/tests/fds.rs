@@ -12,6 +12,24 @@ fn open_fds() -> usize {
         .count()
 }
 
+/// The open descriptors once their count stands still from one look to the next: descriptors a
+/// request leaves (a connection closing) go on the runtime's own schedule, so the count is read
+/// once that has run its course, however long it takes.
+async fn settled_fds() -> usize {
+    let mut last = None;
+    test_support::eventually(
+        Duration::from_secs(10),
+        "the open file descriptors to settle",
+        async || {
+            let now = open_fds();
+            let settled = (last == Some(now)).then_some(now);
+            last = Some(now);
+            settled
+        },
+    )
+    .await
+}
+
 async fn version(cluster: &Cluster) -> http::StatusCode {
     let req = http::Request::get("/version")
         .body(axum::body::Body::empty())
@@ -24,10 +42,7 @@ async fn many_in_process_clusters_do_not_grow_the_open_file_descriptors() {
     // Warm up whatever the runtime opens once (timers, the blocking pool).
     let warm = Cluster::start_in_process("warm", ClusterConfig::default()).unwrap();
     assert_eq!(version(&warm).await, 200);
-    // Real time: descriptors a request leaves (a connection closing) go on the runtime's own
-    // schedule, which a paused clock does not drive.
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let before = open_fds();
+    let before = settled_fds().await;
 
     let mut clusters = Vec::new();
     for i in 0..300 {
@@ -35,9 +50,7 @@ async fn many_in_process_clusters_do_not_grow_the_open_file_descriptors() {
         assert_eq!(version(&c).await, 200);
         clusters.push(c);
     }
-    // Real time, as above.
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let with_300 = open_fds();
+    let with_300 = settled_fds().await;
     assert!(
         with_300 <= before + 4,
         "300 in-process clusters: {before} -> {with_300} open file descriptors"

@@ -270,6 +270,21 @@ async fn a_resync_asks_digitalocean_nothing_until_the_nodes_change() {
     env.sim.shutdown().await;
 }
 
+/// What a claim or a release of DI `id`'s work item changes: its holder, its lease and when its
+/// last pass was released.
+async fn work_item(
+    env: &Env,
+    id: uuid::Uuid,
+) -> (Option<String>, Option<uuid::Uuid>, Option<String>) {
+    region_store::sqlx::query_as(
+        "SELECT holder, lease_token, checked_at::text FROM work_items WHERE di_id = $1",
+    )
+    .bind(id)
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_gpu_capacity_is_an_error_with_a_reason_until_the_spec_changes() {
     let env = env_with(Some(BTreeMap::from([(GPU.to_string(), 1)]))).await;
@@ -281,14 +296,31 @@ async fn no_gpu_capacity_is_an_error_with_a_reason_until_the_spec_changes() {
         })
         .await;
     assert_eq!(failed.status_reason.as_deref(), Some("CapacityExhausted"));
-    // Not retried: it stays in error.
-    let passes = w.stats().passes + w.stats().permanent_failures;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Not retried: it stays in error, even with a retry and a resync due (its work item is
+    // aged past both). Another DI that fails the same way shows that the worker has claimed
+    // work since, and this one's item, due long before, would have come first.
+    let before = w.stats();
+    env.age(rec.id, Duration::from_secs(3600)).await;
+    let item = work_item(&env, rec.id).await;
+    let (other, _) = env.create(2).await;
+    env.wait_for(
+        other.id,
+        "the other DI in error",
+        Duration::from_secs(30),
+        |r| r.status == Status::Error,
+    )
+    .await;
     assert_eq!(
-        w.stats().passes + w.stats().permanent_failures,
-        passes,
-        "an error DI is not retried"
+        work_item(&env, rec.id).await,
+        item,
+        "an error DI is not claimed again"
     );
+    assert_eq!(
+        w.stats().permanent_failures,
+        before.permanent_failures + 1,
+        "the other DI's failure alone: an error DI is not retried"
+    );
+    env.delete_until_gone(other.id).await;
     // A spec that fits: it recovers.
     let model_id = failed.pending_spec.as_ref().unwrap().model_deployments[0].model_id;
     let spec = env.spec(1, model_id);

@@ -57,6 +57,22 @@ impl Caller {
         }
     }
 
+    /// Calls made so far, answered well or not.
+    fn calls(&self) -> u64 {
+        self.ok.load(Ordering::SeqCst) + self.failures.lock().unwrap().len() as u64
+    }
+
+    /// Waits until `n` more calls than so far have been made.
+    async fn more_calls(&self, n: u64) {
+        let target = self.calls() + n;
+        test_support::until(
+            Duration::from_secs(30),
+            format!("{n} more calls"),
+            async || self.calls() >= target,
+        )
+        .await
+    }
+
     async fn finish(self) -> (u64, Vec<String>) {
         self.stop.store(true, Ordering::SeqCst);
         self.task.await.unwrap();
@@ -158,9 +174,21 @@ async fn a_scale_down_mid_move_keeps_the_node_a_waiting_pod_lands_on() {
     println!("the scale-down's pass: {pass:?}");
 
     drive_until_active(&env, &r, rec.id, 3).await;
-    // Real time, as an observation window: long enough for a node deleted by mistake to go
-    // (1.5 s in the simulated cloud's clock) and its pod with it while the caller calls.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // A node deleted by mistake would still be going (1.5 s on the simulated cloud's clock),
+    // and would take the only ready model server with it once gone: calls fail from then on
+    // for as long as a new node takes (3 s). So: until nothing in the cloud is being deleted,
+    // then calls made after that.
+    test_support::until(
+        Duration::from_secs(30),
+        "no node or node pool being deleted",
+        async || {
+            let cloud = env.sim.inventory().cloud;
+            cloud.node_pools.iter().all(|p| p["deleting"] != true)
+                && cloud.nodes.iter().all(|n| n["state"] != "deleting")
+        },
+    )
+    .await;
+    caller.more_calls(20).await;
     let (ok, failures) = caller.finish().await;
     assert!(
         failures.is_empty(),
@@ -194,12 +222,12 @@ async fn a_pass_that_lost_its_lease_writes_nothing() {
     let (rec, _token) = env.create(1).await;
     let claim = env
         .store
-        .work_claim("stalled", Duration::from_millis(100), 1)
+        .work_claim("stalled", Duration::from_secs(30), 1)
         .await
         .unwrap()
         .remove(0);
-    // Real time: the lease runs out by the database's clock, which only real time moves.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The lease runs out by the database's clock: its work item is moved past the lease's end.
+    env.age(rec.id, Duration::from_secs(60)).await;
     let taken = env
         .store
         .work_claim("next", Duration::from_secs(30), 1)

@@ -367,10 +367,10 @@ impl<'a> Life<'a> {
         life.converge(Step::Delete, |r, _| r.gone).await;
         // Teardown waits for the cluster to go; what hangs off it goes on the simulator's
         // next tick.
-        let start = Instant::now();
-        while !sim.inventory().leftovers().is_empty() && start.elapsed() < Duration::from_secs(5) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        test_support::within(Duration::from_secs(5), async || {
+            sim.inventory().leftovers().is_empty().then_some(())
+        })
+        .await;
         assert_eq!(
             sim.inventory().leftovers(),
             Vec::<String>::new(),
@@ -404,24 +404,22 @@ impl<'a> Life<'a> {
     /// Passes until `done` holds for a pass that waits for nothing. Unless the step deleted
     /// the DI, the converged DI's resync is walked too, and then a pass must write nothing.
     async fn converge(&mut self, step: Step, done: impl Fn(&Record, &Inventory) -> bool) {
-        let start = Instant::now();
-        loop {
+        // The simulated cloud moves on its own clock: passes are run until one finds it there.
+        let mut last = None;
+        let converged = test_support::within(STEP_DEADLINE, async || {
             let pass = self.walk(step).await;
-            if matches!(&pass, Ok(p) if p.waiting.is_none()) {
-                let rec = self.record().await;
-                if done(&rec, &self.env.sim.inventory()) {
-                    break;
-                }
-            }
-            assert!(
-                start.elapsed() < STEP_DEADLINE,
-                "{}: {step} did not converge; last pass {pass:?}\n{:#?}",
-                self.faulting,
-                self.record().await
-            );
-            // The simulated cloud moves on its own clock.
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+            let converged = matches!(&pass, Ok(p) if p.waiting.is_none())
+                && done(&self.record().await, &self.env.sim.inventory());
+            last = Some(pass);
+            converged.then_some(())
+        })
+        .await;
+        assert!(
+            converged.is_some(),
+            "{}: {step} did not converge; last pass {last:?}\n{:#?}",
+            self.faulting,
+            self.record().await
+        );
         if step != Step::Delete {
             let resync = self.walk(step).await;
             assert!(
@@ -568,6 +566,8 @@ impl<'a> Life<'a> {
 async fn settle(sim: &RegionSim, api: Api) {
     let mut calls = sim.calls(api);
     loop {
+        // Real time: a request still on its way (in a socket, in the simulator's accept queue)
+        // shows nowhere until it arrives, so only a quiet spell says none is left.
         tokio::time::sleep(Duration::from_millis(10)).await;
         let now = sim.calls(api);
         if now == calls {

@@ -154,15 +154,16 @@ async fn get_hello(
     Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
-/// Waits (up to 2 s) for the server to close `conn`: the read ends or fails.
+/// Waits for the server to close `conn`: the read ends or fails. The test fails if it is still
+/// open after 10 s, far beyond any idle timeout here.
 async fn closed_by_server(
     conn: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
     what: &str,
 ) {
     let mut buf = [0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(2), conn.read(&mut buf))
+    let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf))
         .await
-        .unwrap_or_else(|_| panic!("{what}: still open after 2 s"));
+        .unwrap_or_else(|_| panic!("{what}: still open after 10 s"));
     assert!(matches!(n, Ok(0) | Err(_)), "{what}: {n:?}");
 }
 
@@ -170,15 +171,22 @@ async fn closed_by_server(
 async fn idle_connections_are_closed_and_a_stopped_site_closes_its_own() {
     let front = Front::start(0).await.unwrap();
     let ip = front.addresses().allocate();
-    let (ca, _, _stop) = serve_hello(&front, ip, Duration::from_millis(300));
+    let (ca, _, _stop) = serve_hello(&front, ip, Duration::from_secs(1));
+    // A site whose connections close sooner: the server closing one shows that its timers ran
+    // for longer than that while the other site's connection sat idle.
+    let quick_ip = front.addresses().allocate();
+    let (quick_ca, _, _quick_stop) = serve_hello(&front, quick_ip, Duration::from_millis(100));
 
     let mut conn = tls_connect(&ca, ip, front.port()).await.unwrap();
     assert!(get_hello(&mut conn).await.unwrap().ends_with("hello"));
-    // Kept alive between requests...
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut quick = tls_connect(&quick_ca, quick_ip, front.port())
+        .await
+        .unwrap();
+    assert!(get_hello(&mut quick).await.unwrap().ends_with("hello"));
+    closed_by_server(&mut quick, "the quick site's idle connection").await;
+    // Kept alive between requests: idle since before the quick one was...
     assert!(get_hello(&mut conn).await.unwrap().ends_with("hello"));
-    // ... but not past the idle timeout: the server closes it, and its socket with it.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // ... but not past its idle timeout: the server closes it, and its socket with it.
     closed_by_server(&mut conn, "the idle connection").await;
 
     // A site that stops closes its open connections, idle or not.
@@ -239,13 +247,12 @@ async fn connections_accepted_under_pressure_close_sooner() {
     assert!(get_hello(&mut second).await.unwrap().ends_with("hello"));
     assert_eq!(front.open_connections(), 2);
 
-    tokio::time::sleep(Duration::from_millis(800)).await;
     closed_by_server(
         &mut second,
         "the second connection, accepted under pressure and idle",
     )
     .await;
-    // The first keeps its site's timeout.
+    // The first, idle since before the second was, keeps its site's timeout.
     assert!(get_hello(&mut first).await.unwrap().ends_with("hello"));
     test_support::until(Duration::from_secs(1), "one connection left", async || {
         front.open_connections() == 1

@@ -279,6 +279,8 @@ async fn prefix_aware_routing_hits_the_cache_more_than_round_robin() {
 /// this time scale) without waiting for the answers: how many requests each replica got.
 async fn burst(p: &Plane, messages: &[Value]) -> BTreeMap<String, usize> {
     let runs = (0..6).map(|i| async move {
+        // A pace, not a wait for a condition: the workload's shape. The serving model and the
+        // picker's scrapes run on real time, scaled.
         tokio::time::sleep(Duration::from_millis(20 * i)).await;
         p.chat(messages, 30).await
     });
@@ -339,9 +341,11 @@ schedulingProfiles: [{name: default, plugins: [{pluginRef: kv-cache-utilization-
 /// with the queue; `vllm:num_requests_waiting` shows it meanwhile.
 #[tokio::test]
 async fn time_to_first_token_grows_with_the_queue() {
+    // A scale at which a request takes about 70 ms: the queue stays three deep or more for a
+    // good part of a second, many looks of the watch below.
     let cfg = ServingConfig {
         max_num_seqs: Some(1),
-        ..serving(0.05)
+        ..serving(0.5)
     };
     let p = Plane::start(cfg, Some(LLM_D_DEFAULT_CONFIG), &["vllm-a"]).await;
     let r = p.replica("vllm-a");
@@ -356,19 +360,18 @@ async fn time_to_first_token_grows_with_the_queue() {
     let mut waiting = 0;
     let burst = futures::future::join_all((1..=8).map(ask));
     let watch = async {
-        for _ in 0..200 {
+        let text = test_support::within(Duration::from_secs(10), async || {
             waiting = waiting.max(r.load().waiting);
-            if waiting >= 3 {
-                let text = r.metrics_text();
-                let line = text
-                    .lines()
-                    .find(|l| l.starts_with("vllm:num_requests_waiting{"))
-                    .unwrap();
-                let shown: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
-                assert!(shown >= 1.0, "{line}");
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            (waiting >= 3).then(|| r.metrics_text())
+        })
+        .await;
+        if let Some(text) = text {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with("vllm:num_requests_waiting{"))
+                .unwrap();
+            let shown: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(shown >= 1.0, "{line}");
         }
     };
     futures::join!(burst, watch);

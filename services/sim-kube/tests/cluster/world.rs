@@ -11,6 +11,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use sim_kube::{ClusterConfig, LoadRequest, ModelLoader};
+use test_support::until;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -374,9 +375,14 @@ async fn load_balancers_get_private_or_public_addresses_once() {
     )
     .await
     .unwrap();
-    // Real time, as a window: the cluster answers over a socket, so its controllers' chance to
-    // overwrite the address (which they must not take) passes only in real time.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The controllers' chance to overwrite the address (which they must not take): a pass
+    // that began after the write. A pass runs without yielding on this test's one thread, so
+    // once the count shows it, it has finished.
+    let passes = cluster.controller_passes();
+    until(WAIT, "a controller pass after the write", async || {
+        cluster.controller_passes() > passes
+    })
+    .await;
     assert_eq!(
         eventually(WAIT, "overwritten address", ip("public")).await,
         "127.0.0.1"

@@ -342,6 +342,23 @@ impl Env {
             .await;
     }
 
+    /// Moves DI `id`'s work item `by` into the past (when its lease ends, when it is next due,
+    /// since when it has made no progress), as queue.rs's `age` does: what time would do to it,
+    /// without waiting for the database's clock to get there.
+    pub async fn age(&self, id: Uuid, by: Duration) {
+        sqlx::query(
+            "UPDATE work_items SET expires_at = expires_at - $2 * interval '1 millisecond',
+                    next_check_after = next_check_after - $2 * interval '1 millisecond',
+                    progress_since = progress_since - $2 * interval '1 millisecond'
+              WHERE di_id = $1",
+        )
+        .bind(id)
+        .bind(by.as_millis() as f64)
+        .execute(self.store.pool())
+        .await
+        .unwrap();
+    }
+
     pub async fn wait_gone(&self, id: Uuid) {
         self.wait_for(id, "gone", Duration::from_secs(60), |r| r.gone)
             .await;
