@@ -12,7 +12,11 @@
 //!   `inference_pool_ready_pods{name}`, and `inference_pool_average_queue_size{name}` /
 //!   `inference_pool_average_kv_cache_utilization{name}` over the ready pods' replicas.
 //!
-//! Any other pod or path has nothing listening: the API server answers 503.
+//! Any other pod or path has nothing listening: the API server answers 503. So it does when the
+//! pod's NetworkPolicies do not admit the API server's traffic: on DOKS the control plane reaches
+//! pods through the Konnectivity agents, pods of `kube-system` labelled
+//! `k8s-app: konnectivity-agent` (the DaemonSet of Kubernetes's "Set up Konnectivity service"),
+//! so that is the source a policy must admit on the proxied port.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -35,6 +39,13 @@ impl PodProxy for PodMetrics {
             return None;
         }
         let objs = &r.objects;
+        if !konnectivity_admitted(r) {
+            return Some(ProxyResponse {
+                status: 503,
+                content_type: "text/plain".into(),
+                body: b"error trying to reach service: dial tcp: i/o timeout".to_vec(),
+            });
+        }
         let pools = picker_pools(objs, &r.namespace, &r.pod);
         let text = if !pools.is_empty() {
             epp_metrics_text(objs, &r.namespace, &pools)
@@ -49,6 +60,47 @@ impl PodProxy for PodMetrics {
             body: text.into_bytes(),
         })
     }
+}
+
+/// The namespace and labels of the Konnectivity agents through which the API server reaches pods.
+pub const KONNECTIVITY_NAMESPACE: &str = "kube-system";
+pub const KONNECTIVITY_LABEL: (&str, &str) = ("k8s-app", "konnectivity-agent");
+
+/// Whether the pod's NetworkPolicies admit the Konnectivity agents on the proxied port (a port
+/// name is looked up in the pod's containers; none named: the pod's first port, as the API
+/// server does).
+fn konnectivity_admitted(r: &ProxyRequest) -> bool {
+    let ports: Vec<&Value> = r
+        .pod
+        .pointer("/spec/containers")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .flat_map(|c| c["ports"].as_array().into_iter().flatten())
+        .collect();
+    let number = |p: &Value| p["containerPort"].as_i64();
+    let port = match r.port.as_deref() {
+        Some(n) => n.parse().ok().or_else(|| {
+            ports
+                .iter()
+                .find(|p| p["name"] == n)
+                .and_then(|p| number(p))
+        }),
+        None => ports.first().and_then(|p| number(p)),
+    };
+    // No port known: only a pod no policy selects admits it.
+    let port = port.unwrap_or(0);
+    let agent = serde_json::json!({KONNECTIVITY_LABEL.0: KONNECTIVITY_LABEL.1});
+    let labels = r
+        .pod
+        .pointer("/metadata/labels")
+        .cloned()
+        .unwrap_or_default();
+    let from = crate::routing::Source::Pod {
+        ns: KONNECTIVITY_NAMESPACE,
+        labels: &agent,
+    };
+    crate::routing::ingress_admits(&r.objects, &r.namespace, &labels, port, from)
 }
 
 fn inference_pools<'a>(objs: &'a [Arc<Value>], ns: &'a str) -> impl Iterator<Item = &'a Value> {

@@ -713,6 +713,17 @@ fn network_policy(di: &Uuid, name: &str, extra: &[(&str, String)], spec: Value) 
     })
 }
 
+/// The API server's way to the pods on DOKS, as a NetworkPolicy peer: the Konnectivity agents
+/// (pods of `kube-system` labelled `k8s-app: konnectivity-agent`) through which `pods/proxy`
+/// requests arrive, the autoscaler's metrics reads among them. Only callers the API server
+/// authorised for `pods/proxy` come this way.
+fn konnectivity_peer() -> Value {
+    json!({
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+        "podSelector": {"matchLabels": {"k8s-app": "konnectivity-agent"}},
+    })
+}
+
 /// The pods of the DI's gateway, as a NetworkPolicy peer (same namespace).
 fn gateway_peer() -> Value {
     json!({"podSelector": {"matchLabels": {names::GATEWAY_NAME_LABEL: names::GATEWAY}}})
@@ -732,12 +743,14 @@ fn tcp(port: u16) -> Value {
 ///   policy, so no peer can be named) and the worker's probe arrives through; every request
 ///   there must carry one of the DI's tokens;
 /// - endpoint-auth admits only the gateway, which asks it about every request;
-/// - each model's EPP admits only the gateway, on its ext-proc gRPC port;
-/// - each model's vLLM pods admit only the gateway (requests) and their own EPP (it scrapes
-///   `/metrics` for its scorers), on the serving port.
+/// - each model's EPP admits only the gateway, on its ext-proc gRPC port, and the API server's
+///   Konnectivity agents on its metrics port (the autoscaler reads it through `pods/proxy`);
+/// - each model's vLLM pods admit only the gateway (requests), their own EPP (it scrapes
+///   `/metrics` for its scorers) and the Konnectivity agents (the autoscaler's reads), on the
+///   serving port.
 ///
-/// Nothing admits another namespace, so another DI of the cluster reaches this one only as
-/// any client does: through the load balancer, with a token.
+/// Nothing admits another namespace but those agents of `kube-system`, so another DI of the
+/// cluster reaches this one only as any client does: through the load balancer, with a token.
 fn network_policies(input: &ManifestInput) -> Vec<Value> {
     let di = &input.di_id;
     let mut out = vec![network_policy(
@@ -770,7 +783,10 @@ fn network_policies(input: &ManifestInput) -> Vec<Value> {
             json!({
                 "podSelector": {"matchLabels": epp_pods},
                 "policyTypes": ["Ingress"],
-                "ingress": [{"from": [gateway_peer()], "ports": [tcp(EPP_GRPC_PORT)]}],
+                "ingress": [
+                    {"from": [gateway_peer()], "ports": [tcp(EPP_GRPC_PORT)]},
+                    {"from": [konnectivity_peer()], "ports": [tcp(EPP_METRICS_PORT)]},
+                ],
             }),
         ));
         out.push(network_policy(
@@ -781,7 +797,7 @@ fn network_policies(input: &ManifestInput) -> Vec<Value> {
                 "podSelector": {"matchLabels": pool_selector(&m.model_id)},
                 "policyTypes": ["Ingress"],
                 "ingress": [{
-                    "from": [gateway_peer(), {"podSelector": {"matchLabels": epp_pods}}],
+                    "from": [gateway_peer(), {"podSelector": {"matchLabels": epp_pods}}, konnectivity_peer()],
                     "ports": [tcp(VLLM_PORT)],
                 }],
             }),
@@ -1414,9 +1430,13 @@ mod tests {
             assert_eq!(p["apiVersion"], "networking.k8s.io/v1");
             assert_eq!(p["spec"]["policyTypes"], json!(["Ingress"]), "{p}");
             // No rule admits another namespace or an address block: only peers of this
-            // namespace (a podSelector alone) or, for the gateway, any source.
+            // namespace (a podSelector alone), the API server's Konnectivity agents or, for the
+            // gateway, any source.
             for rule in p["spec"]["ingress"].as_array().into_iter().flatten() {
                 for peer in rule["from"].as_array().into_iter().flatten() {
+                    if *peer == konnectivity_peer() {
+                        continue;
+                    }
                     assert_eq!(
                         peer.as_object().unwrap().keys().collect::<Vec<_>>(),
                         ["podSelector"],
@@ -1469,9 +1489,12 @@ mod tests {
             {
                 assert_eq!(&epp_pods[k], v, "selects the EPP's pods");
             }
+            // The gateway on the ext-proc port; the autoscaler, through the API server's
+            // Konnectivity agents, on the metrics port only.
             assert_eq!(
                 epp["spec"]["ingress"],
-                json!([{"from": [gateway_peer], "ports": [{"protocol": "TCP", "port": 9002}]}])
+                json!([{"from": [gateway_peer], "ports": [{"protocol": "TCP", "port": 9002}]},
+                       {"from": [konnectivity_peer()], "ports": [{"protocol": "TCP", "port": 9090}]}])
             );
             let vllm = find(&objs, "NetworkPolicy", &format!("vllm-{model}"));
             assert_eq!(
@@ -1480,7 +1503,7 @@ mod tests {
             );
             assert_eq!(
                 vllm["spec"]["ingress"],
-                json!([{"from": [gateway_peer, {"podSelector": epp["spec"]["podSelector"]}],
+                json!([{"from": [gateway_peer, {"podSelector": epp["spec"]["podSelector"]}, konnectivity_peer()],
                         "ports": [{"protocol": "TCP", "port": 8000}]}])
             );
             assert_eq!(vllm["metadata"]["labels"][names::MODEL_ID_LABEL], m);

@@ -344,5 +344,23 @@ async fn without_flow_control_a_pool_without_replicas_is_503_at_once() {
         sample(&text, "inference_extension_flow_control_queue_size"),
         Some(0.0)
     );
+
+    // The API server reaches pods through the Konnectivity agents of kube-system: a namespace
+    // whose policies do not admit them has no metrics to read; one that does, has.
+    let proxied = format!("/api/v1/namespaces/di-1/pods/{epp}:9090/proxy/metrics");
+    let policies = "/apis/networking.k8s.io/v1/namespaces/di-1/networkpolicies";
+    kube.create(
+        policies,
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "deny"}, "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}),
+    )
+    .await;
+    assert_eq!(kube.get_text(&proxied).await.0, 503);
+    kube.create(policies, json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "konnectivity"}, "spec": {"podSelector": {}, "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                               "podSelector": {"matchLabels": {"k8s-app": "konnectivity-agent"}}}],
+                     "ports": [{"protocol": "TCP", "port": 9090}]}]}})).await;
+    assert_eq!(kube.get_text(&proxied).await.0, 200);
     sim.shutdown().await;
 }
