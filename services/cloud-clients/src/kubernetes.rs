@@ -160,6 +160,12 @@ const KINDS: &[(&str, &str, &str, bool)] = &[
         "networkpolicies",
         true,
     ),
+    (
+        "policy",
+        "PodDisruptionBudget",
+        "poddisruptionbudgets",
+        true,
+    ),
     ("rbac.authorization.k8s.io", "Role", "roles", true),
     (
         "rbac.authorization.k8s.io",

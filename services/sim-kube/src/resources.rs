@@ -202,6 +202,17 @@ pub static TYPES: &[ResourceType] = &[
         NameRule::PathSegment,
     ),
     rt(
+        "policy",
+        "v1",
+        "PodDisruptionBudget",
+        "poddisruptionbudgets",
+        "poddisruptionbudget",
+        true,
+        &["pdb"],
+        true,
+        NameRule::Subdomain,
+    ),
+    rt(
         "networking.k8s.io",
         "v1",
         "NetworkPolicy",

@@ -490,8 +490,8 @@ pub fn endpoint_auth_manifests(di_id: Uuid, images: &Images) -> Vec<Value> {
 /// The service that decides, for Envoy, whether a request carries one of the DI's tokens
 /// (`services/endpoint-auth`): it watches the access-token Secret of its namespace (its Role
 /// reads that Secret and nothing else) and answers Envoy's HTTP authorization checks. Two
-/// replicas spread over nodes, so that neither a node drain nor a rollout leaves the endpoint
-/// refusing everyone (Envoy fails closed when no replica answers).
+/// replicas spread over nodes, and a PodDisruptionBudget, so that neither a node drain nor a
+/// rollout leaves the endpoint refusing everyone (Envoy fails closed when no replica answers).
 fn endpoint_auth_objects(input: &ManifestInput) -> Vec<Value> {
     let di = &input.di_id;
     let name = names::ENDPOINT_AUTH;
@@ -533,6 +533,13 @@ fn endpoint_auth_objects(input: &ManifestInput) -> Vec<Value> {
                 "ports": [{"name": "http", "port": ENDPOINT_AUTH_PORT,
                            "targetPort": ENDPOINT_AUTH_PORT, "protocol": "TCP"}],
             },
+        }),
+        // A node drain (a DOKS upgrade, a pool's scale-down) takes one replica at a time.
+        json!({
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": meta(di, name, &[]),
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": selector}},
         }),
         json!({
             "apiVersion": "apps/v1",
