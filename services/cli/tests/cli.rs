@@ -98,10 +98,24 @@ impl Running {
     /// Waits until dictl has written `what` to stderr, where `--wait` reports each status it
     /// sees: then it has seen that status, whatever its own polling pace.
     async fn shown(&self, what: &str) {
+        let stderr = || String::from_utf8_lossy(&self.stderr.lock().unwrap()).into_owned();
         until(
             Duration::from_secs(60),
             format!("dictl to show {what:?} on stderr"),
-            async || String::from_utf8_lossy(&self.stderr.lock().unwrap()).contains(what),
+            async || {
+                // Both streams at their end (looked at first, so that all it wrote is in):
+                // dictl exited without showing it; say so at once, with what it wrote, rather
+                // than after the whole wait.
+                let exited = self.readers.iter().all(|r| r.is_finished());
+                let shown = stderr().contains(what);
+                assert!(
+                    shown || !exited,
+                    "dictl exited without showing {what:?}; stderr: {}; stdout: {}",
+                    stderr(),
+                    String::from_utf8_lossy(&self.stdout.lock().unwrap())
+                );
+                shown
+            },
         )
         .await
     }

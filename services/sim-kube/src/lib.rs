@@ -52,8 +52,8 @@ use crate::store::{Key, Store};
 /// Timing and access settings of a simulated cluster.
 #[derive(Clone)]
 pub struct ClusterConfig {
-    /// How long a scheduled pod takes to turn Ready (the model download and load), and how long
-    /// a restarted container takes again.
+    /// How long a scheduled pod that asks for GPUs takes to turn Ready (the model download and
+    /// load), and how long a restarted container takes again; other pods take at most a second.
     pub model_load_delay: Duration,
     /// How long a LoadBalancer Service waits for `status.loadBalancer.ingress`.
     pub lb_address_delay: Duration,

@@ -299,6 +299,14 @@ async fn no_gpu_capacity_is_an_error_with_a_reason_until_the_spec_changes() {
     // Not retried: it stays in error, even with a retry and a resync due (its work item is
     // aged past both). Another DI that fails the same way shows that the worker has claimed
     // work since, and this one's item, due long before, would have come first.
+    // The failed pass records the error before it gives its lease back; aged before that
+    // release, the item would be reset by it and the check below would prove nothing.
+    until(
+        Duration::from_secs(10),
+        "the failed pass's lease released",
+        async || work_item(&env, rec.id).await.0.is_none(),
+    )
+    .await;
     let before = w.stats();
     env.age(rec.id, Duration::from_secs(3600)).await;
     let item = work_item(&env, rec.id).await;

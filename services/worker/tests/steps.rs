@@ -565,14 +565,15 @@ impl<'a> Life<'a> {
 /// number the next fault is armed for.
 async fn settle(sim: &RegionSim, api: Api) {
     let mut calls = sim.calls(api);
-    loop {
+    let mut quiet = 0;
+    // Three quiet looks in a row, not one: on a loaded machine the simulator's accept loop may
+    // itself wait longer than one look.
+    while quiet < 3 {
         // Real time: a request still on its way (in a socket, in the simulator's accept queue)
         // shows nowhere until it arrives, so only a quiet spell says none is left.
         tokio::time::sleep(Duration::from_millis(10)).await;
         let now = sim.calls(api);
-        if now == calls {
-            return;
-        }
+        quiet = if now == calls { quiet + 1 } else { 0 };
         calls = now;
     }
 }

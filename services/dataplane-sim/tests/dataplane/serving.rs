@@ -209,45 +209,60 @@ fn words(tag: &str, n: usize) -> String {
         .join(" ")
 }
 
-/// Multi-turn conversations, `parallel` at a time: a system prompt every conversation shares,
-/// a document of its own, then `turns` questions, each with the history so far. The
-/// conversations of a batch take their turns together, each turn's requests reaching the
-/// picker in conversation order, so what a picker decides does not depend on the machine's
-/// speed.
+/// Multi-turn conversations, `parallel` at a time: a system prompt every conversation shares
+/// (`shared_system`), a document of its own, then `turns` questions, each with the history so
+/// far. The conversations of a batch take their turns together, each turn's requests reaching
+/// the picker in conversation order, so what a picker decides does not depend on the machine's
+/// speed. The pods each conversation's turns went to, in conversation order.
 async fn workload(
     p: &Plane,
     conversations: usize,
     parallel: usize,
     turns: usize,
-) -> BTreeMap<String, usize> {
+    shared_system: bool,
+) -> Vec<Vec<String>> {
     let system = words("sys", 200);
-    let mut per_pod = BTreeMap::new();
+    let mut out = Vec::new();
     for batch in (0..conversations).collect::<Vec<_>>().chunks(parallel) {
         let mut histories: Vec<Vec<Value>> = batch
             .iter()
             .map(|c| {
-                vec![
-                    json!({"role": "system", "content": system}),
-                    json!({"role": "user", "content": format!("{} {}", words(&format!("doc{c}w"), 300), words(&format!("q{c}t0w"), 20))}),
-                ]
+                let own = json!({"role": "user", "content": format!("{} {}", words(&format!("doc{c}w"), 300), words(&format!("q{c}t0w"), 20))});
+                match shared_system {
+                    true => vec![json!({"role": "system", "content": system}), own],
+                    false => vec![own],
+                }
             })
             .collect();
+        let mut pods = vec![Vec::new(); batch.len()];
         for t in 0..turns {
             let mut running = Vec::new();
             for messages in &histories {
                 running.push(p.start_chat(messages.clone(), 40).await);
             }
-            for ((c, messages), task) in batch.iter().zip(&mut histories).zip(running) {
+            for (((c, messages), task), pods) in
+                batch.iter().zip(&mut histories).zip(running).zip(&mut pods)
+            {
                 let (pod, answer) = task.await.unwrap();
-                *per_pod.entry(pod).or_insert(0) += 1;
+                pods.push(pod);
                 messages.push(json!({"role": "assistant", "content": answer}));
                 messages.push(
                     json!({"role": "user", "content": words(&format!("q{c}t{}w", t + 1), 20)}),
                 );
             }
         }
+        out.extend(pods);
     }
-    per_pod
+    out
+}
+
+/// How many requests each pod served.
+fn per_pod(conversations: &[Vec<String>]) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for pod in conversations.iter().flatten() {
+        *out.entry(pod.clone()).or_insert(0) += 1;
+    }
+    out
 }
 
 /// Two replicas, the same conversations: routed by the prefix-cache scorer, a conversation's
@@ -256,23 +271,40 @@ async fn workload(
 async fn prefix_aware_routing_hits_the_cache_more_than_round_robin() {
     let pods = ["vllm-a", "vllm-b"];
     let aware = Plane::start(serving(0.02), Some(LLM_D_DEFAULT_CONFIG), &pods).await;
-    let spread = workload(&aware, 9, 3, 4).await;
+    let spread = per_pod(&workload(&aware, 9, 3, 4, true).await);
     let rr = Plane::start(serving(0.02), Some(ROUND_ROBIN), &pods).await;
-    let rr_spread = workload(&rr, 9, 3, 4).await;
+    let rr_spread = per_pod(&workload(&rr, 9, 3, 4, true).await);
     let (a, r) = (aware.hit_rate(), rr.hit_rate());
     eprintln!(
         "prefix-cache hit rate: picker {a:.3} ({spread:?}), round robin {r:.3} ({rr_spread:?})"
     );
     assert!(a > 0.6, "{a}");
     assert!(a > r + 0.1, "picker {a} vs round robin {r}");
-    // Where the replicas went is not asserted: at this light load the prefix scorer rightly
-    // keeps every conversation where the shared system prompt is cached; spreading under load
-    // is `queue_and_kv_scorers_spread_the_load`'s.
+    // Where the replicas went is not asserted here: at this light load the prefix scorer
+    // rightly keeps every conversation where the shared system prompt is cached (below, without
+    // one, it spreads them).
     assert_eq!(
         rr_spread.values().copied().collect::<Vec<_>>(),
         vec![18, 18]
     );
     assert_eq!(aware.counters().finished, 36);
+}
+
+/// Conversations that share nothing: each new one ties between the replicas (ties go round
+/// robin) and every later turn follows its own history. A picker that kept to one replica, or
+/// matched only a shared head, would fail one or the other.
+#[tokio::test]
+async fn the_prefix_scorer_keeps_each_conversation_where_its_history_is() {
+    let pods = ["vllm-a", "vllm-b"];
+    let p = Plane::start(serving(0.02), Some(PREFIX_ONLY), &pods).await;
+    let conversations = workload(&p, 4, 2, 4, false).await;
+    for turns in &conversations {
+        assert!(
+            turns.iter().all(|pod| *pod == turns[0]),
+            "{conversations:?}"
+        );
+    }
+    assert_eq!(per_pod(&conversations).len(), 2, "{conversations:?}");
 }
 
 /// `messages` six times, 20 ms apart (longer than the picker's metrics refresh interval at

@@ -373,8 +373,8 @@ pub fn run(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &Cluster
         }
     }
 
-    // Bound pods' containers settle once the model-load delay has passed: Ready, or
-    // crash-looping when the loader says their load failed.
+    // Bound pods' containers settle once the model-load delay has passed (a pod that loads no
+    // model: at most a second): Ready, or crash-looping when the loader says their load failed.
     let loader = config.model_loader.as_deref();
     for (key, pod) in snap.of_kind("Pod") {
         if !pod_active(pod)
@@ -398,11 +398,35 @@ pub fn run(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &Cluster
             restart_crashed(store, key);
         }
         let start = *timers.pod_bound.entry(id).or_insert_with(Instant::now);
-        if !timers.elapsed(start, config.model_load_delay) {
+        let delay = if loads_a_model(pod) {
+            config.model_load_delay
+        } else {
+            config.model_load_delay.min(CONTAINER_START)
+        };
+        if !timers.elapsed(start, delay) {
             continue;
         }
         settle(store, snap, key, pod, timers, loader);
     }
+}
+
+/// The longest a container that loads no model takes to turn Ready (an image already pulled, a
+/// process that starts): a picker or an auth service is not held as long as a model server.
+const CONTAINER_START: Duration = Duration::from_secs(1);
+
+/// Whether the pod loads a model before it is Ready: one of its containers asks for GPUs.
+fn loads_a_model(pod: &Value) -> bool {
+    pod.pointer("/spec/containers")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .any(|c| {
+            ["limits", "requests"].iter().any(|k| {
+                c["resources"][k]
+                    .as_object()
+                    .is_some_and(|r| r.keys().any(|r| r.ends_with("/gpu")))
+            })
+        })
 }
 
 /// Back-off before a crashed container's first restart; it doubles with every restart up to
