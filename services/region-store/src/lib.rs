@@ -9,6 +9,7 @@
 //! given to it), or the cloud.
 
 mod authorities;
+mod fleet;
 mod passes;
 mod quotas;
 mod records;
@@ -17,6 +18,7 @@ mod reseal;
 mod work;
 
 pub use authorities::NewCa;
+pub use fleet::{FleetBudget, FleetSlot, Held, RolloutProgress, RolloutState, SlotState, Take};
 pub use reseal::ResealReport;
 
 pub use quotas::{QuotaOverrides, Quotas};

@@ -120,6 +120,8 @@ pub struct PassInputs {
     pub replicas: Vec<DeploymentReplicas>,
     /// The database's clock (milliseconds since the epoch): one clock for every worker.
     pub now_ms: i64,
+    /// The DI's slot in a fleet rollout, if it has one.
+    pub fleet_slot: Option<crate::FleetSlot>,
 }
 
 /// A model deployment's replica counts as the worker records them, with the autoscaler's memory
@@ -427,7 +429,9 @@ impl Store {
         .fetch_one(&mut *conn)
         .await?;
         let replicas = replicas.0.into_iter().map(Into::into).collect();
+        let fleet_slot = crate::fleet::fleet_slot_on(&mut conn, di_id).await?;
         Ok(PassInputs {
+            fleet_slot,
             replicas,
             now_ms,
             ledger,

@@ -4,7 +4,10 @@ use api_types::lifecycle::Status;
 use api_types::regional::{CreateRequest, NewToken};
 use api_types::spec::{AcceleratorGroup, ModelDeployment, Spec};
 use common::seal::Sealer;
-use region_store::{Endpoints, NewCa, ObservedAccelerator, ResealReport, Store, StoreError};
+use region_store::{
+    Endpoints, FleetBudget, Held, NewCa, ObservedAccelerator, ResealReport, RolloutState, Store,
+    StoreError, Take,
+};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -830,4 +833,199 @@ async fn a_rotation_reseals_everything_and_then_the_old_key_can_go(pool: PgPool)
     let report = stranger.reseal(100).await.unwrap();
     assert_eq!(report.resealed, 0);
     assert_eq!(report.unreadable.len(), 15);
+}
+
+// Fleet rollouts: slots are counted under the rollout's lock, so concurrent passes never exceed
+// the budget or start a DI before the canaries served; only the newest rendering rolls; a
+// failure halts the rollout until an operator resumes it.
+
+const BUDGET: FleetBudget = FleetBudget {
+    max_rolling: 5,
+    canaries: 2,
+};
+
+/// `n` active DIs.
+async fn active_dis(store: &Store, n: usize) -> Vec<Uuid> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let req = create_request(Uuid::new_v4(), None);
+        ids.push(
+            store
+                .dedicated_inference_create(&req, &ca())
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    sqlx::query("UPDATE dedicated_inferences SET status = 'active'")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    ids
+}
+
+/// Every DI asks at once; the granted ones, canaries marked.
+async fn ask_all(store: &Store, dis: &[Uuid], rendering: &str) -> Vec<(Uuid, bool)> {
+    let asks = dis.iter().map(|id| {
+        let (store, id, rendering) = (store.clone(), *id, rendering.to_string());
+        tokio::spawn(async move {
+            let taken = store
+                .fleet_take(
+                    id,
+                    &rendering,
+                    BUDGET,
+                    &serde_json::json!({"vllm": {"template": {}}}),
+                )
+                .await
+                .unwrap();
+            (id, taken)
+        })
+    });
+    let mut granted = Vec::new();
+    for ask in asks {
+        if let (id, Take::Granted { canary }) = ask.await.unwrap() {
+            granted.push((id, canary));
+        }
+    }
+    granted
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn canaries_first_then_never_more_than_the_budget(pool: PgPool) {
+    let store = store(pool);
+    let dis = active_dis(&store, 20).await;
+    store.fleet_register("r1").await.unwrap();
+
+    let canaries = ask_all(&store, &dis, "r1").await;
+    assert_eq!(canaries.len(), 2, "{canaries:?}");
+    assert!(canaries.iter().all(|(_, canary)| *canary));
+    // One canary served: still no room for anyone else.
+    store.fleet_done(canaries[0].0, "r1").await.unwrap();
+    let waiting: Vec<Uuid> = dis
+        .iter()
+        .copied()
+        .filter(|d| !canaries.iter().any(|c| c.0 == *d))
+        .collect();
+    assert_eq!(
+        store
+            .fleet_take(waiting[0], "r1", BUDGET, &serde_json::json!({}))
+            .await
+            .unwrap(),
+        Take::Held(Held::CanariesFirst)
+    );
+    store.fleet_done(canaries[1].0, "r1").await.unwrap();
+    let batch = ask_all(&store, &waiting, "r1").await;
+    assert_eq!(batch.len(), 5, "{batch:?}");
+    assert!(batch.iter().all(|(_, canary)| !canary));
+    // A rolling DI that went to error (its passes no longer end its slot) gives its place back.
+    sqlx::query("UPDATE dedicated_inferences SET status = 'error' WHERE id = $1")
+        .bind(batch[0].0)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let rest: Vec<Uuid> = waiting
+        .iter()
+        .copied()
+        .filter(|d| !batch.iter().any(|b| b.0 == *d))
+        .collect();
+    assert_eq!(ask_all(&store, &rest, "r1").await.len(), 1);
+    let p = &store.fleet_progress().await.unwrap()[0];
+    assert_eq!((p.rendering.as_str(), p.rolling, p.done), ("r1", 5, 2));
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn only_the_newest_rendering_rolls_and_an_operator_pauses_it(pool: PgPool) {
+    let store = store(pool);
+    let dis = active_dis(&store, 3).await;
+    store.fleet_register("r1").await.unwrap();
+    store.fleet_register("r2").await.unwrap();
+    // A worker of the older version restarting does not become the newest again.
+    store.fleet_register("r1").await.unwrap();
+    let take = |id, r: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .fleet_take(id, r, BUDGET, &serde_json::json!({}))
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(take(dis[0], "r1").await, Take::Held(Held::Superseded));
+    let paused = store.fleet_set(RolloutState::Paused, None).await.unwrap();
+    assert_eq!(
+        (paused.rendering.as_str(), paused.state),
+        ("r2", RolloutState::Paused)
+    );
+    assert_eq!(take(dis[0], "r2").await, Take::Held(Held::Paused));
+    store.fleet_set(RolloutState::Rolling, None).await.unwrap();
+    assert_eq!(take(dis[0], "r2").await, Take::Granted { canary: true });
+    // Going back to r1 is the operator's explicit choice: it becomes the newest.
+    let back = store
+        .fleet_set(RolloutState::Rolling, Some("r1"))
+        .await
+        .unwrap();
+    assert_eq!(back.rendering, "r1");
+    assert_eq!(take(dis[1], "r2").await, Take::Held(Held::Superseded));
+    assert_eq!(take(dis[1], "r1").await, Take::Granted { canary: true });
+}
+
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_failed_slot_halts_the_rollout_until_it_is_resumed(pool: PgPool) {
+    let store = store(pool);
+    let dis = active_dis(&store, 3).await;
+    store.fleet_register("r1").await.unwrap();
+    let previous = serde_json::json!({"vllm-a": {"template": {"spec": {}}, "hash": "h1"}});
+    assert_eq!(
+        store
+            .fleet_take(dis[0], "r1", BUDGET, &previous)
+            .await
+            .unwrap(),
+        Take::Granted { canary: true }
+    );
+    store
+        .fleet_failed(dis[0], "r1", "the model server crashed")
+        .await
+        .unwrap();
+    let slot = store.fleet_slot(dis[0]).await.unwrap().unwrap();
+    assert_eq!(slot.state, region_store::SlotState::Failed);
+    assert_eq!(slot.previous, previous, "what the DI goes back to");
+    match store
+        .fleet_take(dis[1], "r1", BUDGET, &serde_json::json!({}))
+        .await
+        .unwrap()
+    {
+        Take::Held(Held::Halted { reason }) => {
+            assert!(
+                reason.contains("crashed") && reason.contains(&dis[0].to_string()),
+                "{reason}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    let events =
+        sqlx::query_scalar::<_, String>("SELECT reason FROM events WHERE di_id = $1 ORDER BY id")
+            .bind(dis[0])
+            .fetch_all(store.pool())
+            .await
+            .unwrap();
+    assert!(
+        events.ends_with(&["PlatformUpdate".into(), "PlatformUpdateFailed".into()]),
+        "{events:?}"
+    );
+    let resumed = store.fleet_set(RolloutState::Rolling, None).await.unwrap();
+    assert_eq!(
+        (resumed.state, resumed.failed, resumed.reason),
+        (RolloutState::Rolling, 0, None)
+    );
+    assert!(
+        store.fleet_slot(dis[0]).await.unwrap().is_none(),
+        "it tries again"
+    );
+    assert_eq!(
+        store
+            .fleet_take(dis[1], "r1", BUDGET, &serde_json::json!({}))
+            .await
+            .unwrap(),
+        Take::Granted { canary: true }
+    );
 }

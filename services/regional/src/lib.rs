@@ -5,11 +5,13 @@
 //! secrets. Before it stores a change it asks two questions: of the cloud, which VPC a create
 //! lands in ([`vpcs`]: a team's own, or its default); of the Hugging Face Hub, whether a
 //! customer's own model can be served as declared ([`models`]). It configures the team quotas its
-//! store enforces, and gives operators `regional quota` to set a team's own ([`quota`]). It makes
+//! store enforces, and gives operators `regional quota` to set a team's own ([`quota`]) and
+//! `regional fleet` to pause or resume a rollout of a new worker rendering ([`fleet`]). It makes
 //! each DI's certificate authority and, in the background, renews those nearing their end
 //! ([`ca`]). Everything else in the cloud is the workers' business.
 
 pub mod ca;
+pub mod fleet;
 mod handlers;
 pub mod models;
 pub mod quota;

@@ -38,6 +38,11 @@ async fn main() -> anyhow::Result<()> {
             .run()
             .await;
     }
+    if std::env::args().nth(1).as_deref() == Some("fleet") {
+        return regional::fleet::FleetCommand::parse_from(std::env::args().skip(1))
+            .run()
+            .await;
+    }
     let _telemetry = common::telemetry::init("regional");
     match std::env::args().nth(1).as_deref() {
         Some("migrate") => {

@@ -8,6 +8,7 @@
 
 pub mod autoscale;
 pub mod certificates;
+pub mod fleet;
 pub mod manifests;
 pub mod model;
 pub mod names;

@@ -916,7 +916,28 @@ pub fn manifests(input: &ManifestInput) -> Vec<Value> {
             "EXTERNAL",
         ));
     }
+    for d in out.iter_mut().filter(|o| o["kind"] == "Deployment") {
+        stamp_template(d);
+    }
     out
+}
+
+/// Annotates a Deployment with the hash of its pod template (unless its rendering did), so that
+/// a pass can tell a new template, which restarts pods, from any other change (see
+/// [`crate::fleet`]). On the Deployment only: the pods' template stays as rendered.
+fn stamp_template(d: &mut Value) {
+    if d.pointer("/metadata/annotations")
+        .and_then(|a| a.get(names::TEMPLATE_HASH_ANNOTATION))
+        .is_some()
+    {
+        return;
+    }
+    let hash = json_hash(&d["spec"]["template"]);
+    let meta = &mut d["metadata"];
+    if !meta["annotations"].is_object() {
+        meta["annotations"] = json!({});
+    }
+    meta["annotations"][names::TEMPLATE_HASH_ANNOTATION] = json!(hash);
 }
 
 /// The order to delete objects in: the reverse of apply order (load balancers first, the

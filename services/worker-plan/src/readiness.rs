@@ -613,7 +613,8 @@ pub fn rollouts(desired: &[Value], observed: &[Value]) -> Rollouts {
             )?
             .parse::<Uuid>()
             .ok()?;
-            let want = template_hash(d)?;
+            // The hash the pods carry: only the model servers' templates have one.
+            let want = template_hash(&d["spec"]["template"])?;
             let o = observed_of(d, observed)?;
             let old_pods: Vec<&Value> = pods_of(d, observed)
                 .into_iter()

@@ -85,6 +85,18 @@ struct Args {
     /// public Hub.
     #[arg(long, env = "HF_ENDPOINT")]
     hf_endpoint: Option<String>,
+    /// Fleet rollouts (a new version of this worker whose rendering restarts the pods of DIs
+    /// nobody changed): DIs restarted at once in the region.
+    #[arg(long, env = "FLEET_MAX_ROLLING", default_value_t = 10)]
+    fleet_max_rolling: u32,
+    /// DIs that must roll and serve before any other DI starts (one batch at once).
+    #[arg(long, env = "FLEET_CANARIES", default_value_t = 2)]
+    fleet_canaries: u32,
+    /// A DI that does not serve its new pods this long after its restart began fails its slot,
+    /// and the rollout halts (`regional fleet resume` goes on). Long enough for a GPU node and a
+    /// model load.
+    #[arg(long, env = "FLEET_SLOT_TIMEOUT_SECS", default_value_t = 3600)]
+    fleet_slot_timeout_secs: u64,
     /// Address of the HTTP server for `/metrics` (Prometheus) and `/healthz`.
     #[arg(long, env = "METRICS_LISTEN", default_value = "0.0.0.0:9090")]
     metrics_listen: SocketAddr,
@@ -142,6 +154,11 @@ async fn main() -> anyhow::Result<()> {
     config.settings.system_pool_count = args.system_pool_count.max(1);
     config.settings.kubernetes_version = args.kubernetes_version;
     config.settings.hub_endpoint = args.hf_endpoint;
+    config.settings.fleet_budget = region_store::FleetBudget {
+        max_rolling: args.fleet_max_rolling.max(1),
+        canaries: args.fleet_canaries,
+    };
+    config.settings.fleet_slot_timeout = Duration::from_secs(args.fleet_slot_timeout_secs.max(1));
     config.metrics_listen = args.metrics_listen;
     tracing::info!(?config, "starting");
     let worker = Worker::start(config).await?;

@@ -26,6 +26,15 @@ pub const QUEUE_DEPTH: &str = "worker_queue_depth";
 pub const LEASE_EXPIRIES: &str = "worker_lease_expiries_total";
 /// `worker_leases_lost_total`: passes abandoned because their lease could not be renewed.
 pub const LEASES_LOST: &str = "worker_leases_lost_total";
+/// `worker_fleet_slots_total{outcome}`: what this worker's passes did with fleet rollout slots
+/// (`granted`, `held`, `done`, `failed`).
+pub const FLEET_SLOTS: &str = "worker_fleet_slots_total";
+/// `worker_fleet_rollout_dis{state}`: DIs of the region's newest fleet rollout by slot state
+/// (`rolling`, `done`, `failed`).
+pub const FLEET_DIS: &str = "worker_fleet_rollout_dis";
+/// `worker_fleet_rollout_state{state}`: 1 for the newest rollout's state (`rolling`, `paused`,
+/// `halted`), 0 for the others.
+pub const FLEET_STATE: &str = "worker_fleet_rollout_state";
 
 /// A pass runs from milliseconds (nothing to do) to about a minute (a cloud API retried until
 /// the retry policy's time bound), beyond the default request-latency buckets.
@@ -169,6 +178,44 @@ pub fn lease_lost(n: usize) {
         vec![],
         n as f64,
     );
+}
+
+/// Counts what a pass did with a fleet rollout slot.
+pub fn fleet_slot(outcome: &'static str) {
+    common::metrics::counter_add(
+        FLEET_SLOTS,
+        "Fleet rollout slots by what became of them: granted, held (the DI keeps what it runs), done, failed",
+        vec![("outcome", outcome.to_string())],
+        1.0,
+    );
+}
+
+/// Sets the newest fleet rollout's gauges (region-wide, as the queue depth).
+pub fn fleet_progress(p: &region_store::RolloutProgress) {
+    for (state, n) in [
+        ("rolling", p.rolling),
+        ("done", p.done),
+        ("failed", p.failed),
+    ] {
+        common::metrics::gauge_set(
+            FLEET_DIS,
+            "DIs of the newest fleet rollout by the state of their slot",
+            vec![("state", state.into())],
+            n as f64,
+        );
+    }
+    for state in [
+        region_store::RolloutState::Rolling,
+        region_store::RolloutState::Paused,
+        region_store::RolloutState::Halted,
+    ] {
+        common::metrics::gauge_set(
+            FLEET_STATE,
+            "1 for the state of the newest fleet rollout, 0 for the others",
+            vec![("state", state.as_str().into())],
+            f64::from(u8::from(p.state == state)),
+        );
+    }
 }
 
 /// Exports the lease counters at zero, so that "no expiries" reads as 0 rather than as a

@@ -191,6 +191,11 @@ impl Worker {
                 retry: config.cloud_retry.clone(),
                 ..KubeClientOptions::default()
             });
+        reconciler
+            .register_rendering()
+            .await
+            .map_err(|e| anyhow::anyhow!("registering the worker's rendering: {e}"))?;
+        tracing::info!(rendering = %reconciler.rendering(), "rendering registered");
         let metrics_listener = tokio::net::TcpListener::bind(config.metrics_listen)
             .await
             .map_err(|e| anyhow::anyhow!("metrics listener on {}: {e}", config.metrics_listen))?;
@@ -476,7 +481,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
     }
 }
 
-/// Samples the work queue's depth into its gauge every tick (at most once a second: scrapes are
+/// Samples the work queue's depth and the newest fleet rollout into their gauges every tick (at most once a second: scrapes are
 /// far apart, and a short test tick should not add database load) until `stop` turns true. A
 /// failed sample keeps the last value (the claim loop reports database trouble already).
 async fn sample_queue_depth(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
@@ -485,6 +490,14 @@ async fn sample_queue_depth(shared: Arc<Shared>, mut stop: watch::Receiver<bool>
         match shared.store.work_depth().await {
             Ok(depth) => metrics::queue_depth(depth.ready, depth.leased),
             Err(e) => tracing::debug!(error = %e, "sampling the work queue depth failed"),
+        }
+        match shared.store.fleet_progress().await {
+            Ok(rollouts) => {
+                if let Some(newest) = rollouts.first() {
+                    metrics::fleet_progress(newest);
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "sampling the fleet rollout failed"),
         }
         tokio::select! {
             _ = tokio::time::sleep(every) => {}

@@ -20,23 +20,23 @@ use crate::plan::{self, names, AccessTokenHash, Assessment, ClusterWait, Manifes
 use crate::scaling;
 
 /// What a converge pass has learned by the time it reaches the cloud, handed from step to step.
-struct Converging<'a> {
-    rec: &'a Record,
+pub(super) struct Converging<'a> {
+    pub(super) rec: &'a Record,
     /// The spec being rolled out (pending), else the current one.
-    spec: &'a StoredSpec,
+    pub(super) spec: &'a StoredSpec,
     /// The status as the pass's first step left it.
-    status: Status,
+    pub(super) status: Status,
     /// The version being rolled out, if any.
-    pending: Option<i32>,
+    pub(super) pending: Option<i32>,
     /// See [`step::is_resync`].
-    resync: bool,
+    pub(super) resync: bool,
     /// Whether a model deployment autoscales (the DI is then looked at every autoscale interval).
-    autoscaled: bool,
-    models: Vec<plan::Model>,
-    inputs: PassInputs,
+    pub(super) autoscaled: bool,
+    pub(super) models: Vec<plan::Model>,
+    pub(super) inputs: PassInputs,
     /// The tokens the gateway must accept.
-    tokens: Vec<AccessTokenHash>,
-    ledger: Ledger<'a>,
+    pub(super) tokens: Vec<AccessTokenHash>,
+    pub(super) ledger: Ledger<'a>,
 }
 
 /// The VPC's cluster as the pass reached it.
@@ -72,7 +72,8 @@ impl Reconciler {
             r => r?,
         };
         let (models, scaled) = self.scale(&c, &at.kube, &observed).await?;
-        let desired = self.desired(&c, &models, &observed)?;
+        let mut desired = self.desired(&c, &models, &observed)?;
+        self.fleet_hold(&c, &mut desired, &observed).await?;
         let pools = self
             .node_pools(&mut c, &at, &models, &desired, &observed, &scaled)
             .await?;
@@ -106,6 +107,12 @@ impl Reconciler {
                 rec.private_endpoint_fqdn.as_deref(),
             ),
         });
+        let settled = self
+            .fleet_settle(&c, &desired, &observed, &verdict, &assessment, &pass)
+            .await?;
+        if let Some(pass) = settled {
+            return Ok(pass);
+        }
         self.conclude(&c, verdict, &assessment, &pools_held, pass)
             .await
     }

@@ -118,9 +118,19 @@ impl Reconciler {
     /// Unlike a full pass it does not hold the policy back until endpoint-auth can answer: a DI
     /// in `error` is looked at again only at its resync or when its tokens change, so a held
     /// policy would leave it open until then; a few seconds of 503 is the lesser harm.
+    ///
+    /// Nor does it restart endpoint-auth for a new rendering: a DI in `error` takes no slot of a
+    /// fleet rollout, so its running template is kept (see [`plan::fleet`]).
     pub(super) async fn apply_endpoint_auth(&self, kube: &KubeClient, id: Uuid) -> Result<()> {
+        let mut objects = plan::endpoint_auth_manifests(id, &self.settings.images);
+        let ns = names::namespace(&id);
+        let running = kube
+            .list("apps/v1", "Deployment", Some(&ns), &label_selector(id))
+            .await?;
+        let restarts = plan::fleet::restarts(&objects, &running);
+        plan::fleet::keep(&mut objects, &plan::fleet::running(&running, &restarts));
         let mut changed = 0;
-        for object in plan::endpoint_auth_manifests(id, &self.settings.images) {
+        for object in objects {
             changed += u64::from(kube.apply(&object).await?.changed);
         }
         self.kube_writes_total.fetch_add(changed, Ordering::SeqCst);

@@ -8,6 +8,7 @@ mod clusters;
 mod converge;
 mod endpoint;
 mod errors;
+mod fleet;
 mod kube_objects;
 mod ledger;
 mod node_pools;
@@ -23,7 +24,7 @@ use api_types::lifecycle::Status;
 use api_types::regional::Record;
 use cloud_clients::{DoClient, KubeClientOptions};
 use common::clock::Clock;
-use region_store::{Store, StoreError};
+use region_store::{FleetBudget, Store, StoreError};
 use uuid::Uuid;
 
 pub use endpoint::probe_token_hash;
@@ -65,6 +66,12 @@ pub struct Settings {
     /// The clock cluster credentials expire by (the system's; tests share one with the
     /// simulated cloud and move both).
     pub clock: Clock,
+    /// How many DIs a fleet rollout (a new rendering that restarts pods of DIs nobody changed)
+    /// restarts at once, and how many canaries must serve it first.
+    pub fleet_budget: FleetBudget,
+    /// A DI whose slot has not settled this long after it began fails it (and halts the rollout):
+    /// long enough for a GPU node and a model load.
+    pub fleet_slot_timeout: Duration,
 }
 
 impl std::fmt::Debug for Settings {
@@ -80,6 +87,8 @@ impl std::fmt::Debug for Settings {
             .field("resync", &self.resync)
             .field("autoscale_interval", &self.autoscale_interval)
             .field("scale_down_window", &self.scale_down_window)
+            .field("fleet_budget", &self.fleet_budget)
+            .field("fleet_slot_timeout", &self.fleet_slot_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -102,6 +111,11 @@ impl Settings {
             autoscale_interval: Duration::from_secs(10),
             scale_down_window: Duration::from_secs(120),
             clock: Clock::system(),
+            fleet_budget: FleetBudget {
+                max_rolling: 10,
+                canaries: 2,
+            },
+            fleet_slot_timeout: Duration::from_secs(3600),
         }
     }
 }
@@ -168,6 +182,8 @@ pub struct Clients {
     /// Cluster ids by name, so that a pass reads its one cluster instead of listing them all.
     cluster_ids: Mutex<HashMap<String, String>>,
     kube_writes_total: AtomicU64,
+    /// See [`Reconciler::rendering`].
+    rendering: String,
 }
 
 impl std::ops::Deref for Reconciler {
@@ -191,6 +207,11 @@ impl Reconciler {
                 ),
                 cluster_ids: Mutex::new(HashMap::new()),
                 kube_writes_total: AtomicU64::new(0),
+                rendering: plan::fleet::rendering_id(
+                    &settings.images,
+                    &settings.gateway_class,
+                    settings.hub_endpoint.as_deref(),
+                ),
                 settings,
             }),
         }
