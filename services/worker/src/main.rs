@@ -85,6 +85,16 @@ struct Args {
     /// public Hub.
     #[arg(long, env = "HF_ENDPOINT")]
     hf_endpoint: Option<String>,
+    /// The model servers' image on NVIDIA GPUs, if not the one this version pins. A change is
+    /// rolled over the region's DIs as a fleet rollout.
+    #[arg(long, env = "VLLM_IMAGE")]
+    vllm_image: Option<String>,
+    /// The model servers' image on AMD GPUs, if not the one this version pins.
+    #[arg(long, env = "VLLM_ROCM_IMAGE")]
+    vllm_rocm_image: Option<String>,
+    /// The endpoint picker's image, if not the one this version pins.
+    #[arg(long, env = "EPP_IMAGE")]
+    epp_image: Option<String>,
     /// Fleet rollouts (a new version of this worker whose rendering restarts the pods of DIs
     /// nobody changed): DIs restarted at once in the region.
     #[arg(long, env = "FLEET_MAX_ROLLING", default_value_t = 10)]
@@ -154,6 +164,16 @@ async fn main() -> anyhow::Result<()> {
     config.settings.system_pool_count = args.system_pool_count.max(1);
     config.settings.kubernetes_version = args.kubernetes_version;
     config.settings.hub_endpoint = args.hf_endpoint;
+    let images = &mut config.settings.images;
+    for (image, flag) in [
+        (&mut images.vllm_nvidia, args.vllm_image),
+        (&mut images.vllm_amd, args.vllm_rocm_image),
+        (&mut images.epp, args.epp_image),
+    ] {
+        if let Some(set) = flag.filter(|f| !f.is_empty()) {
+            *image = set;
+        }
+    }
     config.settings.fleet_budget = region_store::FleetBudget {
         max_rolling: args.fleet_max_rolling.max(1),
         canaries: args.fleet_canaries,

@@ -80,6 +80,7 @@ impl std::fmt::Debug for Settings {
             .field("region", &self.region)
             .field("field_manager", &self.field_manager)
             .field("gateway_class", &self.gateway_class)
+            .field("images", &self.images)
             .field("kubernetes_version", &self.kubernetes_version)
             .field("system_pool_size", &self.system_pool_size)
             .field("system_pool_count", &self.system_pool_count)
