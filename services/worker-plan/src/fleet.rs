@@ -157,6 +157,18 @@ pub enum Slot {
     Failed,
 }
 
+/// Whether `desired` runs a model server: a Deployment of pods labelled as serving, with
+/// replicas (a deployment scaled to zero has none to probe).
+pub fn serves(desired: &[Value]) -> bool {
+    desired.iter().any(|d| {
+        d["kind"] == "Deployment"
+            && d.pointer("/spec/template/metadata/labels")
+                .and_then(|l| l.get(names::SERVING_LABEL))
+                .is_some()
+            && d.pointer("/spec/replicas").and_then(Value::as_i64) > Some(0)
+    })
+}
+
 /// What a pass does about the restarts its rendering asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
@@ -192,6 +204,9 @@ pub enum SlotEnd {
     Rolling,
     /// Serving the new templates: the probe decides whether the slot is done.
     Probe,
+    /// Settled with no model server to serve (scaled to zero): done without a probe, which would
+    /// wait for a replica to start and start one.
+    Done,
     /// The DI cannot serve the new templates: the slot fails and the rollout halts.
     Failed(String),
 }
@@ -202,6 +217,7 @@ pub enum SlotEnd {
 pub fn slot_end(
     settled: bool,
     restarts_left: bool,
+    serving: bool,
     load_failure: Option<&LoadFailure>,
     rolling_for_ms: i64,
     timeout_ms: i64,
@@ -210,7 +226,11 @@ pub fn slot_end(
         return SlotEnd::Failed(f.to_string());
     }
     if settled && !restarts_left {
-        return SlotEnd::Probe;
+        return if serving {
+            SlotEnd::Probe
+        } else {
+            SlotEnd::Done
+        };
     }
     if rolling_for_ms >= timeout_ms {
         return SlotEnd::Failed(format!(
@@ -309,11 +329,19 @@ mod tests {
 
     #[test]
     fn a_slot_ends_by_the_probe_a_load_failure_or_its_timeout() {
-        assert_eq!(slot_end(true, false, None, 10, 100), SlotEnd::Probe);
-        assert_eq!(slot_end(false, false, None, 10, 100), SlotEnd::Rolling);
-        assert_eq!(slot_end(true, true, None, 10, 100), SlotEnd::Rolling);
+        assert_eq!(slot_end(true, false, true, None, 10, 100), SlotEnd::Probe);
+        assert_eq!(
+            slot_end(true, false, false, None, 10, 100),
+            SlotEnd::Done,
+            "scaled to zero: nothing to probe"
+        );
+        assert_eq!(
+            slot_end(false, false, true, None, 10, 100),
+            SlotEnd::Rolling
+        );
+        assert_eq!(slot_end(true, true, true, None, 10, 100), SlotEnd::Rolling);
         assert!(matches!(
-            slot_end(false, false, None, 100, 100),
+            slot_end(false, false, true, None, 100, 100),
             SlotEnd::Failed(_)
         ));
         let failure = LoadFailure {
@@ -324,9 +352,32 @@ mod tests {
             message: "boom".into(),
         };
         assert!(matches!(
-            slot_end(true, false, Some(&failure), 10, 100),
+            slot_end(true, false, true, Some(&failure), 10, 100),
             SlotEnd::Failed(m) if m.contains("boom")
         ));
+    }
+
+    #[test]
+    fn a_deployment_scaled_to_zero_serves_nothing_to_probe() {
+        let rendered = |scale| {
+            let d = crate::model::tests::deployment(
+                "00000000-0000-0000-0000-000000000001",
+                "m",
+                "gpu-h100x1-80gb",
+                scale,
+            );
+            let m = Model::from_deployment(&d).unwrap();
+            let tls = TlsPair {
+                cert_pem: String::new(),
+                key_pem: String::new(),
+            };
+            manifests(&ManifestInput::new(Uuid::nil(), vec![m], true, tls))
+        };
+        assert!(serves(&rendered(2)));
+        assert!(
+            !serves(&rendered(0)),
+            "the picker and endpoint-auth are no model servers"
+        );
     }
 
     #[test]

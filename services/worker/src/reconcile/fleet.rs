@@ -109,6 +109,7 @@ impl Reconciler {
         let end = fleet::slot_end(
             settled,
             !fleet::restarts(desired, observed).is_empty(),
+            fleet::serves(desired),
             failure.as_ref(),
             c.inputs.now_ms - slot.started_ms,
             timeout,
@@ -121,6 +122,11 @@ impl Reconciler {
                 self.store.fleet_failed(id, &self.rendering, &why).await?;
                 metrics::fleet_slot("failed");
                 Ok(Some(Pass::new(c.status, Duration::ZERO)))
+            }
+            SlotEnd::Done => {
+                self.store.fleet_done(id, &self.rendering).await?;
+                metrics::fleet_slot("done");
+                Ok(None)
             }
             SlotEnd::Probe => {
                 let url = assessment
