@@ -179,9 +179,12 @@ impl Store {
                 })
             }
         }
+        // Slots of an older rendering still rolling count against the budget too: what the
+        // budget bounds is pods restarting, whatever they restart to.
         let (rolling, done): (i64, i64) = sqlx::query_as(&format!(
-            "SELECT count(*) FILTER (WHERE {ROLLING_SLOT}), count(*) FILTER (WHERE s.state = 'done')
-             FROM fleet_slots s WHERE s.rendering = $1 AND s.di_id <> $2"
+            "SELECT count(*) FILTER (WHERE {ROLLING_SLOT}),
+                    count(*) FILTER (WHERE s.state = 'done' AND s.rendering = $1)
+             FROM fleet_slots s WHERE s.di_id <> $2"
         ))
         .bind(rendering)
         .bind(di_id)
@@ -208,8 +211,8 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         let message = format!(
-            "Model servers are being replaced for a platform update{}, one at a time; the \
-             endpoint keeps serving.",
+            "This endpoint's pods are being replaced for a platform update{}: each model \
+             server's replacement is ready before it goes.",
             if canary { " (an early group)" } else { "" }
         );
         change(
@@ -223,6 +226,20 @@ impl Store {
         .await?;
         tx.commit().await?;
         Ok(Take::Granted { canary })
+    }
+
+    /// DI `di_id` leaves the rollout: a customer's change took over (what it runs is what the
+    /// customer's rollout verifies). Its place goes to the next DI.
+    pub async fn fleet_release(&self, di_id: Uuid) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        lock_live(&mut tx, di_id, None).await?;
+        self.fence(&mut tx, di_id).await?;
+        sqlx::query("DELETE FROM fleet_slots WHERE di_id = $1")
+            .bind(di_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// DI `di_id` serves the rendering of its slot: its place goes to the next DI.
@@ -319,7 +336,7 @@ impl Store {
     }
 
     /// The operator's command: pauses the newest rollout (slots rolling finish; no new one is
-    /// given), or resumes it. Resuming a halted rollout clears its failed slots, so that their
+    /// given; a halted one stays halted, with its reason), or resumes it. Resuming a halted rollout clears its failed slots, so that their
     /// DIs try again. With `rendering`, resuming also makes that rollout the newest (going back
     /// to a version seen before). Returns the rollout changed.
     pub async fn fleet_set(
@@ -328,6 +345,11 @@ impl Store {
         rendering: Option<&str>,
     ) -> Result<RolloutProgress> {
         let mut tx = self.pool.begin().await?;
+        // Against `fleet_take`, which locks the newest row: none may grant a slot in a rollout
+        // this makes older.
+        sqlx::query("LOCK TABLE fleet_rollouts IN EXCLUSIVE MODE")
+            .execute(&mut *tx)
+            .await?;
         let target: Option<String> = match rendering {
             Some(r) if state == RolloutState::Rolling => sqlx::query_scalar(
                 "UPDATE fleet_rollouts SET seq = nextval(pg_get_serial_sequence('fleet_rollouts', 'seq'))
@@ -350,7 +372,7 @@ impl Store {
         sqlx::query(
             "UPDATE fleet_rollouts SET state = $2,
                  reason = CASE WHEN $2 = 'rolling' THEN NULL ELSE reason END, updated_at = now()
-             WHERE rendering = $1",
+             WHERE rendering = $1 AND NOT ($2 = 'paused' AND state = 'halted')",
         )
         .bind(&target)
         .bind(state.as_str())

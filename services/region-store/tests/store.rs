@@ -967,6 +967,12 @@ async fn only_the_newest_rendering_rolls_and_an_operator_pauses_it(pool: PgPool)
     assert_eq!(back.rendering, "r1");
     assert_eq!(take(dis[1], "r2").await, Take::Held(Held::Superseded));
     assert_eq!(take(dis[1], "r1").await, Take::Granted { canary: true });
+    // dis[0] still rolls r2: with dis[1], the canary budget of 2 is used, whatever the rendering.
+    assert_eq!(take(dis[2], "r1").await, Take::Held(Held::CanariesFirst));
+    // A customer's change takes dis[0] out: its place goes to the next DI.
+    store.fleet_release(dis[0]).await.unwrap();
+    assert!(store.fleet_slot(dis[0]).await.unwrap().is_none());
+    assert_eq!(take(dis[2], "r1").await, Take::Granted { canary: true });
 }
 
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
@@ -1011,6 +1017,12 @@ async fn a_failed_slot_halts_the_rollout_until_it_is_resumed(pool: PgPool) {
     assert!(
         events.ends_with(&["PlatformUpdate".into(), "PlatformUpdateFailed".into()]),
         "{events:?}"
+    );
+    let paused = store.fleet_set(RolloutState::Paused, None).await.unwrap();
+    assert_eq!(
+        paused.state,
+        RolloutState::Halted,
+        "a pause does not hide the halt"
     );
     let resumed = store.fleet_set(RolloutState::Rolling, None).await.unwrap();
     assert_eq!(

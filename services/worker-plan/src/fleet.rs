@@ -18,7 +18,6 @@ use uuid::Uuid;
 use crate::manifests::{manifests, Images, ManifestInput, TlsPair};
 use crate::model::{GpuVendor, Model};
 use crate::names;
-use crate::readiness::LoadFailure;
 
 /// What a rollout calls this worker's rendering: a digest of the pod templates it renders for a
 /// few DIs of different shapes (one model or two, NVIDIA or AMD, scaling to zero or not, a
@@ -48,6 +47,11 @@ pub fn rendering_id(images: &Images, gateway_class: &str, hub_endpoint: Option<&
         ),
     ];
     let mut digest = Sha256::new();
+    // The build too: a sample cannot show every shape a new version renders differently, and a
+    // version mistaken for an older one would take turns with it on the DIs. A version that
+    // renders the same simply finds nothing to restart.
+    digest.update(env!("CARGO_PKG_VERSION"));
+    digest.update(option_env!("SOURCE_COMMIT").unwrap_or(""));
     for (models, hugging_face_token) in shapes {
         let mut input = ManifestInput::new(
             Uuid::nil(),
@@ -157,16 +161,53 @@ pub enum Slot {
     Failed,
 }
 
-/// Whether `desired` runs a model server: a Deployment of pods labelled as serving, with
-/// replicas (a deployment scaled to zero has none to probe).
+/// Whether the probe can be answered: the first model server Deployment of `desired` (the
+/// model of the default route, which the probe reaches) has replicas. A deployment scaled to
+/// zero has none to probe.
 pub fn serves(desired: &[Value]) -> bool {
-    desired.iter().any(|d| {
-        d["kind"] == "Deployment"
-            && d.pointer("/spec/template/metadata/labels")
-                .and_then(|l| l.get(names::SERVING_LABEL))
-                .is_some()
-            && d.pointer("/spec/replicas").and_then(Value::as_i64) > Some(0)
-    })
+    desired
+        .iter()
+        .find(|d| {
+            d["kind"] == "Deployment"
+                && d.pointer("/spec/template/metadata/labels")
+                    .and_then(|l| l.get(names::SERVING_LABEL))
+                    .is_some()
+        })
+        .is_some_and(|d| d.pointer("/spec/replicas").and_then(Value::as_i64) > Some(0))
+}
+
+/// Why a pod of the DI cannot start at all, as the kubelet says it (an image that cannot be
+/// pulled, a container that cannot be created): a new template that does this does not start by
+/// waiting, and a slot fails on it at once rather than at its timeout.
+pub fn start_failure(observed: &[Value]) -> Option<String> {
+    const CANNOT_START: &[&str] = &[
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+    ];
+    observed
+        .iter()
+        .filter(|o| o["kind"] == "Pod")
+        .find_map(|p| {
+            let statuses = p.pointer("/status/containerStatuses")?.as_array()?;
+            statuses.iter().find_map(|cs| {
+                let reason = cs.pointer("/state/waiting/reason")?.as_str()?;
+                CANNOT_START.contains(&reason).then(|| {
+                    let message = cs
+                        .pointer("/state/waiting/message")
+                        .and_then(Value::as_str)
+                        .unwrap_or("");
+                    format!(
+                        "pod {} cannot start: {reason} {message}",
+                        name(p).unwrap_or("?")
+                    )
+                    .trim_end()
+                    .to_string()
+                })
+            })
+        })
 }
 
 /// What a pass does about the restarts its rendering asks for.
@@ -174,6 +215,10 @@ pub fn serves(desired: &[Value]) -> bool {
 pub enum Step {
     /// Apply everything as rendered.
     Apply,
+    /// A customer's change, on a DI with a slot: apply everything as rendered, and give the slot
+    /// up. The DI now runs what the customer's rollout verifies, and the templates a failed slot
+    /// saved are older than the customer's spec: going back to them would undo it.
+    Release,
     /// Ask the region's rollout for a slot: apply everything if granted, else keep the templates
     /// the cluster runs ([`running`]).
     Ask,
@@ -187,7 +232,11 @@ pub enum Step {
 /// the pass that goes back).
 pub fn step(resync: bool, restarts: &[String], slot: Slot) -> Step {
     if !resync {
-        return Step::Apply;
+        return if slot == Slot::None {
+            Step::Apply
+        } else {
+            Step::Release
+        };
     }
     match slot {
         Slot::Failed => Step::GoBack,
@@ -211,32 +260,32 @@ pub enum SlotEnd {
     Failed(String),
 }
 
-/// Where a rolling slot is: failed if a model server of the new template cannot load its model,
-/// or if the DI has not settled within `timeout_ms` of the slot (a pod that never starts, an
-/// image that cannot be pulled); to probe once the DI is settled with nothing left to restart.
+/// Where a rolling slot is: failed on `failure` (a model server of the new template that cannot
+/// load its model, a pod that cannot start), or if the DI has not served within `timeout_ms` of
+/// the slot; to probe once the DI is settled with nothing left to restart.
 pub fn slot_end(
     settled: bool,
     restarts_left: bool,
     serving: bool,
-    load_failure: Option<&LoadFailure>,
+    failure: Option<&str>,
     rolling_for_ms: i64,
     timeout_ms: i64,
 ) -> SlotEnd {
-    if let Some(f) = load_failure {
+    if let Some(f) = failure {
         return SlotEnd::Failed(f.to_string());
     }
-    if settled && !restarts_left {
-        return if serving {
-            SlotEnd::Probe
-        } else {
-            SlotEnd::Done
-        };
+    if settled && !restarts_left && !serving {
+        return SlotEnd::Done;
     }
+    // Before the probe: a DI that settles but never answers it must not hold its slot for ever.
     if rolling_for_ms >= timeout_ms {
         return SlotEnd::Failed(format!(
-            "not serving {} s after its model servers began to restart",
+            "not serving {} s after its pods began to restart",
             timeout_ms / 1000
         ));
+    }
+    if settled && !restarts_left {
+        return SlotEnd::Probe;
     }
     SlotEnd::Rolling
 }
@@ -244,6 +293,7 @@ pub fn slot_end(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::readiness::LoadFailure;
 
     fn deployment(n: &str, image: &str, hash: Option<&str>) -> Value {
         let mut d = json!({"apiVersion": "apps/v1", "kind": "Deployment",
@@ -324,7 +374,12 @@ mod tests {
             Step::GoBack,
             "the failed templates run: they go"
         );
-        assert_eq!(step(false, &r, Slot::Failed), Step::Apply);
+        assert_eq!(
+            step(false, &r, Slot::Failed),
+            Step::Release,
+            "a customer's update"
+        );
+        assert_eq!(step(false, &[], Slot::Rolling), Step::Release);
     }
 
     #[test]
@@ -344,13 +399,21 @@ mod tests {
             slot_end(false, false, true, None, 100, 100),
             SlotEnd::Failed(_)
         ));
+        assert!(
+            matches!(
+                slot_end(true, false, true, None, 100, 100),
+                SlotEnd::Failed(_)
+            ),
+            "a probe that never answers does not hold the slot for ever"
+        );
         let failure = LoadFailure {
             deployment: "vllm-a".into(),
             model: Some("org/m".into()),
             pod: "vllm-a-1".into(),
             restarts: 3,
             message: "boom".into(),
-        };
+        }
+        .to_string();
         assert!(matches!(
             slot_end(true, false, true, Some(&failure), 10, 100),
             SlotEnd::Failed(m) if m.contains("boom")
@@ -377,6 +440,20 @@ mod tests {
         assert!(
             !serves(&rendered(0)),
             "the picker and endpoint-auth are no model servers"
+        );
+    }
+
+    #[test]
+    fn a_pod_that_cannot_start_is_named() {
+        let pod = |reason: &str| {
+            json!({"kind": "Pod", "metadata": {"name": "vllm-a-1"}, "status": {"containerStatuses": [
+                {"name": "vllm", "state": {"waiting": {"reason": reason, "message": "no such tag"}}}]}})
+        };
+        assert_eq!(start_failure(&[pod("ContainerCreating")]), None);
+        let why = start_failure(&[pod("ImagePullBackOff")]).unwrap();
+        assert!(
+            why.contains("vllm-a-1") && why.contains("no such tag"),
+            "{why}"
         );
     }
 

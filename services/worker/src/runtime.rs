@@ -450,6 +450,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
                 next_check: Duration::ZERO,
                 do_writes: 0,
                 kube_writes: 0,
+                platform_update: false,
             };
             watch_progress(shared, &store, id, &pass).await;
             queue::backoff(attempt, cfg.backoff_base, cfg.backoff_max)
@@ -534,6 +535,9 @@ async fn watch_progress(
     let timeout = shared.config.stall_timeout;
     for report in progress::reports(pass.status, pass.waiting.as_ref(), history, timeout) {
         match report {
+            // A fleet rollout restarting the DI is told by its own events (`PlatformUpdate`…):
+            // the DI is not out of step with its spec.
+            Report::Event("Repairing" | "Repaired", _) if pass.platform_update => {}
             Report::Event(reason, msg) => {
                 let appended = store.event_append(id, reason, &msg).await.is_ok();
                 if appended && reason == "Slow" {

@@ -200,6 +200,10 @@ async fn a_new_image_rolls_a_few_dis_at_a_time_canaries_first() {
         reasons.contains(&"PlatformUpdate") && reasons.contains(&"PlatformUpdated"),
         "the customer is told: {reasons:?}"
     );
+    assert!(
+        !reasons.contains(&"Repairing"),
+        "a platform update is no repair: {reasons:?}"
+    );
     let progress = env.store.fleet_progress().await.unwrap();
     assert_eq!((progress[0].done, progress[0].rolling), (100, 0));
     new.shutdown().await;

@@ -51,6 +51,15 @@ pub(super) struct Reached {
 
 impl Reconciler {
     pub(super) async fn converge(&self, rec: &Record) -> Result<Pass> {
+        let mut platform_update = false;
+        let mut pass = self.converge_pass(rec, &mut platform_update).await?;
+        pass.platform_update = platform_update;
+        Ok(pass)
+    }
+
+    /// [`Reconciler::converge`]; `platform_update` is set once the pass works under a fleet
+    /// rollout slot.
+    async fn converge_pass(&self, rec: &Record, platform_update: &mut bool) -> Result<Pass> {
         let s = &self.settings;
         let Some(spec) = rec.pending_spec.as_ref().or(rec.spec.as_ref()) else {
             return Ok(Pass::new(rec.status, s.resync));
@@ -73,7 +82,7 @@ impl Reconciler {
         };
         let (models, scaled) = self.scale(&c, &at.kube, &observed).await?;
         let mut desired = self.desired(&c, &models, &observed)?;
-        self.fleet_hold(&c, &mut desired, &observed).await?;
+        *platform_update = self.fleet_hold(&c, &mut desired, &observed).await?;
         let pools = self
             .node_pools(&mut c, &at, &models, &desired, &observed, &scaled)
             .await?;

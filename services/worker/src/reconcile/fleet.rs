@@ -42,24 +42,44 @@ impl Reconciler {
 
     /// Holds back, in `desired`, the restarts this pass may not make: on a resync without a slot
     /// (and none to be had), each restarting Deployment keeps the template it runs; with a failed
-    /// slot, the one it ran before. A customer's own change applies as rendered.
+    /// slot, the one it ran before. A customer's own change applies as rendered. Returns whether
+    /// the pass works under a rolling slot.
     pub(super) async fn fleet_hold(
         &self,
         c: &Converging<'_>,
         desired: &mut [Value],
         observed: &[Value],
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let restarts = fleet::restarts(desired, observed);
         let running = || fleet::running(observed, &restarts);
-        match fleet::step(c.resync, &restarts, self.slot(c)) {
-            Step::Apply => {}
+        let slot = self.slot(c);
+        match fleet::step(c.resync, &restarts, slot) {
+            Step::Apply => return Ok(c.resync && slot == Slot::Rolling),
+            Step::Release => {
+                self.store.fleet_release(c.rec.id).await?;
+                tracing::info!(di = %c.rec.id, "fleet rollout: a customer's change takes the DI out of the rollout");
+            }
             Step::GoBack => {
                 fleet::keep(desired, &running());
                 if let Some(slot) = &c.inputs.fleet_slot {
                     fleet::keep(desired, &slot.previous);
                 }
+                return Ok(true);
             }
             Step::Ask => {
+                // A DI that does not serve as it is (a replica crash-looping, a pod that cannot be
+                // placed) is no test of the new rendering: its restart would fail for its own
+                // reasons and halt the region's rollout. It waits, as it runs, until it serves.
+                let mut held = desired.to_vec();
+                fleet::keep(&mut held, &running());
+                let healthy = plan::assess(&c.rec.id, &held, observed).progress.ready
+                    && plan::load_failure(&held, observed, SystemTime::UNIX_EPOCH).is_none()
+                    && fleet::start_failure(observed).is_none();
+                if !healthy {
+                    tracing::debug!(di = %c.rec.id, "fleet rollout: not serving as it runs; no slot asked");
+                    fleet::keep(desired, &running());
+                    return Ok(false);
+                }
                 let budget = self.settings.fleet_budget;
                 let taken = self
                     .store
@@ -70,6 +90,7 @@ impl Reconciler {
                         metrics::fleet_slot("granted");
                         tracing::info!(di = %c.rec.id, canary, rendering = %self.rendering,
                             restarts = %restarts.join(","), "fleet rollout: restarting the DI's pods");
+                        return Ok(true);
                     }
                     Take::Held(why) => {
                         metrics::fleet_slot("held");
@@ -79,7 +100,7 @@ impl Reconciler {
                 }
             }
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Ends a rolling slot where [`fleet::slot_end`] says: the DI settled and answers the probe
@@ -97,12 +118,16 @@ impl Reconciler {
         let Some(slot) = c.inputs.fleet_slot.as_ref() else {
             return Ok(None);
         };
-        if self.slot(c) != Slot::Rolling {
+        // Only a resync ends a slot: a customer's pass gave it up (see `fleet_hold`), and its
+        // failures are the customer's, not the rollout's.
+        if !c.resync || self.slot(c) != Slot::Rolling {
             return Ok(None);
         }
         let since = SystemTime::UNIX_EPOCH
             + Duration::from_millis(u64::try_from(slot.started_ms).unwrap_or(0));
-        let failure = plan::load_failure(desired, observed, since);
+        let failure = plan::load_failure(desired, observed, since)
+            .map(|f| f.to_string())
+            .or_else(|| fleet::start_failure(observed));
         let settled = matches!(verdict, Verdict::Settled { .. });
         let timeout =
             i64::try_from(self.settings.fleet_slot_timeout.as_millis()).unwrap_or(i64::MAX);
@@ -110,7 +135,7 @@ impl Reconciler {
             settled,
             !fleet::restarts(desired, observed).is_empty(),
             fleet::serves(desired),
-            failure.as_ref(),
+            failure.as_deref(),
             c.inputs.now_ms - slot.started_ms,
             timeout,
         );

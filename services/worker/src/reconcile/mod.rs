@@ -137,6 +137,9 @@ pub struct Pass {
     pub do_writes: u64,
     /// Kubernetes writes that changed something (applies that changed an object, deletes).
     pub kube_writes: u64,
+    /// The pass worked under the DI's slot of a fleet rollout: what it changed is a platform
+    /// update, not a repair of a DI out of step with its spec.
+    pub platform_update: bool,
 }
 
 impl Pass {
@@ -148,6 +151,7 @@ impl Pass {
             next_check,
             do_writes: 0,
             kube_writes: 0,
+            platform_update: false,
         }
     }
 
