@@ -295,6 +295,8 @@ impl RegionHandle {
     }
 }
 
+// One argument per part of the region's configuration a test varies.
+#[allow(clippy::too_many_arguments)]
 fn region_config(
     name: &str,
     database_url: &str,

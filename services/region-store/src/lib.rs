@@ -373,13 +373,25 @@ struct LockedRow {
     pending_version: Option<i32>,
 }
 
+/// A DI row's columns as [`lock_live`] reads them: status, status reason, region, VPC, public
+/// endpoint, current version, pending version.
+type DiColumns = (
+    String,
+    Option<String>,
+    String,
+    Uuid,
+    bool,
+    Option<i32>,
+    Option<i32>,
+);
+
 /// Locks a live (not gone) DI row for the rest of the transaction.
 pub(crate) async fn lock_live(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
     team_id: Option<Uuid>,
 ) -> Result<LockedRow> {
-    let row: Option<(String, Option<String>, String, Uuid, bool, Option<i32>, Option<i32>)> = sqlx::query_as(
+    let row: Option<DiColumns> = sqlx::query_as(
         "SELECT status, status_reason, region, vpc_uuid, enable_public_endpoint, current_version, pending_version
          FROM dedicated_inferences WHERE id = $1 AND ($2::uuid IS NULL OR team_id = $2) AND gone_at IS NULL FOR UPDATE",
     )

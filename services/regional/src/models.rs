@@ -390,7 +390,8 @@ impl Need {
     /// replicated evenly.
     fn splits_over(&self, gpus: u32) -> bool {
         let gpus = u64::from(gpus.max(1));
-        self.heads % gpus == 0 && (self.kv_heads % gpus == 0 || gpus % self.kv_heads == 0)
+        self.heads.is_multiple_of(gpus)
+            && (self.kv_heads.is_multiple_of(gpus) || gpus.is_multiple_of(self.kv_heads))
     }
 
     fn kv_gib(&self) -> f64 {
