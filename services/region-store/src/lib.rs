@@ -452,8 +452,8 @@ async fn insert_spec_version(
     for (position, (deployment, model_id)) in spec.model_deployments.iter().zip(ids).enumerate() {
         sqlx::query(
             "INSERT INTO model_deployments (di_id, version, position, model_id, model_slug, model_provider, workload_config,
-                 provider_model_id, source_repository, source_revision, source_custom)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                 provider_model_id, source_repository, source_revision, source_custom, source_commit)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
         )
         .bind(id)
         .bind(spec.version)
@@ -466,6 +466,7 @@ async fn insert_spec_version(
         .bind(&deployment.source.repository)
         .bind(&deployment.source.revision)
         .bind(deployment.source.custom)
+        .bind(&deployment.source.commit)
         .execute(&mut **tx)
         .await?;
         for (group_position, group) in deployment.accelerators.iter().enumerate() {

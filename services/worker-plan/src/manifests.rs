@@ -1120,6 +1120,8 @@ mod tests {
             repository: "my-org/my-finetune".into(),
             revision: Some("v2".into()),
             custom: true,
+            // Stored before commits were pinned: the revision as named.
+            commit: None,
         };
         // Workload hints are typical lengths, not limits: no --max-model-len from them.
         d.workload_config = json!({"input_tokens": 3500, "output_tokens": 500});
