@@ -1,7 +1,8 @@
 //! Bring your own model: a customer's fine-tune published to the (simulated) Hugging Face Hub is
-//! served end to end through the public API, under the name the customer calls it by, and
-//! switched to another repository without a failed call; what cannot be served as declared is
-//! refused at once with a message that says what to change.
+//! served end to end through the public API, under the name the customer calls it by, at the
+//! commit its revision was at when accepted, and switched to another repository without a failed
+//! call; what cannot be served as declared is refused at once with a message that says what to
+//! change.
 
 use std::time::Duration;
 
@@ -58,6 +59,54 @@ async fn post(sys: &System, api: &str, body: Value) -> system_tests::Reply {
         .await
 }
 
+/// A PATCH of the DI's whole spec, as the clients send one.
+async fn patch_spec(sys: &System, api: &str, id: &str, spec: Value) -> system_tests::Reply {
+    sys.call(
+        Method::PATCH,
+        &di_path(id, ""),
+        api,
+        Some(json!({ "spec": spec })),
+    )
+    .await
+}
+
+/// The id of the DI a create made.
+fn created_id(created: &system_tests::Reply) -> String {
+    created.body["dedicated_inference"]["id"]
+        .as_str()
+        .expect("a created DI")
+        .to_string()
+}
+
+/// The args of the DI's (first) model server Deployment in atl1, and its pod template's hash.
+fn vllm_args(sys: &System, id: &str) -> (Vec<String>, Value) {
+    let inv = sys.cloud("atl1").sim.inventory();
+    let vllm = crate::lifecycle::objects(&inv, "Deployment", id)
+        .into_iter()
+        .find(|d| {
+            d["metadata"]["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("vllm-"))
+        })
+        .expect("a model server");
+    let template = &vllm["spec"]["template"];
+    let args = template["spec"]["containers"][0]["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(Value::as_str)
+        .map(str::to_string)
+        .collect();
+    (args, template["metadata"]["annotations"].clone())
+}
+
+/// The value after `flag` in `args`.
+fn arg<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    args.windows(2)
+        .find(|w| w[0] == flag)
+        .map(|w| w[1].as_str())
+}
+
 /// A 422 naming `field`, whose message contains every one of `says`.
 fn assert_refused(reply: &system_tests::Reply, field: &str, says: &[&str]) {
     reply.assert_error(422, "unprocessable_entity");
@@ -94,10 +143,7 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
     body["secrets"] = json!({"hugging_face_token": OWNER});
     let created = post(&sys, &api, body).await;
     assert_eq!(created.status, 202, "{}", created.body);
-    let id = created.body["dedicated_inference"]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = created_id(&created);
     let token = created.body["token"]["value"].as_str().unwrap().to_string();
     let (active, _) = wait_active(&sys, &api, "atl1", &id, 1).await;
     let d = &active["spec"]["model_deployments"][0];
@@ -106,22 +152,7 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
     assert_eq!(d["provider_model_id"], "my-org/support-llama");
 
     // The model server loads the repository and serves it under the customer's name.
-    let inv = sys.cloud("atl1").sim.inventory();
-    let vllm = crate::lifecycle::objects(&inv, "Deployment", &id)
-        .into_iter()
-        .find(|d| {
-            d["metadata"]["name"]
-                .as_str()
-                .is_some_and(|n| n.starts_with("vllm-"))
-        })
-        .expect("a model server");
-    let args = vllm["spec"]["template"]["spec"]["containers"][0]["args"].clone();
-    let args: Vec<&str> = args
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(Value::as_str)
-        .collect();
+    let args = vllm_args(&sys, &id).0;
     assert!(
         args.windows(2)
             .any(|w| w == ["--model", "my-org/support-llama"]),
@@ -151,14 +182,7 @@ async fn a_fine_tune_is_served_by_its_name_and_switched_without_a_failed_call() 
     caller.until_ok(2).await;
     let mut spec = active["spec"].clone();
     spec["model_deployments"][0]["provider_model_id"] = json!("my-org/support-llama-v2");
-    let patched = sys
-        .call(
-            Method::PATCH,
-            &di_path(&id, ""),
-            &api,
-            Some(json!({ "spec": spec })),
-        )
-        .await;
+    let patched = patch_spec(&sys, &api, &id, spec).await;
     assert_eq!(patched.status, 202, "{}", patched.body);
     let (switched, _) = wait_active(&sys, &api, "atl1", &id, 2).await;
     // And after the switch: four rounds, about half a second at the caller's pace.
@@ -325,10 +349,7 @@ async fn a_model_that_can_no_longer_be_loaded_is_an_error_with_the_reason() {
     )
     .await;
     assert_eq!(created.status, 202, "{}", created.body);
-    let id = created.body["dedicated_inference"]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = created_id(&created);
     let token = created.body["token"]["value"].as_str().unwrap().to_string();
     let (active, _) = wait_active(&sys, &api, "atl1", &id, 1).await;
     let endpoint = active["endpoints"]["public_endpoint_fqdn"]
@@ -340,14 +361,7 @@ async fn a_model_that_can_no_longer_be_loaded_is_an_error_with_the_reason() {
     assert!(sys.hub.remove("my-org/short-lived"));
     let mut spec = active["spec"].clone();
     spec["model_deployments"][0]["accelerators"][0]["scale"] = json!(2);
-    let patched = sys
-        .call(
-            Method::PATCH,
-            &di_path(&id, ""),
-            &api,
-            Some(json!({ "spec": spec })),
-        )
-        .await;
+    let patched = patch_spec(&sys, &api, &id, spec).await;
     // The deployment's repository did not change: the PATCH does not wait on the Hub.
     assert_eq!(patched.status, 202, "{}", patched.body);
     let errored = sys
@@ -386,10 +400,7 @@ async fn a_repeated_operation_is_answered_without_asking_the_hub_again() {
     )
     .await;
     assert_eq!(created.status, 202, "{}", created.body);
-    let id = created.body["dedicated_inference"]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = created_id(&created);
     let mut spec = created.body["dedicated_inference"]["spec"].clone();
     spec["model_deployments"][0]["accelerators"][0]["scale"] = json!(2);
     let spec: api_types::spec::Spec = {
@@ -584,4 +595,97 @@ async fn many_deployments_are_checked_inside_centrals_wait() {
     let started = std::time::Instant::now();
     let r = post(&sys, &api, body).await;
     assert_eq!(r.status, 202, "after {:?}: {}", started.elapsed(), r.body);
+}
+
+/// A revision is pinned to the commit the Hub reported when the region accepted it: the model
+/// servers load that commit, a worker restarted after the branch moved renders it again, and a
+/// PATCH repeating the spec keeps it. Only an update naming another revision (here the branch's
+/// new commit itself) moves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_branch_is_pinned_to_its_commit_until_an_update_names_another() {
+    let mut sys = start(CloudOptions {
+        // A restarted worker looks again soon.
+        resync: Some(Duration::from_millis(300)),
+        ..CloudOptions::default()
+    })
+    .await;
+    let team = Uuid::new_v4();
+    let api = sys.token(team, &[]).await;
+    const REPO: &str = "my-org/tracked";
+    sys.hub.publish(llama_8b(REPO)).unwrap();
+    let first = sys.hub.repo(REPO).unwrap().sha().to_string();
+
+    let created = post(
+        &sys,
+        &api,
+        create_body(
+            "tracked",
+            deployment(&format!("{REPO}@main"), Some("tracked"), GPU),
+            None,
+        ),
+    )
+    .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created_id(&created);
+    let commit_of =
+        |di: &Value| di["spec"]["model_deployments"][0]["provider_model_commit"].clone();
+    assert_eq!(
+        commit_of(&created.body["dedicated_inference"]),
+        first.as_str()
+    );
+    let (active, _) = wait_active(&sys, &api, "atl1", &id, 1).await;
+    assert_eq!(commit_of(&active), first.as_str(), "{active}");
+    assert_eq!(
+        active["spec"]["model_deployments"][0]["provider_model_id"],
+        format!("{REPO}@main"),
+        "the revision named is shown as sent"
+    );
+    let (args, template) = vllm_args(&sys, &id);
+    assert_eq!(arg(&args, "--revision"), Some(first.as_str()), "{args:?}");
+    // The regional API's record carries it too, with the revision as named.
+    let record = sys.region_record("atl1", &id, team).await.body;
+    let source = &record["record"]["spec"]["model_deployments"][0]["source"];
+    assert_eq!(source["revision"], "main", "{record}");
+    assert_eq!(source["commit"], first.as_str(), "{record}");
+
+    // The branch moves on the Hub. A worker started afresh renders the commit pinned, not the
+    // branch's new head.
+    let second = sys.hub.push_revision(REPO, "main", None).unwrap();
+    assert_ne!(second, first);
+    sys.region("atl1").kill_worker(0);
+    let restarted = sys.region("atl1").start_worker().await;
+    test_support::eventually(
+        Duration::from_secs(30),
+        "two passes of the restarted worker",
+        || async {
+            let w = sys.cloud("atl1").workers[restarted].as_ref().unwrap();
+            (w.stats().passes >= 2).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(vllm_args(&sys, &id), (args.clone(), template.clone()));
+
+    // A PATCH repeating the spec, as Terraform sends one, keeps the commit.
+    let patched = patch_spec(&sys, &api, &id, active["spec"].clone()).await;
+    assert_eq!(patched.status, 202, "{}", patched.body);
+    let (repeated, _) = wait_active(&sys, &api, "atl1", &id, 2).await;
+    assert_eq!(commit_of(&repeated), first.as_str(), "{repeated}");
+    assert_eq!(vllm_args(&sys, &id), (args, template));
+
+    // Naming the new commit is the explicit update: the model servers roll over to it.
+    let mut spec = repeated["spec"].clone();
+    spec["model_deployments"][0]["provider_model_id"] = json!(format!("{REPO}@{second}"));
+    let patched = patch_spec(&sys, &api, &id, spec).await;
+    assert_eq!(patched.status, 202, "{}", patched.body);
+    assert_eq!(
+        patched.body["dedicated_inference"]["pending_deployment_spec"]["model_deployments"][0]
+            ["provider_model_commit"],
+        second.as_str(),
+        "{}",
+        patched.body
+    );
+    let (moved, _) = wait_active(&sys, &api, "atl1", &id, 3).await;
+    assert_eq!(commit_of(&moved), second.as_str(), "{moved}");
+    let (args, _) = vllm_args(&sys, &id);
+    assert_eq!(arg(&args, "--revision"), Some(second.as_str()), "{args:?}");
 }

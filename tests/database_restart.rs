@@ -202,23 +202,7 @@ async fn a_database_restart_is_503_with_retry_after_and_loses_no_create() {
     // The regional service answers central alike: 503 with Retry-After, which central takes as
     // "outcome unknown" (never as a refusal that changed nothing).
     let (id, region) = seen_accepted(&load)[0].clone();
-    let region = sys
-        .regions
-        .iter()
-        .find(|r| r.name == region)
-        .expect("its region");
-    let direct = Reply::from(
-        sys.http
-            .get(format!(
-                "http://{}/internal/v1/dedicated-inferences/{id}?team_id={team}",
-                region.proxy.addr
-            ))
-            .header(api_types::regional::SECRET_HEADER, &region.secret)
-            .send()
-            .await
-            .expect("the region answers"),
-    )
-    .await;
+    let direct = sys.region_record(&region, &id, team).await;
     assert_eq!(direct.status, 503, "{}", direct.body);
     assert_eq!(direct.body["id"], "service_unavailable", "{}", direct.body);
     assert!(

@@ -334,8 +334,8 @@ async fn the_sealing_keys_rotate_while_a_di_serves() {
     let region_old = sys.region(REGION).seal_key.clone();
     let central_old = sys.central_config.seal_key.clone();
     let (region_new, central_new) = (Sealer::generate_key(), Sealer::generate_key());
-    restart_region(&mut sys, &region_new, &[region_old.clone()]).await;
-    restart_central(&mut sys, &central_new, &[central_old.clone()]).await;
+    restart_region(&mut sys, &region_new, std::slice::from_ref(&region_old)).await;
+    restart_central(&mut sys, &central_new, std::slice::from_ref(&central_old)).await;
 
     // 2. Re-seal, while everything runs; a second run finds nothing left.
     let region_sealer = Sealer::from_keys(&region_new, &[region_old]).unwrap();

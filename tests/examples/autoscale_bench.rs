@@ -105,9 +105,11 @@ struct Target {
     token: String,
     http: reqwest::Client,
     samples: Mutex<Vec<Sample>>,
-    /// (seconds since the load began, GPU nodes, ready, wanted)
-    trace: Mutex<Vec<(f64, usize, u64, u64)>>,
+    trace: Mutex<Vec<TracePoint>>,
 }
+
+/// (seconds since the load began, GPU nodes, ready, wanted)
+type TracePoint = (f64, usize, u64, u64);
 
 fn words(tag: &str, n: usize) -> String {
     (0..n)
@@ -363,7 +365,7 @@ fn report(t: &Target, a: &Args, step: (f64, f64)) {
     // The counts when the step began and ended, and how long after each the first change came.
     let at = |t: f64| trace.iter().find(|p| p.0 >= t).copied().unwrap_or_default();
     let (up_from, down_from) = (at(step.0), at(step.1));
-    let first = |cond: &dyn Fn(&(f64, usize, u64, u64)) -> bool, after: f64| {
+    let first = |cond: &dyn Fn(&TracePoint) -> bool, after: f64| {
         trace
             .iter()
             .find(|p| p.0 >= after && cond(p))

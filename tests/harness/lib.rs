@@ -295,6 +295,8 @@ impl RegionHandle {
     }
 }
 
+// One argument per part of the region's configuration a test varies.
+#[allow(clippy::too_many_arguments)]
 fn region_config(
     name: &str,
     database_url: &str,
@@ -557,6 +559,24 @@ impl System {
             req = req.json(&body);
         }
         Reply::from(req.send().await.expect("central answers")).await
+    }
+
+    /// `GET` of DI `id`'s record from region `region`'s internal API, as central asks it (the
+    /// region's shared secret), without central in between.
+    pub async fn region_record(&self, region: &str, id: &str, team: Uuid) -> Reply {
+        let region = self
+            .regions
+            .iter()
+            .find(|r| r.name == region)
+            .expect("known region");
+        let request = self
+            .http
+            .get(format!(
+                "http://{}/internal/v1/dedicated-inferences/{id}?team_id={team}",
+                region.proxy.addr
+            ))
+            .header(api_types::regional::SECRET_HEADER, &region.secret);
+        Reply::from(request.send().await.expect("the region answers")).await
     }
 
     /// Creates a DI named `name` in `region` through the public API; returns its id and the 202 body.

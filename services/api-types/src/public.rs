@@ -159,6 +159,14 @@ pub struct ModelDeploymentOutput {
     pub model_id: String,
     pub model_slug: String,
     pub provider_model_id: String,
+    /// Extension: the Hugging Face commit (40 hex) every model server of the deployment loads,
+    /// as the Hub reported it for the revision of `provider_model_id` (or the default branch)
+    /// when the create or update that named it was accepted. It stays while updates name the
+    /// same repository and revision, even when the branch has moved since; an update that
+    /// names another revision (the commit itself, say) moves it. `null` for catalog models and
+    /// for deployments accepted before commits were pinned.
+    #[serde(default)]
+    pub provider_model_commit: Option<String>,
     pub model_provider: String,
     #[schema(value_type = crate::spec::WorkloadConfig)]
     pub workload_config: serde_json::Value,
@@ -441,6 +449,7 @@ fn deployments_out(spec: &StoredSpec, status: &str) -> Vec<ModelDeploymentOutput
             model_id: d.model_id.map(|id| id.to_string()).unwrap_or_default(),
             model_slug: d.model_slug.clone(),
             provider_model_id: d.provider_model_id.clone(),
+            provider_model_commit: d.source.commit.clone(),
             model_provider: d.model_provider.clone(),
             workload_config: d.workload_config.clone(),
             accelerators: d

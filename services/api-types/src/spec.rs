@@ -46,6 +46,35 @@ pub struct ModelSource {
     /// The customer's own choice (`hugging_face` with a `provider_model_id`), which the region
     /// checks against the Hub; `false` for a catalog model.
     pub custom: bool,
+    /// The commit (40 hex) the Hub reported for `revision` when the region accepted it: what
+    /// every replica loads, so that one started next week loads the weights its siblings do.
+    /// Only the region sets it, and keeps it while a PATCH names the same repository and
+    /// revision. Absent for catalog models and for deployments stored before commits were
+    /// pinned, which load `revision` as it is when they start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub commit: Option<String>,
+}
+
+impl ModelSource {
+    /// The revision a model server loads (`--revision`): the pinned commit, else the revision
+    /// named (`None`: the default branch).
+    pub fn loaded_revision(&self) -> Option<&str> {
+        self.commit.as_deref().or(self.revision.as_deref())
+    }
+
+    /// Whether `self` names what `other` named (the same repository at the same revision, both
+    /// a customer's choice or both a catalog model's): then it keeps `other`'s commit. The Hub's
+    /// repository ids ignore case; revisions do not.
+    pub fn names_the_same(&self, other: &ModelSource) -> bool {
+        self.custom == other.custom
+            && self.repository.eq_ignore_ascii_case(&other.repository)
+            && self.revision == other.revision
+    }
+}
+
+/// Whether `text` is a full commit id as the Hub gives them (40 hex digits).
+pub fn is_commit(text: &str) -> bool {
+    text.len() == 40 && text.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// What a deployment declares about its workload, in DigitalOcean's slot for workload hints

@@ -274,7 +274,7 @@ impl Authenticator {
             // The last field of the header: the one the proxy in front of central wrote (a
             // client may send the header itself, and a proxy may add a field of its own
             // rather than append to the client's).
-            .and_then(|h| req.headers().get_all(h).iter().last())
+            .and_then(|h| req.headers().get_all(h).iter().next_back())
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.rsplit(',').next())
             .and_then(|v| v.trim().parse::<IpAddr>().ok());

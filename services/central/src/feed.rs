@@ -39,7 +39,7 @@ async fn consume(app: App, region: String) {
             Ok(()) => failures = 0,
             Err(error) => {
                 failures = failures.saturating_add(1);
-                if failures == 1 || failures % 30 == 0 {
+                if failures == 1 || failures.is_multiple_of(30) {
                     tracing::warn!(%region, %error, "change feed unavailable; reads keep serving the last known state");
                 }
                 let backoff = Duration::from_millis(200 * u64::from(failures.min(10)));

@@ -276,6 +276,7 @@ fn model<'c>(
                 repository: model.hugging_face_repo.clone(),
                 revision: None,
                 custom: false,
+                commit: None,
             };
             Ok((model.model_slug.clone(), source, Some(model)))
         }
@@ -322,10 +323,12 @@ fn repository(field: &str, text: &str) -> Result<ModelSource, ApiError> {
             )));
         }
     }
+    // The commit is the region's to pin, from the Hub's answer.
     Ok(ModelSource {
         repository: repository.to_string(),
         revision: revision.map(str::to_string),
         custom: true,
+        commit: None,
     })
 }
 
@@ -535,7 +538,8 @@ mod tests {
             ModelSource {
                 repository: "my-org/my-finetune".into(),
                 revision: Some("v2".into()),
-                custom: true
+                custom: true,
+                commit: None
             }
         );
         let d = deployment(

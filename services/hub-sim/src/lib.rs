@@ -157,7 +157,8 @@ impl Shared {
     }
 
     /// Adds (or moves) branch `name` to a new commit, with its own `config.json` when given;
-    /// returns the commit's sha. Moving `main` keeps the commit it left readable by sha.
+    /// returns the commit's sha. Moving a branch keeps the commit it left readable by sha, with
+    /// the config it had, as a git history does: what was pinned to it still loads.
     pub fn push_revision(
         &self,
         id: &str,
@@ -177,8 +178,14 @@ impl Shared {
                     r.config = c;
                 }
                 r.last_modified = repo::now();
-            } else if let Some(c) = config {
-                r.revision_configs.insert(sha.clone(), c);
+            } else {
+                if let Some(old) = r.revisions.get(name).cloned() {
+                    let had = r.revision_configs.get(&old).unwrap_or(&r.config).clone();
+                    r.revision_configs.entry(old).or_insert(had);
+                }
+                if let Some(c) = config {
+                    r.revision_configs.insert(sha.clone(), c);
+                }
             }
             r.revisions.insert(name.to_string(), sha.clone());
             sha
@@ -298,7 +305,7 @@ impl HubSim {
     }
 
     /// Points branch `revision_name` at a new commit (its own `config.json` when given, else the
-    /// repository's); returns the commit's sha.
+    /// repository's); returns the commit's sha. The commit it left stays readable by sha.
     pub fn push_revision(
         &self,
         repo_id: &str,

@@ -440,6 +440,27 @@ async fn revisions_have_their_own_sha_and_config() {
     .await;
     assert_eq!(old.status, StatusCode::OK);
     assert_eq!(old.header("x-repo-commit"), Some(main_sha.as_str()));
+
+    // So does moving any other branch, with the config the commit had: a deployment pinned to
+    // it still loads.
+    let moved = sim.push_revision(QWEN, "long-context", None).unwrap();
+    assert_ne!(moved, dev_sha);
+    let at = get(
+        &sim,
+        &format!("/api/models/{QWEN}/revision/long-context"),
+        None,
+    )
+    .await;
+    assert_eq!(at.json()["sha"], moved);
+    let left = get(
+        &sim,
+        &format!("/{QWEN}/resolve/{dev_sha}/config.json"),
+        None,
+    )
+    .await;
+    assert_eq!(left.status, StatusCode::OK);
+    assert_eq!(left.header("x-repo-commit"), Some(dev_sha.as_str()));
+    assert_eq!(left.json()["max_position_embeddings"], 131072);
 }
 
 #[tokio::test]

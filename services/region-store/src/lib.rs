@@ -375,13 +375,25 @@ struct LockedRow {
     pending_version: Option<i32>,
 }
 
+/// A DI row's columns as [`lock_live`] reads them: status, status reason, region, VPC, public
+/// endpoint, current version, pending version.
+type DiColumns = (
+    String,
+    Option<String>,
+    String,
+    Uuid,
+    bool,
+    Option<i32>,
+    Option<i32>,
+);
+
 /// Locks a live (not gone) DI row for the rest of the transaction.
 pub(crate) async fn lock_live(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
     team_id: Option<Uuid>,
 ) -> Result<LockedRow> {
-    let row: Option<(String, Option<String>, String, Uuid, bool, Option<i32>, Option<i32>)> = sqlx::query_as(
+    let row: Option<DiColumns> = sqlx::query_as(
         "SELECT status, status_reason, region, vpc_uuid, enable_public_endpoint, current_version, pending_version
          FROM dedicated_inferences WHERE id = $1 AND ($2::uuid IS NULL OR team_id = $2) AND gone_at IS NULL FOR UPDATE",
     )
@@ -442,8 +454,8 @@ async fn insert_spec_version(
     for (position, (deployment, model_id)) in spec.model_deployments.iter().zip(ids).enumerate() {
         sqlx::query(
             "INSERT INTO model_deployments (di_id, version, position, model_id, model_slug, model_provider, workload_config,
-                 provider_model_id, source_repository, source_revision, source_custom)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                 provider_model_id, source_repository, source_revision, source_custom, source_commit)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
         )
         .bind(id)
         .bind(spec.version)
@@ -456,6 +468,7 @@ async fn insert_spec_version(
         .bind(&deployment.source.repository)
         .bind(&deployment.source.revision)
         .bind(deployment.source.custom)
+        .bind(&deployment.source.commit)
         .execute(&mut **tx)
         .await?;
         for (group_position, group) in deployment.accelerators.iter().enumerate() {

@@ -78,7 +78,8 @@ pub(crate) async fn load(
                              'model_id', m.model_id, 'model_slug', m.model_slug,
                              'model_provider', m.model_provider, 'provider_model_id', m.provider_model_id,
                              'source', json_build_object('repository', m.source_repository,
-                                 'revision', m.source_revision, 'custom', m.source_custom),
+                                 'revision', m.source_revision, 'custom', m.source_custom,
+                                 'commit', m.source_commit),
                              'workload_config', m.workload_config,
                              'accelerators', (
                                  SELECT coalesce(json_agg(json_build_object(

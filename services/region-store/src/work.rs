@@ -464,7 +464,7 @@ impl Store {
         let mut tx = self.pool.begin().await?;
         let row = crate::lock_live(&mut tx, di_id, None).await?;
         self.fence(&mut tx, di_id).await?;
-        let before = replicas_on(&mut *tx, di_id).await?;
+        let before = replicas_on(&mut tx, di_id).await?;
         let visible = |r: &[DeploymentReplicas]| {
             let mut v: Vec<(Uuid, u32, u32)> =
                 r.iter().map(|r| (r.model_id, r.ready, r.wanted)).collect();

@@ -212,6 +212,43 @@ async fn patch_versions_supersede_and_check_staleness(pool: PgPool) {
     assert_eq!(versions, 3);
 }
 
+/// The commit a deployment's revision was pinned to is stored with its spec version and read
+/// back with it; a version without one (a catalog model, or one stored before pinning) has none.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_pinned_commit_is_kept_with_its_spec_version(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let commit = "0123456789abcdef0123456789abcdef01234567";
+    let mut req = create_request(team, None);
+    req.spec.model_deployments[0].source = api_types::spec::ModelSource {
+        repository: "my-org/tune".into(),
+        revision: Some("main".into()),
+        custom: true,
+        commit: Some(commit.into()),
+    };
+    let created = store.dedicated_inference_create(&req, &ca()).await.unwrap();
+    let source = &created.pending_spec.unwrap().model_deployments[0].source;
+    assert_eq!(source.commit.as_deref(), Some(commit));
+    assert_eq!(source.revision.as_deref(), Some("main"));
+
+    let v2 = store
+        .dedicated_inference_patch(req.id, team, Some(&spec("di", 1)), None, false)
+        .await
+        .unwrap();
+    let source = &v2.pending_spec.unwrap().model_deployments[0].source;
+    assert_eq!(source.commit, None);
+    // Only commit ids are stored.
+    let mut bad = spec("di", 1);
+    bad.version = 2;
+    bad.model_deployments[0].source.commit = Some("main".into());
+    assert!(matches!(
+        store
+            .dedicated_inference_patch(req.id, team, Some(&bad), None, false)
+            .await,
+        Err(StoreError::Database(_))
+    ));
+}
+
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
 async fn worker_transitions_write_events_and_outbox(pool: PgPool) {
     let store = store(pool.clone());

@@ -15,7 +15,7 @@ use axum::{Json, Router};
 use utoipa::OpenApi;
 use uuid::Uuid;
 
-use crate::{ca, ApiError, AppState};
+use crate::{ca, models, ApiError, AppState};
 
 type ApiResult<T> = Result<Json<T>, ApiError>;
 
@@ -107,7 +107,8 @@ async fn create(
     // is stored, so a foreign or unknown VPC is refused at once.
     // So is a model that cannot be served as declared. Both questions at once: the answer must
     // arrive inside central's wait.
-    let (vpc, ()) = tokio::try_join!(
+    let kept = models::keep_commits(&mut req.spec.model_deployments, &[]);
+    let (vpc, reported) = tokio::try_join!(
         state.vpcs.resolve(req.team_id, req.spec.vpc_uuid),
         state.models.check(
             &req.spec.model_deployments,
@@ -116,6 +117,7 @@ async fn create(
             true,
         ),
     )?;
+    models::pin_reported(&mut req.spec.model_deployments, &kept, reported);
     req.spec.vpc_uuid = Some(vpc);
     let authority = ca::generate_with(req.id, &state.ca, std::time::SystemTime::now())
         .map_err(|e| ApiError::Internal(format!("CA generation: {e}")))?;
@@ -145,12 +147,13 @@ async fn patch(
     Path(id): Path<Uuid>,
     payload: Result<Json<PatchRequest>, JsonRejection>,
 ) -> ApiResult<RecordEnvelope> {
-    let req = body(payload)?;
+    let mut req = body(payload)?;
     let store = state.store.for_operation(req.operation_id);
     // A repeated operation (central's retry or recovery after a lost answer) was checked when
-    // it was applied: asking the Hub again could refuse what already landed.
+    // it was applied: asking the Hub again could refuse what already landed. The store answers
+    // it with the DI as it is, so its spec's commits do not matter.
     if !store.operation_applied().await? {
-        check_models(&state, id, &req).await?;
+        check_models(&state, id, &mut req).await?;
     }
     let record = store
         .dedicated_inference_patch(
@@ -166,27 +169,39 @@ async fn patch(
 
 /// A PATCH's models, as a create's are checked: with the token it sends, else the DI's own; the
 /// deployments the DI already serves as they are (and a token that stays) are not asked about.
-async fn check_models(state: &AppState, id: Uuid, req: &PatchRequest) -> Result<(), ApiError> {
+/// Its spec's deployments keep the commits of the DI's that name the same repository and
+/// revision, and the others take the Hub's answer: a branch moves only when a PATCH names
+/// another revision.
+async fn check_models(state: &AppState, id: Uuid, req: &mut PatchRequest) -> Result<(), ApiError> {
     if req.spec.is_none() && req.hugging_face_token.is_none() {
         return Ok(());
     }
     let record = state.store.dedicated_inference_get(id, req.team_id).await?;
     let latest = record.pending_spec.as_ref().or(record.spec.as_ref());
     let latest = latest.map_or(&[][..], |s| s.model_deployments.as_slice());
-    let deployments = req
-        .spec
-        .as_ref()
-        .map_or(latest, |s| s.model_deployments.as_slice());
     // Terraform sends the token with every update: only a token that differs from the DI's is
     // a change to check.
     let stored = state.store.hugging_face_token(id).await?;
     let token = req.hugging_face_token.as_deref().or(stored.as_deref());
     let token_changed = token != stored.as_deref();
-    let previous = if req.spec.is_some() { latest } else { &[] };
-    state
-        .models
-        .check(deployments, previous, token, token_changed)
-        .await
+    match req.spec.as_mut() {
+        Some(spec) => {
+            let kept = models::keep_commits(&mut spec.model_deployments, latest);
+            let reported = state
+                .models
+                .check(&spec.model_deployments, latest, token, token_changed)
+                .await?;
+            models::pin_reported(&mut spec.model_deployments, &kept, reported);
+        }
+        // A new token alone: the DI's deployments, at the commits they load, are asked about.
+        None => {
+            state
+                .models
+                .check(latest, &[], token, token_changed)
+                .await?;
+        }
+    }
+    Ok(())
 }
 
 #[utoipa::path(delete, path = "/internal/v1/dedicated-inferences/{id}", params(("id" = Uuid, Path), TeamScoped),

@@ -17,12 +17,18 @@
 //! Catalog models are not asked about: the catalog says where they run. Nor is a deployment that
 //! a PATCH leaves as it was (same repository, revision, GPU size and context) when the token does
 //! not change either: a scale change never waits on the Hub.
+//!
+//! It also pins what a customer's repository serves: the commit the Hub reports for the
+//! revision named (or the default branch) is stored with the deployment, and every model server
+//! loads that commit ([`keep_commits`], [`pin_reported`]). A PATCH that names the same repository
+//! and revision keeps the commit, wherever the branch has moved since; one that names another
+//! revision (the new commit itself, say) asks the Hub again. Catalog models are not pinned.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use api_types::catalog::{Catalog, Size};
-use api_types::spec::ModelDeployment;
+use api_types::spec::{is_commit, ModelDeployment};
 use cloud_clients::hugging_face::{HubClient, HubClientOptions, HubError, ModelInfo};
 use common::errors::{Classify, ErrorClass};
 
@@ -75,22 +81,22 @@ impl Models {
     /// is asked about; every deployment of `deployments` that serves a customer's own repository
     /// (all of the above) or a gated catalog model (access with the token), except those
     /// `previous` (the DI's latest spec, on a PATCH) already had unchanged while the token stays
-    /// the same (`token_changed` false). `token` is the Hugging Face token the DI will use.
+    /// the same (`token_changed` false). `token` is the Hugging Face token the DI will use. A
+    /// deployment with a commit is asked about at that commit, what its model servers load.
+    ///
+    /// Answers, per deployment, the commit the Hub reported for a customer's repository it
+    /// asked about (`None` for the others), for [`pin_reported`].
     pub async fn check(
         &self,
         deployments: &[ModelDeployment],
         previous: &[ModelDeployment],
         token: Option<&str>,
         token_changed: bool,
-    ) -> Result<(), ApiError> {
+    ) -> Result<Vec<Option<String>>, ApiError> {
         let unchanged = |d: &ModelDeployment| {
             !token_changed
                 && previous.iter().any(|q| {
-                    // The Hub's repository ids ignore case.
-                    q.source
-                        .repository
-                        .eq_ignore_ascii_case(&d.source.repository)
-                        && q.source.revision == d.source.revision
+                    q.source.names_the_same(&d.source)
                         && q.declared_context() == d.declared_context()
                         && slugs(q) == slugs(d)
                 })
@@ -121,8 +127,14 @@ impl Models {
                 to_check.iter().map(|(i, d)| self.check_one(*i, d, token)),
             )
             .await;
-            answers.into_iter().collect::<Result<Vec<()>, ApiError>>()?;
-            Ok(())
+            let commits = answers
+                .into_iter()
+                .collect::<Result<Vec<Option<String>>, ApiError>>()?;
+            let mut reported = vec![None; deployments.len()];
+            for ((i, _), commit) in to_check.iter().zip(commits) {
+                reported[*i] = commit;
+            }
+            Ok(reported)
         };
         match tokio::time::timeout(CHECK_BUDGET, ask).await {
             Ok(answer) => answer,
@@ -132,39 +144,44 @@ impl Models {
         }
     }
 
+    /// One deployment's checks; for a customer's repository, the commit the Hub reported.
     async fn check_one(
         &self,
         i: usize,
         d: &ModelDeployment,
         token: Option<&str>,
-    ) -> Result<(), ApiError> {
+    ) -> Result<Option<String>, ApiError> {
         let at = format!("spec.model_deployments[{i}]");
+        let revision = d.source.loaded_revision();
         if d.source.custom {
             let field = format!("{at}.provider_model_id");
-            let (info, config) =
-                futures::future::join(self.info(&field, d, token), self.config(&field, d, token))
-                    .await;
-            let (info, config) = (info?, config?);
-            self.fits(&at, d, &Described { info, config })
+            let info = self.info(&field, d, revision, token).await?;
+            let commit = reported_commit(&d.source.repository, &info.sha);
+            // The config of the commit pinned, not of the branch: it may move in between.
+            let config = self
+                .config(&field, d, commit.as_deref().or(revision), token)
+                .await?;
+            self.fits(&at, d, &Described { info, config })?;
+            Ok(commit)
         } else {
             // The catalog says where it runs; whether the token may download it is the Hub's
             // to say.
-            self.config(&format!("{at}.model_slug"), d, token)
+            self.config(&format!("{at}.model_slug"), d, revision, token)
                 .await
-                .map(|_| ())
+                .map(|_| None)
         }
     }
 
-    /// The repository's model info: it exists, the token can read it, the revision is one of
-    /// its.
+    /// The repository's model info at `revision`: it exists, the token can read it, the
+    /// revision is one of its.
     async fn info(
         &self,
         field: &str,
         d: &ModelDeployment,
+        revision: Option<&str>,
         token: Option<&str>,
     ) -> Result<ModelInfo, ApiError> {
         let repo = d.source.repository.as_str();
-        let revision = d.source.revision.as_deref();
         let refused = |what: String| ApiError::Unprocessable(format!("{field} {what}"));
         match self.hub.model_info(repo, revision, token).await {
             Ok(info) => Ok(info),
@@ -181,16 +198,16 @@ impl Models {
         }
     }
 
-    /// The repository's `config.json`: the model server's first download, where a gated
-    /// repository's access shows.
+    /// The repository's `config.json` at `revision`: the model server's first download, where
+    /// a gated repository's access shows.
     async fn config(
         &self,
         field: &str,
         d: &ModelDeployment,
+        revision: Option<&str>,
         token: Option<&str>,
     ) -> Result<serde_json::Value, ApiError> {
         let repo = d.source.repository.as_str();
-        let revision = d.source.revision.as_deref();
         let refused = |what: String| ApiError::Unprocessable(format!("{field} {what}"));
         match self.hub.model_config(repo, revision, token).await {
             Ok(config) => Ok(config),
@@ -311,6 +328,51 @@ impl Models {
     }
 }
 
+/// Gives each deployment of a spec about to be checked the commit it keeps: that of a
+/// deployment of `latest` (the DI's latest spec; empty on a create) of the same repository at the
+/// same revision, `None` (none yet, or one stored before commits were pinned) included; any
+/// other deployment's commit is cleared, since only the Hub's answer sets one. Answers which
+/// deployments kept one, for [`pin_reported`].
+pub fn keep_commits(deployments: &mut [ModelDeployment], latest: &[ModelDeployment]) -> Vec<bool> {
+    deployments
+        .iter_mut()
+        .map(|d| {
+            let kept = latest.iter().find(|p| p.source.names_the_same(&d.source));
+            d.source.commit = kept.and_then(|p| p.source.commit.clone());
+            kept.is_some()
+        })
+        .collect()
+}
+
+/// After [`Models::check`]: each deployment that kept no commit takes the one the Hub reported
+/// for it (a customer's repository; catalog models are not asked, and stay unpinned).
+pub fn pin_reported(
+    deployments: &mut [ModelDeployment],
+    kept: &[bool],
+    reported: Vec<Option<String>>,
+) {
+    for ((d, kept), commit) in deployments.iter_mut().zip(kept).zip(reported) {
+        if !kept {
+            d.source.commit = commit;
+        }
+    }
+}
+
+/// The Hub's `sha` when it is a commit id, lowercase as the Hub writes them. Anything else
+/// (which the Hub does not send) pins nothing: the deployment loads its revision as named.
+fn reported_commit(repo: &str, sha: &str) -> Option<String> {
+    if is_commit(sha) {
+        Some(sha.to_ascii_lowercase())
+    } else {
+        tracing::warn!(
+            repo,
+            sha,
+            "the Hugging Face Hub reported no commit id for a revision"
+        );
+        None
+    }
+}
+
 fn slugs(d: &ModelDeployment) -> Vec<&str> {
     d.accelerators
         .iter()
@@ -390,7 +452,8 @@ impl Need {
     /// replicated evenly.
     fn splits_over(&self, gpus: u32) -> bool {
         let gpus = u64::from(gpus.max(1));
-        self.heads % gpus == 0 && (self.kv_heads % gpus == 0 || gpus % self.kv_heads == 0)
+        self.heads.is_multiple_of(gpus)
+            && (self.kv_heads.is_multiple_of(gpus) || gpus.is_multiple_of(self.kv_heads))
     }
 
     fn kv_gib(&self) -> f64 {
@@ -549,6 +612,84 @@ mod tests {
         let gqa = json!({"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
                          "num_key_value_heads": 2, "max_position_embeddings": 8192});
         assert!(Need::of(&params, &gqa).unwrap().splits_over(8));
+    }
+
+    fn custom(repo: &str, revision: Option<&str>, commit: Option<&str>) -> ModelDeployment {
+        ModelDeployment {
+            model_id: None,
+            model_slug: repo.into(),
+            model_provider: "hugging_face".into(),
+            provider_model_id: repo.into(),
+            source: api_types::spec::ModelSource {
+                repository: repo.into(),
+                revision: revision.map(str::to_string),
+                custom: true,
+                commit: commit.map(str::to_string),
+            },
+            workload_config: json!({}),
+            accelerators: vec![],
+        }
+    }
+
+    /// A PATCH keeps the commit of a deployment that names the same repository and revision
+    /// (none, for one stored before pinning); anything else takes the Hub's answer, and a commit
+    /// sent in is never trusted.
+    #[test]
+    fn commits_are_kept_for_the_same_revision_and_taken_from_the_hub_otherwise() {
+        let (old, new) = ("a".repeat(40), "b".repeat(40));
+        let latest = [
+            custom("org/m", Some("main"), Some(&old)),
+            custom("org/legacy", None, None),
+        ];
+        let mut next = [
+            // The same, its case aside: kept, whatever the Hub says now.
+            custom("Org/M", Some("main"), None),
+            // Stored before pinning: stays unpinned.
+            custom("org/legacy", None, None),
+            // Another revision of it: the Hub's answer.
+            custom("org/m", Some(&new), Some(&old)),
+            // The same repository from the catalog: not the same source.
+            ModelDeployment {
+                source: api_types::spec::ModelSource {
+                    custom: false,
+                    ..custom("org/m", Some("main"), None).source
+                },
+                ..custom("org/m", Some("main"), None)
+            },
+        ];
+        let kept = keep_commits(&mut next, &latest);
+        assert_eq!(kept, [true, true, false, false]);
+        // What the check asks the Hub at: the kept commit, else the revision named.
+        assert_eq!(next[0].source.loaded_revision(), Some(old.as_str()));
+        assert_eq!(next[2].source.loaded_revision(), Some(new.as_str()));
+        let reported = vec![
+            Some(new.clone()),
+            Some(new.clone()),
+            Some(new.clone()),
+            None,
+        ];
+        pin_reported(&mut next, &kept, reported);
+        let commits: Vec<Option<&str>> = next.iter().map(|d| d.source.commit.as_deref()).collect();
+        assert_eq!(
+            commits,
+            [Some(old.as_str()), None, Some(new.as_str()), None]
+        );
+        // A create keeps nothing.
+        let mut created = [custom("org/m", Some("main"), Some(&old))];
+        assert_eq!(keep_commits(&mut created, &[]), [false]);
+        assert_eq!(created[0].source.commit, None);
+    }
+
+    #[test]
+    fn only_a_commit_id_is_pinned() {
+        let sha = "0123456789ABCDEF0123456789abcdef01234567";
+        assert_eq!(
+            reported_commit("org/m", sha).as_deref(),
+            Some("0123456789abcdef0123456789abcdef01234567")
+        );
+        assert_eq!(reported_commit("org/m", "main"), None);
+        assert_eq!(reported_commit("org/m", &"g".repeat(40)), None);
+        assert_eq!(reported_commit("org/m", ""), None);
     }
 
     #[test]

@@ -1141,6 +1141,8 @@ mod tests {
             repository: "my-org/my-finetune".into(),
             revision: Some("v2".into()),
             custom: true,
+            // Stored before commits were pinned: the revision as named.
+            commit: None,
         };
         // Workload hints are typical lengths, not limits: no --max-model-len from them.
         d.workload_config = json!({"input_tokens": 3500, "output_tokens": 500});
@@ -1175,6 +1177,63 @@ mod tests {
             c["env"],
             json!([{"name": "HF_ENDPOINT", "value": "http://hub.test"}])
         );
+    }
+
+    /// A pinned commit is what vLLM loads, not the branch it was read from: a replica that
+    /// starts after the branch moved loads what its siblings do. Without one (a spec stored
+    /// before commits were pinned) the revision as named, exactly as before.
+    #[test]
+    fn a_pinned_commit_is_the_revision_loaded() {
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        let vllm_args = |source: api_types::spec::ModelSource| {
+            let mut d = deployment(M1, "support-bot", "gpu-h100x1-80gb", 1);
+            d.source = source;
+            let objs = manifests(&input(&[d], true));
+            let d = find(&objs, "Deployment", "vllm-aaaaaaaa");
+            let args: Vec<String> = d["spec"]["template"]["spec"]["containers"][0]["args"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| a.as_str().unwrap().to_string())
+                .collect();
+            (
+                args,
+                d["spec"]["template"]["metadata"]["annotations"].clone(),
+            )
+        };
+        let branch = api_types::spec::ModelSource {
+            repository: "my-org/my-finetune".into(),
+            revision: Some("main".into()),
+            custom: true,
+            commit: None,
+        };
+        let pinned = api_types::spec::ModelSource {
+            commit: Some(commit.into()),
+            ..branch.clone()
+        };
+        let (args, unpinned_hash) = vllm_args(branch.clone());
+        assert_eq!(
+            args[..4],
+            ["--model", "my-org/my-finetune", "--revision", "main"]
+        );
+        let (args, pinned_hash) = vllm_args(pinned.clone());
+        assert_eq!(
+            args[..4],
+            ["--model", "my-org/my-finetune", "--revision", commit]
+        );
+        assert_eq!(args.iter().filter(|a| *a == "--revision").count(), 1);
+        // The default branch, pinned: the commit too.
+        let (args, _) = vllm_args(api_types::spec::ModelSource {
+            revision: None,
+            ..pinned
+        });
+        assert_eq!(
+            args[..4],
+            ["--model", "my-org/my-finetune", "--revision", commit]
+        );
+        // Pinning changes the pod template (a rollout); an unpinned spec renders as before.
+        assert_ne!(unpinned_hash, pinned_hash);
+        assert_eq!(vllm_args(branch).1, unpinned_hash);
     }
 
     #[test]

@@ -81,7 +81,10 @@ pub struct Model {
     /// The name vLLM serves the model under (`--served-model-name`): what clients send as
     /// `model`.
     pub model_slug: String,
-    /// The Hugging Face repository vLLM loads (`--model`), at `revision` when one is named.
+    /// The Hugging Face repository vLLM loads (`--model`), at `revision` (`--revision`) when
+    /// there is one: the commit the region pinned, so that every replica, whenever it starts,
+    /// loads the same weights; else the revision named (specs stored before commits were
+    /// pinned, catalog models); else the default branch.
     pub repository: String,
     pub revision: Option<String>,
     pub accelerator_slug: String,
@@ -117,7 +120,7 @@ impl Model {
             } else {
                 md.source.repository.clone()
             },
-            revision: md.source.revision.clone(),
+            revision: md.source.loaded_revision().map(str::to_string),
             accelerator_slug: group.accelerator_slug.clone(),
             role: group.role.clone(),
             scale,

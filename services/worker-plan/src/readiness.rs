@@ -952,7 +952,7 @@ mod tests {
         assert_eq!(awaited_pools(&d, &waiting), BTreeSet::from([pool.clone()]));
         // One pod of the two it wants not created yet (the controller gets to it).
         let mut short = converged(&d);
-        let first = short.iter().position(|o| is_vllm_pod(o)).unwrap();
+        let first = short.iter().position(is_vllm_pod).unwrap();
         short.remove(first);
         assert!(awaited_pools(&d, &short).contains(&pool));
         // A scale-up this pass applies: its new pods are still to come.
