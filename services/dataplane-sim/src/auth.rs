@@ -350,10 +350,13 @@ pub(crate) mod tests {
         );
     }
 
+    /// A way to break the objects the check reads.
+    type Breakage = fn(&mut Vec<Arc<Value>>);
+
     /// Each way the service cannot answer: the check fails with `statusOnError`.
     #[test]
     fn no_replica_that_can_answer_fails_closed() {
-        let cases: [(&str, fn(&mut Vec<Arc<Value>>)); 6] = [
+        let cases: [(&str, Breakage); 6] = [
             ("no pod", |o| o.retain(|x| x["kind"] != "Pod")),
             ("pod not ready", |o| {
                 edit(o, "Pod", |p| {
