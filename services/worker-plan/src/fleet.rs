@@ -93,7 +93,9 @@ fn observed_deployment<'a>(observed: &'a [Value], n: &str) -> Option<&'a Value> 
 }
 
 /// The Deployments of `desired` that exist in `observed` with another pod template: applying
-/// them restarts their pods. A Deployment to create restarts nothing.
+/// them restarts their pods. A Deployment to create restarts nothing. One from before the hash
+/// annotation restarts only if its template lacks something the desired one says (the API server
+/// adds defaults, never removes what was applied).
 pub fn restarts(desired: &[Value], observed: &[Value]) -> Vec<String> {
     desired
         .iter()
@@ -101,10 +103,28 @@ pub fn restarts(desired: &[Value], observed: &[Value]) -> Vec<String> {
         .filter_map(|d| {
             let n = name(d)?;
             let o = observed_deployment(observed, n)?;
-            (template_hash(o).is_none() || template_hash(o) != template_hash(d))
-                .then(|| n.to_string())
+            let restarts = match template_hash(o) {
+                Some(running) => Some(running) != template_hash(d),
+                None => !says_all(&o["spec"]["template"], &d["spec"]["template"]),
+            };
+            restarts.then(|| n.to_string())
         })
         .collect()
+}
+
+/// `live` says everything `wanted` says: objects field by field, lists element by element; the
+/// API server returns quantities and int-or-string values as strings.
+fn says_all(live: &Value, wanted: &Value) -> bool {
+    match (live, wanted) {
+        (Value::Object(l), Value::Object(w)) => w
+            .iter()
+            .all(|(k, wv)| l.get(k).is_some_and(|lv| says_all(lv, wv))),
+        (Value::Array(l), Value::Array(w)) => {
+            l.len() == w.len() && l.iter().zip(w).all(|(lv, wv)| says_all(lv, wv))
+        }
+        (Value::String(l), Value::Number(w)) => *l == w.to_string(),
+        (l, w) => l == w,
+    }
 }
 
 /// The templates the Deployments `names` run, as `observed` shows them: what a DI keeps while
@@ -323,8 +343,12 @@ mod tests {
             deployment("vllm-b", "v1", Some("h1")),
         ];
         assert!(restarts(&desired, &edited).is_empty());
-        let unannotated = vec![deployment("vllm-b", "v1", None)];
-        assert_eq!(restarts(&desired, &unannotated), ["vllm-b"]);
+        // From before the annotation: a restart only if the running template lacks something.
+        let mut defaulted = deployment("vllm-b", "v1", None);
+        defaulted["spec"]["template"]["spec"]["dnsPolicy"] = json!("ClusterFirst");
+        assert!(restarts(&desired, &[defaulted]).is_empty());
+        let older = vec![deployment("vllm-b", "v0", None)];
+        assert_eq!(restarts(&desired, &older), ["vllm-b"]);
     }
 
     #[test]
