@@ -9,8 +9,9 @@
 //!
 //! Scale from zero: when the pool's endpoint picker runs with flow control
 //! ([`PoolRoute::flow_control`]) and the route has no ready backend, a request is held, as
-//! GIE's flow control queues it, until a backend appears (it is then served normally) or the
-//! route's request timeout ([`PoolRoute::hold_limit`]) passes (503 with `Retry-After`). Held
+//! the picker's flow control queues it, until a backend appears (it is then served normally),
+//! the picker's queue TTL passes ([`PoolRoute::queue_ttl`]: 503 with the picker's dropped
+//! reason) or the gateway's stream idle timeout does ([`PoolRoute::stream_idle`]: 408). Held
 //! requests are counted per pool ([`held_requests`]): the EPP's queue-size gauge.
 
 use std::collections::HashMap;
@@ -81,12 +82,14 @@ pub enum Route {
     },
 }
 
-/// How long a request is held for a pool without ready endpoints when its route sets no
-/// `timeouts.request`.
-pub const DEFAULT_HOLD_LIMIT: Duration = Duration::from_secs(30);
+/// Envoy's stream idle timeout (the HTTP connection manager's `stream_idle_timeout`, 5 minutes
+/// by default): a request with no bytes moving either way for this long is ended with 408. It
+/// ends a held request too, unless its route raises it.
+pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// What a client is told to wait before retrying a request no replica became ready for.
-pub const HOLD_RETRY_AFTER_SECS: u64 = 10;
+/// The idle timeout Envoy Gateway gives a route that sets a request timeout: the longer of an
+/// hour and that timeout.
+pub const ROUTE_IDLE_FLOOR: Duration = Duration::from_secs(3600);
 
 /// An InferencePool a route leads to, as the gateway's flow control sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,10 +101,12 @@ pub struct PoolRoute {
     /// The pool's endpoint picker runs with the `flowControl` feature gate: while the route has
     /// no ready backend, requests wait for one instead of failing at once.
     pub flow_control: bool,
-    /// How long a request may wait: the route rule's `timeouts.request` (a zero duration, which
-    /// disables the timeout, holds for as long as the endpoint lives), else
-    /// [`DEFAULT_HOLD_LIMIT`].
-    pub hold_limit: Duration,
+    /// How long the picker keeps a request it cannot place (`flowControl.defaultRequestTTL`,
+    /// else [`crate::picker::DEFAULT_QUEUE_TTL`]); zero: until the client leaves.
+    pub queue_ttl: Duration,
+    /// How long the gateway lets the held request sit without a byte ([`STREAM_IDLE_TIMEOUT`],
+    /// or the route's own, see [`ROUTE_IDLE_FLOOR`]); `None`: no limit (a zero request timeout).
+    pub stream_idle: Option<Duration>,
 }
 
 impl Default for PoolRoute {
@@ -110,7 +115,8 @@ impl Default for PoolRoute {
             name: String::new(),
             key: String::new(),
             flow_control: false,
-            hold_limit: DEFAULT_HOLD_LIMIT,
+            queue_ttl: crate::picker::DEFAULT_QUEUE_TTL,
+            stream_idle: Some(STREAM_IDLE_TIMEOUT),
         }
     }
 }
@@ -477,27 +483,21 @@ fn no_healthy_upstream() -> Response {
 }
 
 /// `30 s`, `0.5 s`.
-fn seconds(d: Duration) -> String {
-    if d.subsec_millis() == 0 {
-        format!("{} s", d.as_secs())
-    } else {
-        format!("{} s", d.as_secs_f64())
-    }
-}
-
 /// Waits, counted as held for `pool`, until the route has a ready backend (its backends), the
-/// hold limit passes or the endpoint shuts down (the answer). Wakes only on configuration
+/// picker's queue TTL or the gateway's idle timeout passes, or the endpoint shuts down (the
+/// answer). Wakes only on configuration
 /// updates, on shutdown and at the deadline. Wall-clock time: the wait is the client's, not the
 /// serving model's.
 async fn hold(inner: &Inner, pool: &PoolRoute) -> Result<Vec<Backend>, Response> {
     let _held = Held::new(&pool.key);
-    let limit = if pool.hold_limit.is_zero() {
-        // A zero request timeout disables it: hold for as long as the endpoint lives.
-        Duration::from_secs(365 * 24 * 3600)
-    } else {
-        pool.hold_limit
-    };
-    let deadline = tokio::time::Instant::now() + limit;
+    // Whichever ends first: the picker's queue (a zero TTL keeps the request until the client
+    // leaves) or the gateway's idle timeout.
+    let forever = Duration::from_secs(365 * 24 * 3600);
+    let ttl = Some(pool.queue_ttl)
+        .filter(|t| !t.is_zero())
+        .unwrap_or(forever);
+    let idle = pool.stream_idle.unwrap_or(forever);
+    let deadline = tokio::time::Instant::now() + ttl.min(idle);
     // Subscribed before looking, so an update between the look and the wait is not missed.
     let mut updates = inner.updates.subscribe();
     let mut stopped = inner.stopped.clone();
@@ -529,22 +529,37 @@ async fn hold(inner: &Inner, pool: &PoolRoute) -> Result<Vec<Backend>, Response>
                 }
             }
             _ = tokio::time::sleep_until(deadline) => {
-                let mut r = oai_error(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "server_error",
-                    json!(503),
-                    format!(
-                        "no replica became ready within {}; the endpoint is scaling up from zero, retry later",
-                        seconds(pool.hold_limit)
-                    ),
-                );
-                r.headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from(HOLD_RETRY_AFTER_SECS));
-                return Err(r);
+                return Err(if ttl <= idle {
+                    queue_expired()
+                } else {
+                    // Envoy's own answer to a stream idle for too long.
+                    (StatusCode::REQUEST_TIMEOUT, "stream timeout").into_response()
+                });
             }
         }
     }
 }
+
+/// The picker's answer to a request its queue kept until the TTL with no endpoint to send it
+/// to: an immediate response through the gateway, 503 in OpenAI's error shape, with the reason
+/// in `x-llm-d-request-dropped-reason` (llm-d-router's `rejected-no-endpoints`). The picker says
+/// nothing of when to retry.
+fn queue_expired() -> Response {
+    let mut r = oai_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        json!(503),
+        "no endpoint became available to serve the request",
+    );
+    r.headers_mut().insert(
+        DROPPED_REASON,
+        HeaderValue::from_static("rejected-no-endpoints"),
+    );
+    r
+}
+
+/// The header in which the picker says why it dropped a request.
+pub const DROPPED_REASON: &str = "x-llm-d-request-dropped-reason";
 
 /// Gateway API `PathPrefix` semantics: element-wise prefix, `/` matches everything.
 fn path_prefix_matches(prefix: &str, path: &str) -> bool {

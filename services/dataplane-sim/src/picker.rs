@@ -129,7 +129,14 @@ pub struct PickerConfig {
     /// endpoint) instead of failing them; the gateway then waits with them (see
     /// [`crate::data_plane::PoolRoute`]).
     pub flow_control: bool,
+    /// `flowControl.defaultRequestTTL`: how long the picker keeps a request it cannot place
+    /// before it answers 503 (`None`: the picker's default, [`DEFAULT_QUEUE_TTL`]).
+    pub queue_ttl: Option<std::time::Duration>,
 }
+
+/// llm-d-router v0.10's `flowControl.defaultRequestTTL` when the configuration sets none
+/// (`pkg/epp/flowcontrol/controller/config.go`).
+pub const DEFAULT_QUEUE_TTL: std::time::Duration = std::time::Duration::from_secs(60);
 
 // Weights are finite (parse refuses the others), so equality is reflexive.
 impl Eq for PickerConfig {}
@@ -182,6 +189,14 @@ impl PickerConfig {
                 .is_some_and(|gates| gates.iter().any(|g| g.as_str() == Some("flowControl"))),
             ..PickerConfig::default()
         };
+        // The queue's time to live, as the picker reads it: a Go duration ("900s", "15m").
+        if let Some(ttl) = v.pointer("/flowControl/defaultRequestTTL") {
+            let text = ttl.as_str().unwrap_or_default();
+            cfg.queue_ttl =
+                Some(crate::routing::gateway_duration(text).ok_or_else(|| {
+                    format!("flowControl.defaultRequestTTL {ttl} is no duration")
+                })?);
+        }
         // Prefix parameters: the producer's, else the scorer's (older configurations put them
         // on the scorer).
         let prefix_params = plugins
@@ -595,6 +610,19 @@ mod tests {
         assert!(c.prefix.auto_tune);
         assert!(c.scores());
         assert!(!c.flow_control);
+    }
+
+    #[test]
+    fn the_queue_ttl_is_read_as_the_picker_reads_it() {
+        let with = format!("{LLM_D_DEFAULT_CONFIG}featureGates:\n- flowControl\nflowControl:\n  defaultRequestTTL: 15m\n");
+        let c = PickerConfig::parse(&with).unwrap();
+        assert_eq!(c.queue_ttl, Some(std::time::Duration::from_secs(900)));
+        assert_eq!(
+            PickerConfig::parse(LLM_D_DEFAULT_CONFIG).unwrap().queue_ttl,
+            None
+        );
+        let bad = format!("{LLM_D_DEFAULT_CONFIG}flowControl:\n  defaultRequestTTL: soon\n");
+        assert!(PickerConfig::parse(&bad).is_err());
     }
 
     #[test]

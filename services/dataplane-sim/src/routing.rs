@@ -16,7 +16,9 @@ use std::time::Duration;
 use base64::Engine;
 use serde_json::{Map, Value};
 
-use crate::data_plane::{Backend, EndpointConfig, PoolRoute, Route, DEFAULT_HOLD_LIMIT};
+use crate::data_plane::{
+    Backend, EndpointConfig, PoolRoute, Route, ROUTE_IDLE_FLOOR, STREAM_IDLE_TIMEOUT,
+};
 use crate::objects::{
     deleting, find, group_of, labels_match, name_of, ns_of, pod_model, pod_ready, s,
 };
@@ -273,8 +275,10 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     // the model it names, which is what those matches amount to.
     let mut paths = Vec::new();
     let mut pool_names = Vec::new();
-    // Per pool: how long its rule lets a request wait (the first rule leading to it decides).
-    let mut hold_limits: Vec<Duration> = Vec::new();
+    // Per pool: how long the gateway lets a held request sit idle (the first rule leading to it
+    // decides): Envoy's stream idle timeout, unless the rule sets a request timeout, which Envoy
+    // Gateway turns into a route idle timeout of at least an hour (none for a zero timeout).
+    let mut idle_limits: Vec<Option<Duration>> = Vec::new();
     for rule in &rules {
         let backend = rule
             .get("backendRefs")
@@ -290,17 +294,20 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         if !pool_names.iter().any(|n| n == name) {
             pool_names.push(name.to_string());
             let limit = match rule.pointer("/timeouts/request").and_then(Value::as_str) {
-                None => DEFAULT_HOLD_LIMIT,
-                Some(t) => gateway_duration(t).unwrap_or_else(|| {
-                    w.problems.push(format!(
-                        "HTTPRoute {ns}/{} has an invalid timeouts.request {t:?}: {} s used",
-                        name_of(route),
-                        DEFAULT_HOLD_LIMIT.as_secs()
-                    ));
-                    DEFAULT_HOLD_LIMIT
-                }),
+                None => Some(STREAM_IDLE_TIMEOUT),
+                Some(t) => match gateway_duration(t) {
+                    Some(d) if d.is_zero() => None,
+                    Some(d) => Some(d.max(ROUTE_IDLE_FLOOR)),
+                    None => {
+                        w.problems.push(format!(
+                            "HTTPRoute {ns}/{} has an invalid timeouts.request {t:?}",
+                            name_of(route),
+                        ));
+                        Some(STREAM_IDLE_TIMEOUT)
+                    }
+                },
             };
-            hold_limits.push(limit);
+            idle_limits.push(limit);
         }
         for m in rule
             .get("matches")
@@ -333,14 +340,19 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     };
     let mut endpoints = Vec::new();
     let mut pools = Vec::new();
-    for (pool_name, hold_limit) in pool_names.iter().zip(hold_limits) {
+    for (pool_name, stream_idle) in pool_names.iter().zip(idle_limits) {
         let (ready, spec) = pool_endpoints(objs, &ns, pool_name, gateway, &mut w.problems);
         endpoints.extend(ready);
         pools.push(PoolRoute {
             name: pool_name.clone(),
             key: spec.key.clone(),
             flow_control: spec.picker.as_ref().is_some_and(|p| p.flow_control),
-            hold_limit,
+            queue_ttl: spec
+                .picker
+                .as_ref()
+                .and_then(|p| p.queue_ttl)
+                .unwrap_or(crate::picker::DEFAULT_QUEUE_TTL),
+            stream_idle,
         });
     }
     endpoints.sort_by(|a, b| a.pod.cmp(&b.pod));
@@ -730,31 +742,37 @@ mod tests {
         }
     }
 
-    /// The route's pools carry the rule's request timeout as their hold limit (30 s without
-    /// one); a pool whose picker has no flow-control gate holds nothing.
+    /// A held request sits idle until Envoy's stream idle timeout (5 minutes) unless the rule
+    /// sets a request timeout (then at least an hour); the picker's queue TTL is its default.
     #[test]
-    fn pools_carry_the_rules_request_timeout() {
+    fn pools_carry_the_gateways_idle_limit_and_the_pickers_ttl() {
         let w = wire(&svc(), &objects());
         let Route::Pool { pools, .. } = &w.config.route else {
             panic!("{:?}", w.config.route)
         };
         assert_eq!(pools.len(), 1);
         assert_eq!(pools[0].name, "pool");
-        assert_eq!(pools[0].hold_limit, DEFAULT_HOLD_LIMIT);
+        assert_eq!(pools[0].stream_idle, Some(STREAM_IDLE_TIMEOUT));
+        assert_eq!(pools[0].queue_ttl, crate::picker::DEFAULT_QUEUE_TTL);
         assert!(!pools[0].flow_control);
-        let mut objs = objects();
-        for o in objs.iter_mut() {
-            if o["kind"] == "HTTPRoute" {
-                let mut route = (**o).clone();
-                route["spec"]["rules"][0]["timeouts"] = json!({"request": "1m30s"});
-                *o = Arc::new(route);
+        let with_timeout = |t: &str| {
+            let mut objs = objects();
+            for o in objs.iter_mut() {
+                if o["kind"] == "HTTPRoute" {
+                    let mut route = (**o).clone();
+                    route["spec"]["rules"][0]["timeouts"] = json!({"request": t});
+                    *o = Arc::new(route);
+                }
             }
-        }
-        let w = wire(&svc(), &objs);
-        let Route::Pool { pools, .. } = &w.config.route else {
-            panic!("{:?}", w.config.route)
+            let w = wire(&svc(), &objs);
+            let Route::Pool { pools, .. } = &w.config.route else {
+                panic!("{:?}", w.config.route)
+            };
+            pools[0].stream_idle
         };
-        assert_eq!(pools[0].hold_limit, Duration::from_secs(90));
+        assert_eq!(with_timeout("1m30s"), Some(ROUTE_IDLE_FLOOR));
+        assert_eq!(with_timeout("2h"), Some(Duration::from_secs(7200)));
+        assert_eq!(with_timeout("0s"), None);
     }
 
     #[test]

@@ -23,7 +23,12 @@ use crate::names;
 /// few DIs of different shapes (one model or two, NVIDIA or AMD, scaling to zero or not, a
 /// Hugging Face token or not). A new version that renders them the same is the same rollout:
 /// nothing to roll.
-pub fn rendering_id(images: &Images, gateway_class: &str, hub_endpoint: Option<&str>) -> String {
+pub fn rendering_id(
+    images: &Images,
+    gateway_class: &str,
+    hub_endpoint: Option<&str>,
+    cold_start_hold: std::time::Duration,
+) -> String {
     let model = |n: u128, vendor, scales_to_zero| Model {
         model_id: Uuid::from_u128(n),
         model_slug: format!("model-{n}"),
@@ -66,6 +71,7 @@ pub fn rendering_id(images: &Images, gateway_class: &str, hub_endpoint: Option<&
         input.images = images.clone();
         input.gateway_class = gateway_class.to_string();
         input.hub_endpoint = hub_endpoint.map(str::to_string);
+        input.cold_start_hold = cold_start_hold;
         for d in manifests(&input)
             .iter()
             .filter(|o| o["kind"] == "Deployment")
@@ -484,11 +490,17 @@ mod tests {
     #[test]
     fn the_rendering_id_follows_the_templates() {
         let images = Images::default();
-        let a = rendering_id(&images, "gw", None);
-        assert_eq!(a, rendering_id(&images, "gw", None));
+        let hold = std::time::Duration::from_secs(900);
+        let a = rendering_id(&images, "gw", None, hold);
+        assert_eq!(a, rendering_id(&images, "gw", None, hold));
         let mut newer = images.clone();
         newer.vllm_nvidia = "vllm/vllm-openai:v9".into();
-        assert_ne!(a, rendering_id(&newer, "gw", None));
-        assert_ne!(a, rendering_id(&images, "gw", Some("http://mirror")));
+        assert_ne!(a, rendering_id(&newer, "gw", None, hold));
+        assert_ne!(a, rendering_id(&images, "gw", Some("http://mirror"), hold));
+        assert_ne!(
+            a,
+            rendering_id(&images, "gw", None, hold * 2),
+            "the picker's queue TTL restarts it"
+        );
     }
 }

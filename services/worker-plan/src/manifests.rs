@@ -1,6 +1,8 @@
 //! Every Kubernetes object of one dedicated inference for one spec version, as JSON ready for
 //! server-side apply, in apply order.
 
+use std::time::Duration;
+
 use base64::Engine;
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
@@ -121,7 +123,21 @@ pub struct ManifestInput {
     /// The Hugging Face Hub the model servers download from (`HF_ENDPOINT`); `None`: the public
     /// Hub.
     pub hub_endpoint: Option<String>,
+    /// How long a request to a deployment scaled to zero is held while a replica starts (a GPU
+    /// node and a model load): the picker's queue TTL ([`epp_config`]).
+    pub cold_start_hold: Duration,
 }
+
+/// [`ManifestInput::cold_start_hold`] unless configured: a GPU node (minutes) and the download
+/// and load of a large model (up to ten more).
+pub const DEFAULT_COLD_START_HOLD: Duration = Duration::from_secs(900);
+
+/// How long a response may take once the model server has the request (HTTPRoute
+/// `timeouts.request`, Envoy's route timeout): long generations stream for many minutes, and
+/// without it Envoy cuts every response at 15 s. Envoy Gateway also raises the route's idle
+/// timeout to at least an hour with it, so a request held through a cold start is not ended
+/// by Envoy's 5-minute stream idle timeout.
+pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(3600);
 
 impl ManifestInput {
     /// An input with the default gateway class and images, no HF token and no access tokens.
@@ -141,6 +157,7 @@ impl ManifestInput {
             gateway_class: DEFAULT_GATEWAY_CLASS.into(),
             images: Images::default(),
             hub_endpoint: None,
+            cold_start_hold: DEFAULT_COLD_START_HOLD,
         }
     }
 }
@@ -227,13 +244,19 @@ schedulingProfiles:
 ";
 
 /// The EndpointPickerConfig of a model deployment: [`EPP_CONFIG`], with flow control for a
-/// deployment that scales to zero, so that the gateway holds its requests while no replica is
-/// ready instead of refusing them.
-pub fn epp_config(m: &Model) -> String {
+/// deployment that scales to zero, so that the picker holds its requests while no replica is
+/// ready instead of refusing them, for up to `cold_start_hold` (its queue TTL, llm-d-router's
+/// `flowControl.defaultRequestTTL`; v0.10 decodes strictly, so no other field). Beyond it the
+/// picker answers 503.
+pub fn epp_config(m: &Model, cold_start_hold: Duration) -> String {
     if m.scales_to_zero {
         EPP_CONFIG.replacen(
             "kind: EndpointPickerConfig\n",
-            "kind: EndpointPickerConfig\nfeatureGates:\n- flowControl\n",
+            &format!(
+                "kind: EndpointPickerConfig\nfeatureGates:\n- flowControl\nflowControl:\n  \
+                 defaultRequestTTL: {}s\n",
+                cold_start_hold.as_secs()
+            ),
             1,
         )
     } else {
@@ -357,7 +380,7 @@ fn epp_objects(input: &ManifestInput, m: &Model) -> Vec<Value> {
     let mut pod_labels = labels_of(di, &extra);
     pod_labels[names::EPP_LABEL] = json!(pool);
     let read = json!(["get", "list", "watch"]);
-    let config = epp_config(m);
+    let config = epp_config(m, input.cold_start_hold);
     let grpc_probe = |period: u32, delay: u32| {
         json!({
             "grpc": {"port": EPP_HEALTH_PORT, "service": "inference-extension"},
@@ -666,6 +689,13 @@ fn http_route(input: &ManifestInput) -> Value {
             } else {
                 vec![all]
             };
+            // A model that scales to zero may hold its request for the cold start first (if
+            // Envoy's route timer counts the picker's wait too, it still fits).
+            let timeout = if m.scales_to_zero {
+                RESPONSE_TIMEOUT + input.cold_start_hold
+            } else {
+                RESPONSE_TIMEOUT
+            };
             json!({
                 "matches": matches,
                 "backendRefs": [{
@@ -673,6 +703,7 @@ fn http_route(input: &ManifestInput) -> Value {
                     "kind": "InferencePool",
                     "name": names::inference_pool(&m.model_id),
                 }],
+                "timeouts": {"request": format!("{}s", timeout.as_secs())},
             })
         })
         .collect();
@@ -1079,6 +1110,33 @@ mod tests {
         }
         let keys: std::collections::BTreeSet<_> = objs.iter().map(ObjectKey::of).collect();
         assert_eq!(keys.len(), objs.len(), "object keys are unique");
+    }
+
+    #[test]
+    fn a_deployment_scaled_to_zero_is_held_through_its_cold_start() {
+        let mut input = one();
+        input.models[0].scales_to_zero = true;
+        input.cold_start_hold = Duration::from_secs(600);
+        let mut m = input.models[0].clone();
+        let config = epp_config(&m, input.cold_start_hold);
+        assert!(
+            config.contains("- flowControl\nflowControl:\n  defaultRequestTTL: 600s\n"),
+            "{config}"
+        );
+        let objects = manifests(&input);
+        let route = objects.iter().find(|o| o["kind"] == "HTTPRoute").unwrap();
+        assert_eq!(route["spec"]["rules"][0]["timeouts"]["request"], "4200s");
+        m.scales_to_zero = false;
+        assert!(!epp_config(&m, input.cold_start_hold).contains("flowControl"));
+        let objects = manifests(&super::ManifestInput {
+            models: vec![m],
+            ..input
+        });
+        let route = objects.iter().find(|o| o["kind"] == "HTTPRoute").unwrap();
+        assert_eq!(
+            route["spec"]["rules"][0]["timeouts"]["request"], "3600s",
+            "no Envoy 15 s cut"
+        );
     }
 
     #[test]

@@ -95,6 +95,10 @@ struct Args {
     /// The endpoint picker's image, if not the one this version pins.
     #[arg(long, env = "EPP_IMAGE")]
     epp_image: Option<String>,
+    /// How long a request to a model deployment scaled to zero is held while a replica starts
+    /// (a GPU node and a model load), as the endpoint picker's queue TTL; beyond it, 503.
+    #[arg(long, env = "COLD_START_HOLD_SECS", default_value_t = 900)]
+    cold_start_hold_secs: u64,
     /// Fleet rollouts (a new version of this worker whose rendering restarts the pods of DIs
     /// nobody changed): DIs restarted at once in the region.
     #[arg(long, env = "FLEET_MAX_ROLLING", default_value_t = 10)]
@@ -174,6 +178,7 @@ async fn main() -> anyhow::Result<()> {
             *image = set;
         }
     }
+    config.settings.cold_start_hold = Duration::from_secs(args.cold_start_hold_secs.max(1));
     config.settings.fleet_budget = region_store::FleetBudget {
         max_rolling: args.fleet_max_rolling.max(1),
         canaries: args.fleet_canaries,

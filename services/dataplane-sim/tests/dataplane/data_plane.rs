@@ -300,7 +300,7 @@ fn empty_pool(
     key: &str,
     pool_key: &str,
     flow_control: bool,
-    hold: Duration,
+    queue_ttl: Duration,
 ) -> EndpointConfig {
     let mut cfg = wired(cert, key, &[]);
     if let Route::Pool { pools, .. } = &mut cfg.route {
@@ -308,15 +308,17 @@ fn empty_pool(
             name: "pool".into(),
             key: pool_key.into(),
             flow_control,
-            hold_limit: hold,
+            queue_ttl,
+            ..PoolRoute::default()
         });
     }
     cfg
 }
 
 /// Scale from zero, on the endpoint alone: with flow control a request waits for a ready pod
-/// (counted as held for its pool) and is served once one appears; past the hold limit it is
-/// 503 with `Retry-After`; a shutdown releases it; without flow control the 503 is immediate.
+/// (counted as held for its pool) and is served once one appears; past the picker's queue TTL it
+/// is the picker's 503, past the gateway's idle timeout Envoy's 408; a shutdown releases it;
+/// without flow control the 503 is immediate.
 #[tokio::test]
 async fn a_flow_controlled_pool_holds_requests_until_a_pod_is_ready() {
     let ep = endpoint(Arc::new(Faults::default())).await;
@@ -378,7 +380,7 @@ async fn a_flow_controlled_pool_holds_requests_until_a_pod_is_ready() {
     assert_eq!(r.headers()["x-sim-backend"], "pod-a");
     assert_eq!(held_requests(&pool_key), 0);
 
-    // Past the hold limit: 503 with Retry-After, and the gauge back to 0.
+    // Past the picker's queue TTL: its 503, with its reason, and the gauge back to 0.
     ep.update(empty_pool(
         &cert,
         &key,
@@ -391,15 +393,23 @@ async fn a_flow_controlled_pool_holds_requests_until_a_pod_is_ready() {
     let r = chat(&c, &ep, TOKEN).await;
     assert_eq!(r.status(), 503);
     assert!(started.elapsed() >= Duration::from_millis(300));
-    assert_eq!(r.headers()["retry-after"], "10");
-    let body: Value = r.json().await.unwrap();
-    let msg = body["error"]["message"].as_str().unwrap();
+    assert_eq!(
+        r.headers()["x-llm-d-request-dropped-reason"],
+        "rejected-no-endpoints"
+    );
     assert!(
-        msg.contains("no replica became ready within 0.3 s")
-            && msg.contains("scaling up from zero"),
-        "{msg}"
+        r.headers().get("retry-after").is_none(),
+        "the picker says nothing of it"
     );
     assert_eq!(held_requests(&pool_key), 0);
+
+    // The gateway's idle timeout, when it is the shorter: Envoy's 408.
+    let mut idle = empty_pool(&cert, &key, &pool_key, true, Duration::from_secs(60));
+    if let Route::Pool { pools, .. } = &mut idle.route {
+        pools[0].stream_idle = Some(Duration::from_millis(300));
+    }
+    ep.update(idle).unwrap();
+    assert_eq!(chat(&c, &ep, TOKEN).await.status(), 408);
 
     // A shutdown releases what is held.
     ep.update(empty_pool(

@@ -175,8 +175,7 @@ async fn scale(kube: &Kube, replicas: u32) {
 /// A request to a pool with no replica waits, counted by the endpoint picker's queue gauge
 /// (read through the cluster API, as an autoscaler would), until the Deployment is scaled up
 /// and its pod is ready; then it is served and the gauge is back to 0. The pod's vLLM metrics
-/// come through the same API. Past the route's request timeout, a held request is 503 with
-/// `Retry-After`.
+/// come through the same API. Past the picker's queue TTL, a held request gets the picker's 503.
 #[tokio::test]
 async fn a_held_request_is_served_once_the_pool_scales_up_from_zero() {
     let sim = crate::doks::start().await;
@@ -275,12 +274,16 @@ async fn a_held_request_is_served_once_the_pool_scales_up_from_zero() {
     .unwrap();
     assert_eq!(direct, text);
 
-    // Back to zero with a short request timeout: a held request times out with Retry-After.
+    // Back to zero with a short queue TTL for the picker: a held request ends with the picker's
+    // 503 and its reason.
     scale(&kube, 0).await;
-    let route = "/apis/gateway.networking.k8s.io/v1/namespaces/di-1/httproutes/route";
-    let (_, mut r) = kube.get(route).await;
-    r["spec"]["rules"][0]["timeouts"] = json!({"request": "1s"});
-    let (s, v) = kube.call(Method::PUT, route, Some(r)).await;
+    let config = "/api/v1/namespaces/di-1/configmaps/pool-epp";
+    let (_, mut c) = kube.get(config).await;
+    c["data"]["config.yaml"] = json!(format!(
+        "{}flowControl:\n  defaultRequestTTL: 1s\n",
+        flow_controlled()
+    ));
+    let (s, v) = kube.call(Method::PUT, config, Some(c)).await;
     assert!(s.is_success(), "{s} {v}");
     eventually("no ready replica behind the endpoint", async || {
         sim.inventory().endpoints[0]
@@ -289,22 +292,17 @@ async fn a_held_request_is_served_once_the_pool_scales_up_from_zero() {
             .then_some(())
     })
     .await;
-    // Real time, as a window: the cloud controller reads the route's new timeout on its next
-    // look, and nothing outside it says when that was.
+    // Real time, as a window: the cloud controller reads the picker's new configuration on its
+    // next look, and nothing outside it says when that was.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = Instant::now();
     let r = chat(&https, &url).await;
     assert_eq!(r.status(), 503);
     assert!(started.elapsed() >= Duration::from_millis(900));
     assert!(started.elapsed() < Duration::from_secs(20));
-    assert_eq!(r.headers()["retry-after"], "10");
-    let body: Value = r.json().await.unwrap();
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("no replica became ready within 1 s"),
-        "{body}"
+    assert_eq!(
+        r.headers()["x-llm-d-request-dropped-reason"],
+        "rejected-no-endpoints"
     );
     assert_eq!(gauges().await.0, 0.0);
     sim.shutdown().await;

@@ -260,6 +260,7 @@ impl Reconciler {
             gateway_class: s.gateway_class.clone(),
             images: s.images.clone(),
             hub_endpoint: s.hub_endpoint.clone(),
+            cold_start_hold: s.cold_start_hold,
         }))
     }
 

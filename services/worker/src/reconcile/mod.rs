@@ -72,6 +72,8 @@ pub struct Settings {
     /// A DI whose slot has not settled this long after it began fails it (and halts the rollout):
     /// long enough for a GPU node and a model load.
     pub fleet_slot_timeout: Duration,
+    /// How long a request to a deployment scaled to zero is held while a replica starts.
+    pub cold_start_hold: Duration,
 }
 
 impl std::fmt::Debug for Settings {
@@ -90,6 +92,7 @@ impl std::fmt::Debug for Settings {
             .field("scale_down_window", &self.scale_down_window)
             .field("fleet_budget", &self.fleet_budget)
             .field("fleet_slot_timeout", &self.fleet_slot_timeout)
+            .field("cold_start_hold", &self.cold_start_hold)
             .finish_non_exhaustive()
     }
 }
@@ -117,6 +120,7 @@ impl Settings {
                 canaries: 2,
             },
             fleet_slot_timeout: Duration::from_secs(3600),
+            cold_start_hold: plan::manifests::DEFAULT_COLD_START_HOLD,
         }
     }
 }
@@ -216,6 +220,7 @@ impl Reconciler {
                     &settings.images,
                     &settings.gateway_class,
                     settings.hub_endpoint.as_deref(),
+                    settings.cold_start_hold,
                 ),
                 settings,
             }),
