@@ -596,3 +596,59 @@ async fn official_openai_python_client_works_against_the_endpoint() {
     assert_eq!(v["bad_token"], "AuthenticationError 401");
     assert_eq!(v["wrong_model"], "NotFoundError");
 }
+
+/// A cold start of minutes, on tokio's paused clock: a request to a pool at zero, held by the
+/// picker's 15-minute queue TTL, is answered when a replica turns ready three minutes later; one
+/// that finds no replica within the TTL gets the picker's 503 at fifteen minutes.
+#[tokio::test(start_paused = true)]
+async fn a_request_waits_out_a_cold_start_of_minutes() {
+    let ep = endpoint(Arc::new(Faults::default())).await;
+    let (ca, cert, key) = pki("ca-cold", &ep);
+    let c = client(&ca);
+    let pool_key = format!("cold-{}", ep.ip());
+    let hold = Duration::from_secs(900);
+    // A route with a request timeout: the gateway's idle timeout is an hour, above the hold.
+    let at_zero = || {
+        let mut cfg = empty_pool(&cert, &key, &pool_key, true, hold);
+        if let Route::Pool { pools, .. } = &mut cfg.route {
+            pools[0].stream_idle = Some(Duration::from_secs(3600));
+        }
+        cfg
+    };
+    ep.update(at_zero()).unwrap();
+    let started = tokio::time::Instant::now();
+    let held = tokio::spawn({
+        let (c, url) = (c.clone(), ep.url());
+        async move {
+            c.post(format!("{url}/v1/chat/completions"))
+                .bearer_auth(TOKEN)
+                .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    wait_for("the request held", || held_requests(&pool_key) == 1).await;
+    // A GPU node and a model load: three minutes, on the paused clock.
+    tokio::time::sleep(Duration::from_secs(180)).await;
+    assert!(!held.is_finished(), "still held after three minutes");
+    let mut ready = at_zero();
+    if let Route::Pool { endpoints, .. } = &mut ready.route {
+        endpoints.push(Backend::new("pod-a", Some(MODEL)));
+    }
+    ep.update(ready).unwrap();
+    let r = held.await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(started.elapsed() >= Duration::from_secs(180));
+
+    // No replica within the hold: the picker's 503 once it has passed.
+    ep.update(at_zero()).unwrap();
+    let started = tokio::time::Instant::now();
+    let r = chat(&c, &ep, TOKEN).await;
+    assert_eq!(r.status(), 503);
+    assert!(started.elapsed() >= hold, "{:?}", started.elapsed());
+    assert_eq!(
+        r.headers()["x-llm-d-request-dropped-reason"],
+        "rejected-no-endpoints"
+    );
+}
