@@ -225,8 +225,13 @@ async fn a_canary_that_cannot_serve_halts_the_rollout_and_goes_back() {
     // The same version again: nothing restarts, nothing is written.
     let same = Worker::start(config.clone()).await.unwrap();
     old.shutdown().await;
-    tokio::time::sleep(Duration::from_secs(2)).await; // quiet spell: four resyncs of each DI
-    assert!(same.stats().passes >= 6, "{:?}", same.stats());
+    // Two resyncs of each DI, counted rather than waited for.
+    eventually(
+        Duration::from_secs(60),
+        "two resyncs of each DI",
+        async || (same.stats().passes >= 12).then_some(()),
+    )
+    .await;
     assert_eq!(same.reconciler().kube_writes(), 0);
     assert!(env.store.fleet_progress().await.unwrap()[0].done == 0);
     same.shutdown().await;
@@ -284,7 +289,14 @@ async fn a_canary_that_cannot_serve_halts_the_rollout_and_goes_back() {
         assert_eq!(r.status, Status::Active);
         assert_eq!(chat(&d.client, &d.url, &d.token).await, 200);
     }
-    tokio::time::sleep(Duration::from_secs(2)).await; // quiet spell: resyncs find it halted
+    // Every DI resynced twice more while halted, counted rather than waited for.
+    let passes = w.stats().passes;
+    eventually(
+        Duration::from_secs(60),
+        "two more resyncs of each DI",
+        async || (w.stats().passes >= passes + 12).then_some(()),
+    )
+    .await;
     assert_eq!(generations().await, before, "no DI rolls while halted");
     assert_eq!(
         env.store.fleet_progress().await.unwrap()[0].state,

@@ -74,6 +74,16 @@ pub(crate) fn client(ca: &str) -> reqwest::Client {
         .unwrap()
 }
 
+/// A chat completion with the test's token, owning what it needs (to be spawned and held).
+async fn chat_owned(c: reqwest::Client, url: String) -> reqwest::Response {
+    c.post(format!("{url}/v1/chat/completions"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}))
+        .send()
+        .await
+        .unwrap()
+}
+
 async fn chat(c: &reqwest::Client, ep: &Endpoint, token: &str) -> reqwest::Response {
     c.post(format!("{}/v1/chat/completions", ep.url()))
         .bearer_auth(token)
@@ -352,17 +362,7 @@ async fn a_flow_controlled_pool_holds_requests_until_a_pod_is_ready() {
         Duration::from_secs(60),
     ))
     .unwrap();
-    let held = tokio::spawn({
-        let (c, url) = (c.clone(), ep.url());
-        async move {
-            c.post(format!("{url}/v1/chat/completions"))
-                .bearer_auth(TOKEN)
-                .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}))
-                .send()
-                .await
-                .unwrap()
-        }
-    });
+    let held = tokio::spawn(chat_owned(c.clone(), ep.url()));
     wait_for("the request held", || held_requests(&pool_key) == 1).await;
     // An unauthenticated request is not held.
     assert_eq!(chat(&c, &ep, "di_wrong").await.status(), 401);
@@ -617,17 +617,7 @@ async fn a_request_waits_out_a_cold_start_of_minutes() {
     };
     ep.update(at_zero()).unwrap();
     let started = tokio::time::Instant::now();
-    let held = tokio::spawn({
-        let (c, url) = (c.clone(), ep.url());
-        async move {
-            c.post(format!("{url}/v1/chat/completions"))
-                .bearer_auth(TOKEN)
-                .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}))
-                .send()
-                .await
-                .unwrap()
-        }
-    });
+    let held = tokio::spawn(chat_owned(c.clone(), ep.url()));
     wait_for("the request held", || held_requests(&pool_key) == 1).await;
     // A GPU node and a model load: three minutes, on the paused clock.
     tokio::time::sleep(Duration::from_secs(180)).await;
