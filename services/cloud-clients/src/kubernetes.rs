@@ -188,6 +188,12 @@ const KINDS: &[(&str, &str, &str, bool)] = &[
         true,
     ),
     (
+        "gateway.envoyproxy.io",
+        "BackendTrafficPolicy",
+        "backendtrafficpolicies",
+        true,
+    ),
+    (
         "inference.networking.k8s.io",
         "InferencePool",
         "inferencepools",

@@ -161,6 +161,7 @@ impl Plane {
             ..Default::default()
         };
         ep.update(EndpointConfig {
+            overrides: Vec::new(),
             tls: Some((cert.pem(), key.serialize_pem())),
             auth: dataplane_sim::auth::Authentication::external(
                 endpoint_auth::TokenHashes::from_hex([token_hash(TOKEN)]),

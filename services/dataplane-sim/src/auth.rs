@@ -19,7 +19,7 @@ use std::sync::Arc;
 use endpoint_auth::TokenHashes;
 use serde_json::Value;
 
-use crate::objects::{deleting, find, group_of, labels_match, ns_of, pod_ready, s};
+use crate::objects::{deleting, find, gateway_policy, labels_match, ns_of, pod_ready, s};
 use crate::routing::{ingress_admits, Source};
 
 /// How the gateway treats a request before routing it.
@@ -50,7 +50,6 @@ impl Authentication {
     }
 }
 
-const ENVOY_GATEWAY_GROUP: &str = "gateway.envoyproxy.io";
 /// endpoint-auth's `--secret` default.
 const DEFAULT_SECRET: &str = "access-tokens";
 
@@ -62,15 +61,7 @@ pub fn authentication(
     gw: &str,
     gateway_pods: &Value,
 ) -> (Authentication, Option<String>) {
-    let policy = objs.iter().map(Arc::as_ref).find(|o| {
-        o["kind"] == "SecurityPolicy"
-            && group_of(o) == ENVOY_GATEWAY_GROUP
-            && ns_of(o) == ns
-            && !deleting(o)
-            && o.pointer("/spec/targetRefs")
-                .and_then(Value::as_array)
-                .is_some_and(|ts| ts.iter().any(|t| t["kind"] == "Gateway" && t["name"] == gw))
-    });
+    let policy = gateway_policy(objs, "SecurityPolicy", ns, gw);
     let Some(policy) = policy else {
         return (
             Authentication::Open,
@@ -120,7 +111,7 @@ pub fn authentication(
 }
 
 /// The policy's `Accepted` condition for its current generation: `None` while not processed.
-fn accepted(policy: &Value) -> Option<bool> {
+pub(crate) fn accepted(policy: &Value) -> Option<bool> {
     let generation = policy["metadata"]["generation"].as_i64().unwrap_or(0);
     let ancestors = policy.pointer("/status/ancestors")?.as_array()?;
     let mut all = None;

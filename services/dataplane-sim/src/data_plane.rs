@@ -12,7 +12,10 @@
 //! the picker's flow control queues it, until a backend appears (it is then served normally),
 //! the picker's queue TTL passes ([`PoolRoute::queue_ttl`]: 503 with the picker's dropped
 //! reason) or the gateway's stream idle timeout does ([`PoolRoute::stream_idle`]: 408). Held
-//! requests are counted per pool ([`held_requests`]): the EPP's queue-size gauge.
+//! requests are counted per pool ([`held_requests`]): the EPP's queue-size gauge. Once routed,
+//! a response must be complete within the route's timeout ([`PoolRoute::request_timeout`]);
+//! the wait in the picker's queue does not count, as Envoy's router, which keeps the timer,
+//! comes after the picker's ext_proc filter.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -29,13 +32,14 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use region_sim_base::faults::{Api, Faults, Verdict};
 use region_sim_base::front::{tls_config, Front, Site, SiteId};
 use rustls::ServerConfig;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
+use std::future::Future;
 use tokio::sync::watch;
 
 /// How long a connection may stay idle between requests, as on DigitalOcean's load balancers
@@ -87,6 +91,10 @@ pub enum Route {
 /// ends a held request too, unless its route raises it.
 pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// Envoy's route timeout when the route sets none: a response not complete 15 s after the
+/// request was routed is cut (504 before its headers, a reset stream after).
+pub const ROUTE_TIMEOUT: Duration = Duration::from_secs(15);
+
 /// The idle timeout Envoy Gateway gives a route that sets a request timeout: the longer of an
 /// hour and that timeout.
 pub const ROUTE_IDLE_FLOOR: Duration = Duration::from_secs(3600);
@@ -107,6 +115,9 @@ pub struct PoolRoute {
     /// How long the gateway lets the held request sit without a byte ([`STREAM_IDLE_TIMEOUT`],
     /// or the route's own, see [`ROUTE_IDLE_FLOOR`]); `None`: no limit (a zero request timeout).
     pub stream_idle: Option<Duration>,
+    /// How long a response may take once the request is routed to a pod (Envoy's route timeout:
+    /// the rule's `timeouts.request`, else [`ROUTE_TIMEOUT`]); `None`: no limit.
+    pub request_timeout: Option<Duration>,
 }
 
 impl Default for PoolRoute {
@@ -117,6 +128,7 @@ impl Default for PoolRoute {
             flow_control: false,
             queue_ttl: crate::picker::DEFAULT_QUEUE_TTL,
             stream_idle: Some(STREAM_IDLE_TIMEOUT),
+            request_timeout: None,
         }
     }
 }
@@ -197,6 +209,8 @@ pub struct EndpointConfig {
     /// How requests are authenticated before they are routed.
     pub auth: Authentication,
     pub route: Route,
+    /// How the gateway rewrites answers (Envoy Gateway's `responseOverride`).
+    pub overrides: Vec<crate::overrides::ResponseOverride>,
 }
 
 struct Inner {
@@ -337,7 +351,19 @@ fn router(inner: Arc<Inner>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .fallback(fallback)
-        .with_state(inner)
+        .with_state(inner.clone())
+        .layer(axum::middleware::map_response_with_state(
+            inner,
+            |State(inner): State<Arc<Inner>>, resp: Response| async move {
+                let overrides = inner
+                    .config
+                    .read()
+                    .expect("endpoint lock")
+                    .overrides
+                    .clone();
+                crate::overrides::apply(&overrides, resp)
+            },
+        ))
 }
 
 /// An error in OpenAI's shape.
@@ -357,6 +383,8 @@ struct Admitted {
     backends: Vec<Backend>,
     /// This request's turn in the round robin (one per request, whichever pods it may use).
     turn: usize,
+    /// When the route's timeout cuts the response.
+    deadline: Option<tokio::time::Instant>,
 }
 
 /// The gateway's checks, in a gateway's order: faults, route match, authentication, backend.
@@ -414,11 +442,11 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
         ));
     }
     authenticate(&cfg.auth, headers)?;
-    let endpoints = if !endpoints.is_empty() {
-        endpoints
+    let (endpoints, pool) = if !endpoints.is_empty() {
+        (endpoints, pools.first())
     } else if let Some(pool) = pools.iter().find(|p| p.flow_control) {
         // The route's first pool whose picker holds requests holds this one.
-        hold(inner, pool).await?
+        (hold(inner, pool).await?, Some(pool))
     } else {
         return Err(no_healthy_upstream());
     };
@@ -427,6 +455,9 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
         backend: endpoints[turn % endpoints.len()].pod.clone(),
         backends: endpoints,
         turn,
+        deadline: pool
+            .and_then(|p| p.request_timeout)
+            .map(|t| tokio::time::Instant::now() + t),
     })
 }
 
@@ -777,9 +808,12 @@ async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
             u["usage"] = usage;
             events.push(u);
         }
-        return with_backend(answer_stream(session, events, timing, 1), &a.backend);
+        let answer = answer_stream(session, events, timing, 1);
+        return with_backend(cut_at(answer, a.deadline), &a.backend);
     }
-    answer_after(session, &timing, gen.tokens.len()).await;
+    if !answer_within(a.deadline, answer_after(session, &timing, gen.tokens.len())).await {
+        return with_backend(route_timed_out(), &a.backend);
+    }
     with_backend(
         Json(json!({
             "id": id,
@@ -861,9 +895,12 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
             u["usage"] = usage;
             events.push(u);
         }
-        return with_backend(answer_stream(session, events, timing, 0), &a.backend);
+        let answer = answer_stream(session, events, timing, 0);
+        return with_backend(cut_at(answer, a.deadline), &a.backend);
     }
-    answer_after(session, &timing, gen.tokens.len()).await;
+    if !answer_within(a.deadline, answer_after(session, &timing, gen.tokens.len())).await {
+        return with_backend(route_timed_out(), &a.backend);
+    }
     with_backend(
         Json(json!({
             "id": id,
@@ -908,6 +945,44 @@ fn answer_stream(
         Some(s) => s.sse(events, preamble),
         None => sse(events, timing, preamble),
     }
+}
+
+/// Whether `answer` is done before the route's `deadline`.
+async fn answer_within(
+    deadline: Option<tokio::time::Instant>,
+    answer: impl Future<Output = ()>,
+) -> bool {
+    match deadline {
+        Some(d) => tokio::time::timeout_at(d, answer).await.is_ok(),
+        None => {
+            answer.await;
+            true
+        }
+    }
+}
+
+/// Envoy's answer when the route's timeout passes before the upstream's headers.
+fn route_timed_out() -> Response {
+    (StatusCode::GATEWAY_TIMEOUT, "upstream request timeout").into_response()
+}
+
+/// `resp` with its body cut at the route's `deadline`, as Envoy resets a stream whose timeout
+/// passes after the headers went out: the client sees the body end in an error, not a clean end.
+fn cut_at(resp: Response, deadline: Option<tokio::time::Instant>) -> Response {
+    let Some(deadline) = deadline else {
+        return resp;
+    };
+    let (parts, body) = resp.into_parts();
+    let body = futures::stream::unfold(Some(body.into_data_stream()), move |state| async move {
+        let mut data = state?;
+        tokio::select! {
+            next = data.next() => next.map(|r| (r.map_err(std::io::Error::other), Some(data))),
+            () = tokio::time::sleep_until(deadline) => {
+                Some((Err(std::io::Error::other("upstream request timeout")), None))
+            }
+        }
+    });
+    Response::from_parts(parts, axum::body::Body::from_stream(body))
 }
 
 /// Waits until the whole answer is generated.

@@ -2,7 +2,7 @@
 //! answers it. Each load balancer wired to a gateway is an OpenAI-compatible HTTPS endpoint
 //! ([`data_plane`]) that authenticates and routes as a Gateway API implementation with the
 //! Inference Extension would (Envoy Gateway: its SecurityPolicy asks our endpoint-auth service,
-//! [`auth`]), by a route derived from the cluster's objects ([`routing`], reading them through
+//! [`auth`]; a BackendTrafficPolicy rewrites its answers, [`overrides`]), by a route derived from the cluster's objects ([`routing`], reading them through
 //! [`objects`]); a gateway whose pool's picker runs with flow control holds requests
 //! while the pool has no ready replica (scale from zero). Behind it, each model-server pod
 //! behaves like vLLM ([`serving`]), chosen by the pool's endpoint picker ([`picker`]); the pods
@@ -17,6 +17,7 @@
 pub mod auth;
 pub mod data_plane;
 pub mod objects;
+pub mod overrides;
 pub mod picker;
 pub mod pod_proxy;
 pub mod routing;

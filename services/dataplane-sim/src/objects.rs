@@ -80,6 +80,25 @@ pub(crate) fn flag_value(args: &[String], name: &str) -> Option<String> {
     None
 }
 
+/// The Envoy Gateway policy of `kind` (`gateway.envoyproxy.io`) in `ns` whose `targetRefs`
+/// name Gateway `gw`, unless it is being deleted.
+pub fn gateway_policy<'a>(
+    objs: &'a [Arc<Value>],
+    kind: &str,
+    ns: &str,
+    gw: &str,
+) -> Option<&'a Value> {
+    objs.iter().map(Arc::as_ref).find(|o| {
+        o["kind"] == kind
+            && group_of(o) == "gateway.envoyproxy.io"
+            && ns_of(o) == ns
+            && !deleting(o)
+            && o.pointer("/spec/targetRefs")
+                .and_then(Value::as_array)
+                .is_some_and(|ts| ts.iter().any(|t| t["kind"] == "Gateway" && t["name"] == gw))
+    })
+}
+
 /// The model name a vLLM command line serves: `--served-model-name`, else `--model`, else the
 /// positional argument of `vllm serve`.
 pub fn served_model_name(args: &[String]) -> Option<String> {

@@ -17,7 +17,7 @@ use base64::Engine;
 use serde_json::{Map, Value};
 
 use crate::data_plane::{
-    Backend, EndpointConfig, PoolRoute, Route, ROUTE_IDLE_FLOOR, STREAM_IDLE_TIMEOUT,
+    Backend, EndpointConfig, PoolRoute, Route, ROUTE_IDLE_FLOOR, ROUTE_TIMEOUT, STREAM_IDLE_TIMEOUT,
 };
 use crate::objects::{
     deleting, find, group_of, labels_match, name_of, ns_of, pod_model, pod_ready, s,
@@ -204,6 +204,9 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     let (auth, problem) = crate::auth::authentication(objs, &ns, gw_name, &gateway_pods);
     w.config.auth = auth;
     w.problems.extend(problem);
+    let (overrides, problem) = crate::overrides::overrides(objs, &ns, gw_name);
+    w.config.overrides = overrides;
+    w.problems.extend(problem);
     // TLS: the first certificateRef, a kubernetes.io/tls Secret.
     match listener.pointer("/tls/certificateRefs/0") {
         None => w.problems.push(format!(
@@ -275,10 +278,12 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     // the model it names, which is what those matches amount to.
     let mut paths = Vec::new();
     let mut pool_names = Vec::new();
-    // Per pool: how long the gateway lets a held request sit idle (the first rule leading to it
-    // decides): Envoy's stream idle timeout, unless the rule sets a request timeout, which Envoy
-    // Gateway turns into a route idle timeout of at least an hour (none for a zero timeout).
-    let mut idle_limits: Vec<Option<Duration>> = Vec::new();
+    // Per pool (the first rule leading to it decides): how long the gateway lets a held request
+    // sit idle, Envoy's stream idle timeout unless the rule sets a request timeout, which Envoy
+    // Gateway turns into a route idle timeout of at least an hour; and how long a response may
+    // take, the rule's request timeout, else Envoy's route timeout of 15 s (a zero timeout: no
+    // limit on either).
+    let mut idle_limits: Vec<(Option<Duration>, Option<Duration>)> = Vec::new();
     for rule in &rules {
         let backend = rule
             .get("backendRefs")
@@ -294,16 +299,16 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         if !pool_names.iter().any(|n| n == name) {
             pool_names.push(name.to_string());
             let limit = match rule.pointer("/timeouts/request").and_then(Value::as_str) {
-                None => Some(STREAM_IDLE_TIMEOUT),
+                None => (Some(STREAM_IDLE_TIMEOUT), Some(ROUTE_TIMEOUT)),
                 Some(t) => match gateway_duration(t) {
-                    Some(d) if d.is_zero() => None,
-                    Some(d) => Some(d.max(ROUTE_IDLE_FLOOR)),
+                    Some(d) if d.is_zero() => (None, None),
+                    Some(d) => (Some(d.max(ROUTE_IDLE_FLOOR)), Some(d)),
                     None => {
                         w.problems.push(format!(
                             "HTTPRoute {ns}/{} has an invalid timeouts.request {t:?}",
                             name_of(route),
                         ));
-                        Some(STREAM_IDLE_TIMEOUT)
+                        (Some(STREAM_IDLE_TIMEOUT), Some(ROUTE_TIMEOUT))
                     }
                 },
             };
@@ -340,7 +345,7 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     };
     let mut endpoints = Vec::new();
     let mut pools = Vec::new();
-    for (pool_name, stream_idle) in pool_names.iter().zip(idle_limits) {
+    for (pool_name, (stream_idle, request_timeout)) in pool_names.iter().zip(idle_limits) {
         let (ready, spec) = pool_endpoints(objs, &ns, pool_name, gateway, &mut w.problems);
         endpoints.extend(ready);
         pools.push(PoolRoute {
@@ -353,6 +358,7 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
                 .and_then(|p| p.queue_ttl)
                 .unwrap_or(crate::picker::DEFAULT_QUEUE_TTL),
             stream_idle,
+            request_timeout,
         });
     }
     endpoints.sort_by(|a, b| a.pod.cmp(&b.pod));

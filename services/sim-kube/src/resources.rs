@@ -73,7 +73,8 @@ const fn rt(
 
 pub const GATEWAY_GROUP: &str = "gateway.networking.k8s.io";
 pub const INFERENCE_GROUP: &str = "inference.networking.k8s.io";
-/// Envoy Gateway's policies: the SecurityPolicy that puts endpoint authentication on a Gateway.
+/// Envoy Gateway's policies: the SecurityPolicy that puts endpoint authentication on a Gateway,
+/// the BackendTrafficPolicy that overrides the answer to a cold start that ran out.
 pub const ENVOY_GATEWAY_GROUP: &str = "gateway.envoyproxy.io";
 
 /// Index of Namespace in [`TYPES`]; namespaces are looked up on every namespaced write.
@@ -264,6 +265,17 @@ pub static TYPES: &[ResourceType] = &[
         "securitypolicy",
         true,
         &[],
+        true,
+        NameRule::Subdomain,
+    ),
+    rt(
+        ENVOY_GATEWAY_GROUP,
+        "v1alpha1",
+        "BackendTrafficPolicy",
+        "backendtrafficpolicies",
+        "backendtrafficpolicy",
+        true,
+        &["btp"],
         true,
         NameRule::Subdomain,
     ),

@@ -132,6 +132,27 @@ pub struct ManifestInput {
 /// and load of a large model (up to ten more).
 pub const DEFAULT_COLD_START_HOLD: Duration = Duration::from_secs(900);
 
+/// What each GPU of a node beyond the first adds to the hold: a node with more GPUs serves a
+/// model with more weights (up to 80 GB more per GPU), which take about this long to download
+/// from the Hub and load.
+pub const COLD_START_HOLD_PER_EXTRA_GPU: Duration = Duration::from_secs(90);
+
+/// How long a request to model deployment `m`, scaled to zero, is held for a replica to start:
+/// `hold` (a one-GPU node and its model) and the download and load of the larger weights that
+/// a node with more GPUs serves. An eight-GPU size waits 25.5 minutes by default.
+pub fn cold_start_hold(m: &Model, hold: Duration) -> Duration {
+    hold + COLD_START_HOLD_PER_EXTRA_GPU * m.gpus_per_node.saturating_sub(1)
+}
+
+/// The `Retry-After` (seconds) a client gets with the 503 when the hold runs out: the replica
+/// may be minutes from serving, but a client should not wait in silence for them.
+pub const COLD_START_RETRY_AFTER: u32 = 30;
+
+/// The header in which the endpoint picker (llm-d-router) says why it dropped a request, and
+/// its value when a request's queue TTL ran out with no endpoint to send it to.
+pub const DROPPED_REASON_HEADER: &str = "x-llm-d-request-dropped-reason";
+pub const DROPPED_NO_ENDPOINTS: &str = "rejected-no-endpoints";
+
 /// How long a response may take once the model server has the request (HTTPRoute
 /// `timeouts.request`, Envoy's route timeout): long generations stream for many minutes, and
 /// without it Envoy cuts every response at 15 s. Envoy Gateway also raises the route's idle
@@ -245,17 +266,17 @@ schedulingProfiles:
 
 /// The EndpointPickerConfig of a model deployment: [`EPP_CONFIG`], with flow control for a
 /// deployment that scales to zero, so that the picker holds its requests while no replica is
-/// ready instead of refusing them, for up to `cold_start_hold` (its queue TTL, llm-d-router's
-/// `flowControl.defaultRequestTTL`; v0.10 decodes strictly, so no other field). Beyond it the
-/// picker answers 503.
-pub fn epp_config(m: &Model, cold_start_hold: Duration) -> String {
+/// ready instead of refusing them, for up to [`cold_start_hold`] of `hold` (its queue TTL,
+/// llm-d-router's `flowControl.defaultRequestTTL`; v0.10 decodes strictly, so no other field).
+/// Beyond it the picker answers 503 ([`traffic_policy`] adds `Retry-After`).
+pub fn epp_config(m: &Model, hold: Duration) -> String {
     if m.scales_to_zero {
         EPP_CONFIG.replacen(
             "kind: EndpointPickerConfig\n",
             &format!(
                 "kind: EndpointPickerConfig\nfeatureGates:\n- flowControl\nflowControl:\n  \
                  defaultRequestTTL: {}s\n",
-                cold_start_hold.as_secs()
+                cold_start_hold(m, hold).as_secs()
             ),
             1,
         )
@@ -645,6 +666,43 @@ fn security_policy(input: &ManifestInput) -> Value {
     })
 }
 
+/// Envoy Gateway's BackendTrafficPolicy on the DI's Gateway: when the endpoint picker gives up
+/// on a request it held through a cold start (503, `rejected-no-endpoints`), the client gets
+/// `Retry-After` and an error in OpenAI's shape instead of the picker's bare answer.
+///
+/// Envoy Gateway overrides responses with Envoy's custom response filter. Whether that filter
+/// sees a reply the picker's ext_proc filter makes itself depends on where the inference
+/// extension puts ext_proc in the filter chain, which the documents do not settle; where it does
+/// not, the client still gets the picker's 503, which OpenAI's and DigitalOcean's clients retry
+/// with their own backoff.
+fn traffic_policy(input: &ManifestInput) -> Value {
+    let body = json!({"error": {
+        "message": "The model is starting from zero replicas and was not ready in time; retry shortly.",
+        "type": "server_error",
+        "code": 503,
+    }});
+    json!({
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "BackendTrafficPolicy",
+        "metadata": meta(&input.di_id, names::TRAFFIC_POLICY, &[]),
+        "spec": {
+            "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": names::GATEWAY}],
+            "responseOverride": [{
+                "match": {
+                    "statusCodes": [{"type": "Value", "value": 503}],
+                    "responseHeaders": [{"name": DROPPED_REASON_HEADER,
+                                         "value": {"type": "Exact", "value": DROPPED_NO_ENDPOINTS}}],
+                },
+                "response": {
+                    "contentType": "application/json",
+                    "body": {"type": "Inline", "inline": body.to_string()},
+                    "header": {"add": [{"name": "Retry-After", "value": COLD_START_RETRY_AFTER.to_string()}]},
+                },
+            }],
+        },
+    })
+}
+
 fn inference_pool(input: &ManifestInput, m: &Model) -> Value {
     let extra = [(names::MODEL_ID_LABEL, m.model_id.to_string())];
     json!({
@@ -692,7 +750,7 @@ fn http_route(input: &ManifestInput) -> Value {
             // A model that scales to zero may hold its request for the cold start first (if
             // Envoy's route timer counts the picker's wait too, it still fits).
             let timeout = if m.scales_to_zero {
-                RESPONSE_TIMEOUT + input.cold_start_hold
+                RESPONSE_TIMEOUT + cold_start_hold(m, input.cold_start_hold)
             } else {
                 RESPONSE_TIMEOUT
             };
@@ -880,8 +938,9 @@ pub fn access_tokens_secret(di: &Uuid, tokens: &[AccessTokenHash]) -> Value {
 /// Every object of one DI, in apply order: Namespace, Secrets, NetworkPolicies (the default
 /// deny last), endpoint-auth (ServiceAccount, Role, RoleBinding, Service, Deployment), per
 /// model (EPP ConfigMap, ServiceAccount, Role, RoleBinding, Service, Deployment; vLLM
-/// Deployment; InferencePool), Gateway, HTTPRoute, SecurityPolicy, LoadBalancer Services. Deterministic: the same input gives the same
-/// bytes (access tokens are sorted by id).
+/// Deployment; InferencePool), Gateway, HTTPRoute, SecurityPolicy, BackendTrafficPolicy,
+/// LoadBalancer Services. Deterministic: the same input gives the same bytes (access tokens
+/// are sorted by id).
 pub fn manifests(input: &ManifestInput) -> Vec<Value> {
     let di = &input.di_id;
     let mut out = vec![json!({
@@ -933,6 +992,7 @@ pub fn manifests(input: &ManifestInput) -> Vec<Value> {
     }));
     out.push(http_route(input));
     out.push(security_policy(input));
+    out.push(traffic_policy(input));
     out.push(load_balancer(
         input,
         names::PRIVATE_SERVICE,
@@ -1116,6 +1176,7 @@ mod tests {
     fn a_deployment_scaled_to_zero_is_held_through_its_cold_start() {
         let mut input = one();
         input.models[0].scales_to_zero = true;
+        input.models[0].gpus_per_node = 1;
         input.cold_start_hold = Duration::from_secs(600);
         let mut m = input.models[0].clone();
         let config = epp_config(&m, input.cold_start_hold);
@@ -1126,6 +1187,10 @@ mod tests {
         let objects = manifests(&input);
         let route = objects.iter().find(|o| o["kind"] == "HTTPRoute").unwrap();
         assert_eq!(route["spec"]["rules"][0]["timeouts"]["request"], "4200s");
+        // An eight-GPU node serves larger weights: its requests are held longer.
+        let mut big = m.clone();
+        big.gpus_per_node = 8;
+        assert!(epp_config(&big, input.cold_start_hold).contains("defaultRequestTTL: 1230s\n"));
         m.scales_to_zero = false;
         assert!(!epp_config(&m, input.cold_start_hold).contains("flowControl"));
         let objects = manifests(&super::ManifestInput {
@@ -1137,6 +1202,24 @@ mod tests {
             route["spec"]["rules"][0]["timeouts"]["request"], "3600s",
             "no Envoy 15 s cut"
         );
+    }
+
+    /// The picker's 503 after a hold gets `Retry-After` from the gateway's own policy.
+    #[test]
+    fn the_gateway_adds_retry_after_when_a_cold_start_runs_out() {
+        let objs = manifests(&one());
+        let p = find(&objs, "BackendTrafficPolicy", names::TRAFFIC_POLICY);
+        assert_eq!(p["spec"]["targetRefs"][0]["name"], names::GATEWAY);
+        let o = &p["spec"]["responseOverride"][0];
+        assert_eq!(o["match"]["statusCodes"][0]["value"], 503);
+        assert_eq!(
+            o["match"]["responseHeaders"][0]["value"]["value"],
+            DROPPED_NO_ENDPOINTS
+        );
+        assert_eq!(o["response"]["header"]["add"][0]["name"], "Retry-After");
+        let body: Value =
+            serde_json::from_str(o["response"]["body"]["inline"].as_str().unwrap()).unwrap();
+        assert_eq!(body["error"]["code"], 503, "OpenAI's error shape");
     }
 
     #[test]

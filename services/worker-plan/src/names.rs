@@ -45,6 +45,9 @@ pub const GATEWAY_POLICY: &str = "inference-gateway-https";
 /// service of ours it asks (`services/endpoint-auth`): its Deployment, Service, ServiceAccount,
 /// Role, RoleBinding and NetworkPolicy all take this name.
 pub const ENDPOINT_AUTH: &str = "endpoint-auth";
+/// The Gateway's BackendTrafficPolicy (Envoy Gateway): how it answers for a cold start that ran
+/// out of time.
+pub const TRAFFIC_POLICY: &str = "inference-traffic";
 /// Selector label of the endpoint-auth pods.
 pub const ENDPOINT_AUTH_LABEL: &str = "dedicated-inference.dev/endpoint-auth";
 /// Request header that selects a model when a DI serves several.

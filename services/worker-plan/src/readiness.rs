@@ -30,9 +30,12 @@ pub enum ObjectWait {
     LoadBalancer {
         name: String,
     },
-    /// A policy of the gateway (the endpoint's authentication) that its controller has not
-    /// accepted for the current generation; `refused`: the reason it gave, if it refused.
+    /// A policy of the gateway (the endpoint's authentication, its answer for a cold start that
+    /// ran out) that its controller has not accepted for the current generation; `refused`:
+    /// the reason it gave, if it refused.
     Policy {
+        /// The policy's kind, in lower case.
+        kind: String,
         name: String,
         refused: Option<String>,
     },
@@ -67,13 +70,15 @@ impl std::fmt::Display for ObjectWait {
             }
             ObjectWait::Deployment { name, state } => write!(f, "deployment {name}: {state}"),
             ObjectWait::Policy {
+                kind,
                 name,
                 refused: None,
-            } => write!(f, "securitypolicy {name}: not accepted yet"),
+            } => write!(f, "{kind} {name}: not accepted yet"),
             ObjectWait::Policy {
+                kind,
                 name,
                 refused: Some(why),
-            } => write!(f, "securitypolicy {name}: not accepted: {why}"),
+            } => write!(f, "{kind} {name}: not accepted: {why}"),
         }
     }
 }
@@ -254,8 +259,10 @@ fn deployment_waits(desired: &Value, observed: &[Value]) -> Option<ObjectWait> {
 /// answering 500, so the DI must not be declared active on it.
 fn policy_waits(desired: &Value, observed: &[Value]) -> Option<ObjectWait> {
     let name = s(desired, "/metadata/name").unwrap_or("").to_string();
+    let kind = s(desired, "/kind").unwrap_or("").to_ascii_lowercase();
     let wait = |refused| {
         Some(ObjectWait::Policy {
+            kind: kind.clone(),
             name: name.clone(),
             refused,
         })
@@ -672,7 +679,9 @@ pub fn assess(di_id: &Uuid, desired: &[Value], observed: &[Value]) -> Assessment
     for d in desired {
         match d["kind"].as_str() {
             Some("Deployment") => waiting_for.extend(deployment_waits(d, observed)),
-            Some("SecurityPolicy") => waiting_for.extend(policy_waits(d, observed)),
+            Some("SecurityPolicy" | "BackendTrafficPolicy") => {
+                waiting_for.extend(policy_waits(d, observed))
+            }
             Some("Service") if d["spec"]["type"] == "LoadBalancer" => {
                 let name = s(d, "/metadata/name").unwrap_or("");
                 let url = observed_of(d, observed).and_then(endpoint_url);
@@ -755,7 +764,7 @@ mod tests {
                         "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}));
                 }
             }
-            if d["kind"] == "SecurityPolicy" {
+            if d["kind"] == "SecurityPolicy" || d["kind"] == "BackendTrafficPolicy" {
                 o["metadata"]["generation"] = json!(1);
                 o["status"] = json!({"ancestors": [{"ancestorRef": d["spec"]["targetRefs"][0],
                     "controllerName": "c", "conditions": [{"type": "Accepted", "status": "True",

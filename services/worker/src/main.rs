@@ -96,7 +96,8 @@ struct Args {
     #[arg(long, env = "EPP_IMAGE")]
     epp_image: Option<String>,
     /// How long a request to a model deployment scaled to zero is held while a replica starts
-    /// (a GPU node and a model load), as the endpoint picker's queue TTL; beyond it, 503.
+    /// (a one-GPU node and a model load), as the endpoint picker's queue TTL; each further GPU
+    /// of the size adds 90 s (larger weights); beyond it, 503 with `Retry-After`.
     #[arg(long, env = "COLD_START_HOLD_SECS", default_value_t = 900)]
     cold_start_hold_secs: u64,
     /// Fleet rollouts (a new version of this worker whose rendering restarts the pods of DIs

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use dataplane_sim::auth::Authentication;
 use dataplane_sim::data_plane::{
     held_requests, token_hash, Backend, Endpoint, EndpointConfig, ModelTiming, PoolRoute, Route,
+    ROUTE_TIMEOUT,
 };
 use endpoint_auth::TokenHashes;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
@@ -41,6 +42,7 @@ pub(crate) fn ca_and_cert(cn: &str, hosts: Vec<String>) -> (String, String, Stri
 
 fn wired(cert: &str, key: &str, endpoints: &[&str]) -> EndpointConfig {
     EndpointConfig {
+        overrides: Vec::new(),
         tls: Some((cert.to_string(), key.to_string())),
         auth: Authentication::external(TokenHashes::from_hex([token_hash(TOKEN)])),
         route: Route::Pool {
@@ -108,6 +110,7 @@ async fn fails_like_a_gateway_when_wiring_is_incomplete() {
 
     // Certificate but no route: 404.
     ep.update(EndpointConfig {
+        overrides: Vec::new(),
         tls: Some((cert.clone(), key.clone())),
         auth: Authentication::external(TokenHashes::from_hex([token_hash(TOKEN)])),
         route: Route::None,
@@ -641,4 +644,55 @@ async fn a_request_waits_out_a_cold_start_of_minutes() {
         r.headers()["x-llm-d-request-dropped-reason"],
         "rejected-no-endpoints"
     );
+}
+
+/// Envoy's route timeout, on tokio's paused clock: a rule without `timeouts.request` gets
+/// Envoy's 15 s, so an answer that takes 20 s is cut (504 before its headers; a stream ends in an
+/// error after them); a rule with an hour lets it through.
+#[tokio::test(start_paused = true)]
+async fn a_route_timeout_cuts_a_response_that_takes_longer() {
+    let timing = Arc::new(RwLock::new(ModelTiming {
+        ttft_ms: 20_000,
+        per_token_ms: 1,
+        ..Default::default()
+    }));
+    let front = Front::start(0).await.unwrap();
+    let ip = front.addresses().allocate();
+    let ep = Endpoint::start(&front, ip, timing, Arc::new(Faults::default()));
+    let (ca, cert, key) = pki("ca-route", &ep);
+    let c = client(&ca);
+    let route = |request_timeout: Option<Duration>| {
+        let mut cfg = wired(&cert, &key, &["pod-a"]);
+        if let Route::Pool { pools, .. } = &mut cfg.route {
+            pools.push(PoolRoute {
+                name: "pool".into(),
+                key: format!("route-timeout-{ip}"),
+                request_timeout,
+                ..PoolRoute::default()
+            });
+        }
+        cfg
+    };
+    ep.update(route(Some(ROUTE_TIMEOUT))).unwrap();
+    let started = tokio::time::Instant::now();
+    let r = chat(&c, &ep, TOKEN).await;
+    assert_eq!(r.status(), 504);
+    assert_eq!(started.elapsed(), ROUTE_TIMEOUT);
+    let r = c
+        .post(format!("{}/v1/chat/completions", ep.url()))
+        .bearer_auth(TOKEN)
+        .json(
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 3, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "the stream's headers go out at once");
+    assert!(r.text().await.is_err(), "the stream is cut, not ended");
+
+    ep.update(route(Some(Duration::from_secs(3600)))).unwrap();
+    let r = chat(&c, &ep, TOKEN).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("chat.completion"));
 }

@@ -30,6 +30,7 @@ fn pki(ip: Ipv4Addr) -> (String, String, String) {
 
 fn serving(cert: &str, key: &str, pod: &str, model: &str) -> EndpointConfig {
     EndpointConfig {
+        overrides: Vec::new(),
         tls: Some((cert.to_string(), key.to_string())),
         auth: Authentication::external(TokenHashes::from_hex([token_hash(TOKEN)])),
         route: Route::Pool {

@@ -84,6 +84,7 @@ impl Plane {
             ..Default::default()
         };
         EndpointConfig {
+            overrides: Vec::new(),
             tls: Some((cert.into(), key.into())),
             auth: Authentication::external(TokenHashes::from_hex([token_hash(TOKEN)])),
             route: Route::Pool {

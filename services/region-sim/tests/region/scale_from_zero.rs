@@ -304,7 +304,54 @@ async fn a_held_request_is_served_once_the_pool_scales_up_from_zero() {
         r.headers()["x-llm-d-request-dropped-reason"],
         "rejected-no-endpoints"
     );
+    assert!(
+        r.headers().get("retry-after").is_none(),
+        "the picker says nothing of when"
+    );
     assert_eq!(gauges().await.0, 0.0);
+
+    // Envoy Gateway's BackendTrafficPolicy on the Gateway: once its controller accepted it, the
+    // picker's 503 goes out with Retry-After and the policy's own body.
+    let policies = "/apis/gateway.envoyproxy.io/v1alpha1/namespaces/di-1/backendtrafficpolicies";
+    kube.create(policies, json!({
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "BackendTrafficPolicy",
+        "metadata": {"name": "traffic"},
+        "spec": {
+            "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "gw"}],
+            "responseOverride": [{
+                "match": {"statusCodes": [{"type": "Value", "value": 503}],
+                          "responseHeaders": [{"name": "x-llm-d-request-dropped-reason",
+                                               "value": {"type": "Exact", "value": "rejected-no-endpoints"}}]},
+                "response": {"contentType": "application/json",
+                             "body": {"type": "Inline", "inline": "{\"error\":{\"code\":503}}"},
+                             "header": {"add": [{"name": "Retry-After", "value": "30"}]}},
+            }],
+        }})).await;
+    eventually("the traffic policy accepted", async || {
+        let (_, p) = kube.get(&format!("{policies}/traffic")).await;
+        (p.pointer("/status/ancestors/0/conditions/0/status")? == "True").then_some(())
+    })
+    .await;
+    // The endpoint takes the policy on the cloud controller's next look.
+    let r = eventually("the 503 with Retry-After", async || {
+        let r = chat(&https, &url).await;
+        assert_eq!(r.status(), 503);
+        r.headers().contains_key("retry-after").then_some(r)
+    })
+    .await;
+    assert_eq!(r.headers()["retry-after"], "30");
+    assert_eq!(r.headers()["content-type"], "application/json");
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], 503);
+    // An answer it does not match is left alone: a wrong token's 401.
+    let r = https
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth("di_wrong")
+        .json(&json!({"model": MODEL, "messages": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    assert!(r.headers().get("retry-after").is_none());
     sim.shutdown().await;
 }
 

@@ -45,7 +45,7 @@ pub fn run(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &Cluster
     gateways(store, snap, timers, config);
     routes(store, snap);
     pools(store, snap);
-    security_policies(store, snap);
+    policies(store, snap);
 }
 
 fn load_balancers(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &ClusterConfig) {
@@ -492,17 +492,28 @@ fn pools(store: &Store, snap: &Snapshot) {
     }
 }
 
-/// Envoy Gateway's status of a SecurityPolicy: one ancestor per Gateway it targets (a policy
-/// on a Gateway reports the Gateway itself), Accepted when the Gateway exists and the extAuth
-/// backend Services do; otherwise Accepted False and, as Envoy Gateway does, every route under
-/// the Gateway answers 500 (the data plane reads the same conditions).
-fn security_policies(store: &Store, snap: &Snapshot) {
-    for (key, policy) in snap.of_kind("SecurityPolicy") {
+/// Envoy Gateway's status of its policies on a Gateway (SecurityPolicy, BackendTrafficPolicy):
+/// one ancestor per Gateway targeted (a policy on a Gateway reports the Gateway itself),
+/// Accepted when the Gateway exists and what the policy refers to does; otherwise Accepted
+/// False. A refused SecurityPolicy makes every route under the Gateway answer 500, as Envoy
+/// Gateway does; a refused BackendTrafficPolicy is not applied (the data plane reads the same
+/// conditions).
+fn policies(store: &Store, snap: &Snapshot) {
+    let policies = snap
+        .of_kind("SecurityPolicy")
+        .chain(snap.of_kind("BackendTrafficPolicy"));
+    for (key, policy) in policies {
         if is_deleting(policy) {
             continue;
         }
         let generation = policy["metadata"]["generation"].as_i64();
-        let problem = security_policy_problem(snap, &key.ns, policy);
+        let problem = targets_problem(snap, &key.ns, policy).or_else(|| {
+            if policy["kind"] == "SecurityPolicy" {
+                security_policy_problem(snap, &key.ns, policy)
+            } else {
+                traffic_policy_problem(policy)
+            }
+        });
         let old = policy
             .pointer("/status/ancestors")
             .and_then(Value::as_array)
@@ -535,16 +546,25 @@ fn security_policies(store: &Store, snap: &Snapshot) {
     }
 }
 
-/// Why Envoy Gateway would not accept `policy`: its target Gateway or an extAuth backend
-/// Service is missing, or it asks for something this simulation does not enforce.
-fn security_policy_problem(snap: &Snapshot, ns: &str, policy: &Value) -> Option<String> {
-    let spec = &policy["spec"];
-    for t in spec["targetRefs"].as_array().into_iter().flatten() {
+/// A policy's target that Envoy Gateway would not find (only Gateways are simulated targets).
+fn targets_problem(snap: &Snapshot, ns: &str, policy: &Value) -> Option<String> {
+    for t in policy["spec"]["targetRefs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
         let name = t["name"].as_str().unwrap_or_default();
         if t["kind"] != "Gateway" || snap.get("Gateway", ns, name).is_none() {
             return Some(format!("Gateway {name} not found"));
         }
     }
+    None
+}
+
+/// Why Envoy Gateway would not accept a SecurityPolicy: an extAuth backend Service is missing,
+/// or it asks for something this simulation does not enforce.
+fn security_policy_problem(snap: &Snapshot, ns: &str, policy: &Value) -> Option<String> {
+    let spec = &policy["spec"];
     let Some(http) = spec.pointer("/extAuth/http") else {
         return Some("only extAuth over HTTP is simulated".into());
     };
@@ -558,6 +578,25 @@ fn security_policy_problem(snap: &Snapshot, ns: &str, policy: &Value) -> Option<
         let b_ns = b["namespace"].as_str().unwrap_or(ns);
         if kind != "Service" || b_ns != ns || snap.get("Service", ns, name).is_none() {
             return Some(format!("backend Service {b_ns}/{name} not found"));
+        }
+    }
+    None
+}
+
+/// What of a BackendTrafficPolicy this simulation does not enforce: anything but local
+/// `responseOverride`s (no redirects, no bodies from a ConfigMap).
+fn traffic_policy_problem(policy: &Value) -> Option<String> {
+    let spec = policy["spec"].as_object()?;
+    if let Some(k) = spec
+        .keys()
+        .find(|k| *k != "targetRefs" && *k != "responseOverride")
+    {
+        return Some(format!("only responseOverride is simulated, not {k}"));
+    }
+    let overrides = spec.get("responseOverride").and_then(Value::as_array);
+    for o in overrides.into_iter().flatten() {
+        if o.get("response").is_none() || o.pointer("/response/body/valueRef").is_some() {
+            return Some("only inline local responses are simulated".into());
         }
     }
     None

@@ -31,6 +31,7 @@ const RENDERED_KINDS: &[(&str, &str)] = &[
     ("gateway.networking.k8s.io/v1", "Gateway"),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
     ("gateway.envoyproxy.io/v1alpha1", "SecurityPolicy"),
+    ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"),
 ];
 
 fn label_selector(di_id: Uuid) -> String {
