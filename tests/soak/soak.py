@@ -10,7 +10,10 @@ every DI that has served, throughout its updates. Chaos: DigitalOcean and Kubern
 and latency; SIGKILLed workers (two per region, restarted by their supervisor); a regional
 service stalled (SIGSTOP) and resumed; central killed and restarted; Postgres restarted
 (`pg_ctl restart -m fast`, as a managed database's failover or minor upgrade does); a flood of
-made-up bearer tokens against central from the customers' own address.
+made-up bearer tokens against central from the customers' own address. Mid-run, as an operator
+upgrades the control plane, the workers restart one at a time with a new model-server image: the
+fleet rollout that follows must finish on every active DI without halting, under the same chaos,
+while the probe keeps calling them.
 
 Seeded: each actor draws its choices from its own generator, so a seed replays the same choices
 (their timing, and so their interleaving, still varies). Run it through `tests/soak/run`.
@@ -52,6 +55,8 @@ REVOKE_DEADLINE = 5.0
 # What chaos injects, one at a time (a fault listed twice is drawn twice as often).
 FAULTS = ["do", "kube", "do-429", "kube-429", "latency", "latency", "kill-worker", "kill-worker", "stall-region",
           "restart-central", "restart-postgres", "token-flood"]
+# The model-server image the workers roll out mid-run (scripts/run: `<state>/worker.env`).
+UPGRADE_IMAGE = "vllm/vllm-openai:v0.19.1-soak-upgrade"
 # Why a worker parks a DI in `error` (services/worker: permanent failures, and a stall).
 FAILURE_REASONS = {"CapacityExhausted", "InvalidSpec", "CloudRejected", "KubernetesRejected", "Stalled"}
 
@@ -264,10 +269,13 @@ class Soak:
 
 
 class Customer(threading.Thread):
-    """One customer of a team: owns the DIs it creates and does everything to them in turn."""
+    """One customer of a team: owns the DIs it creates and does everything to them in turn. A
+    steady one creates a DI in each region, then only manages its tokens: its DIs run unchanged
+    by their customer, so the mid-run upgrade reaches them through the fleet rollout alone."""
 
-    def __init__(self, soak, team, token, vpcs, index):
+    def __init__(self, soak, team, token, vpcs, index, steady=False):
         super().__init__(daemon=True, name=f"customer-{index}")
+        self.steady = steady
         self.soak = soak
         self.team = team
         self.token = token
@@ -308,6 +316,12 @@ class Customer(threading.Thread):
 
     def step(self):
         live = [i for i in self.mine if not self.di(i)["deleted"]]
+        if self.steady:
+            if len(self.mine) < len(REGIONS):
+                self.create()
+            elif live:
+                self.tokens(self.rng.choice(live))
+            return
         choices = [("create", 3 if len(live) < self.soak.args.dis_per_customer else 0), ("bad-input", 0.5)]
         if live:
             choices += [("patch", 4), ("token", 2), ("delete", 1 if len(live) > 1 else 0.3)]
@@ -324,7 +338,7 @@ class Customer(threading.Thread):
             self.delete(self.rng.choice(live))
 
     def create_body(self, godo):
-        region = self.rng.choice(REGIONS)
+        region = REGIONS[len(self.mine)] if self.steady else self.rng.choice(REGIONS)
         vpc = self.rng.choice(self.vpcs[region])
         model, repo = self.rng.choice(MODELS)
         gpu = self.rng.choice(GPUS)
@@ -1088,6 +1102,74 @@ class Chaos(threading.Thread):
                 os.kill(pid, signal.SIGCONT)
 
 
+class Upgrade(threading.Thread):
+    """An operator's rolling upgrade of the workers, 40% into the run: a new model-server image
+    in `<state>/worker.env`, then each worker stopped (SIGTERM) and started again by its
+    supervisor with it, one at a time, each once its replacement runs."""
+
+    def __init__(self, soak, chaos):
+        super().__init__(daemon=True, name="upgrade")
+        self.soak = soak
+        self.chaos = chaos
+        self.done = False
+
+    def run(self):
+        if self.soak.stop.wait(self.soak.args.seconds * 0.4):
+            return
+        self.soak.log(f"upgrade: the workers restart one at a time with {UPGRADE_IMAGE}")
+        with open(os.path.join(self.soak.state, "worker.env"), "w") as f:
+            f.write(f"VLLM_IMAGE={UPGRADE_IMAGE}\n")
+        old = self.chaos.pids("worker")
+        for pid in old:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue  # killed by chaos meanwhile: it starts with the new settings
+            deadline = now() + 60
+            while now() < deadline and (pid in self.chaos.pids("worker") or len(self.chaos.pids("worker")) < len(old)):
+                time.sleep(0.2)
+        self.done = True
+        self.soak.log("upgrade: every worker restarted")
+
+
+def rollout_finished(soak):
+    """After the upgrade, each region's newest rollout finishes without halting: every active
+    DI's model servers run the new image, and `regional fleet status` shows no failed DI."""
+    active = {d["id"] for d in soak.dis.values() if d.get("outcome") == "active"}
+    pg = soak.args.central_db.rsplit("/", 1)[0]
+    deadline = now() + soak.args.settle
+    for region in REGIONS:
+        behind = None
+        while now() < deadline:
+            inv = httpx.get(f"{soak.sim(region)}/_sim/inventory", timeout=30).json()
+            behind = sorted(
+                f"{o['metadata']['namespace']}/{o['metadata']['name']}: {c.get('image')}"
+                for objs in inv["kubernetes"].values() for o in objs
+                if o["kind"] == "Deployment" and o["metadata"]["name"].startswith("vllm-")
+                and o["metadata"].get("labels", {}).get("dedicated-inference.dev/id") in active
+                for c in o["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"
+                and c.get("image") != UPGRADE_IMAGE)
+            if not behind:
+                break
+            time.sleep(2)
+        status = subprocess.run([os.path.join(soak.args.bin, "regional"), "fleet", "status"],
+                                env={**os.environ, "DATABASE_URL": f"{pg}/region_{region}"},
+                                capture_output=True, text=True, timeout=60)
+        rollouts = json.loads(status.stdout) if status.returncode == 0 else None
+        newest = rollouts[0] if rollouts else None
+        if behind:
+            soak.violate("rollout-finishes", f"{region}: {len(behind)} model servers not on the new image "
+                         f"within {soak.args.settle:.0f}s, e.g. {behind[:3]}; rollouts: {rollouts}")
+        elif newest is None or newest["state"] != "rolling" or newest["dis"]["failed"]:
+            soak.violate("rollout-finishes", f"{region}: newest rollout {newest} ({status.stderr[-300:]})")
+        else:
+            # Each DI the rollout restarted is a check: none (every DI changed by its customer
+            # since) would leave the rollout itself unexercised.
+            soak.checked("rollout-finishes", newest["dis"]["done"])
+            with soak.lock:
+                soak.counts[f"fleet rollout in {region}: DIs rolled"] = newest["dis"]["done"]
+
+
 # ---------------------------------------------------------------------- the end checks
 
 def converge(soak, watcher):
@@ -1286,6 +1368,7 @@ def main():
     p.add_argument("--dis-per-customer", type=int, default=2)
     p.add_argument("--settle", type=float, default=240, help="seconds allowed to converge, and to tear down")
     p.add_argument("--no-chaos", action="store_true")
+    p.add_argument("--no-upgrade", action="store_true", help="no rolling upgrade of the workers mid-run")
     p.add_argument("--do-latency-ms", type=int, default=int(os.environ.get("REGION_SIM_DO_LATENCY_MS", "0")),
                    help="the DigitalOcean API's everyday latency, kept under every fault")
     p.add_argument("--faults", default=",".join(FAULTS),
@@ -1313,6 +1396,8 @@ def main():
         vpcs = {r: [soak.make_vpc(team, r, f"soak-{t}-{r}-{i}") for i in range(2)] for r in REGIONS}
         for c in range(args.customers_per_team):
             customers.append(Customer(soak, team, token, vpcs, t * args.customers_per_team + c))
+        if t == 0:
+            customers.append(Customer(soak, team, token, vpcs, args.teams * args.customers_per_team, steady=True))
     soak.customers = customers
     watcher = Watcher(soak)
     chaos = Chaos(soak)
@@ -1321,17 +1406,23 @@ def main():
     watcher.start()
     if not args.no_chaos:
         chaos.start()
+    upgrade = Upgrade(soak, chaos)
+    if not args.no_upgrade:
+        upgrade.start()
     soak.stop.wait(args.seconds)
     soak.stop.set()
     print("soak: stopping the customers and the chaos", flush=True)
     for c in customers:
         c.join(timeout=180)
     chaos.join(timeout=60)
+    upgrade.join(timeout=120)
     chaos.heal()
     watcher.join(timeout=60)
 
     print("soak: waiting for every DI to settle", flush=True)
     converge(soak, watcher)
+    if upgrade.done:
+        rollout_finished(soak)
     n_central, n_region = compare_views(soak, teams)
     print("soak: deleting everything at once", flush=True)
     teardown(soak, watcher)
@@ -1341,7 +1432,7 @@ def main():
     # The report.
     elapsed = now() - soak.started
     by_invariant = collections.Counter(v[1] for v in soak.violations)
-    invariants = ["converges", "lifecycle", "bad-input-refused", "one-effect-per-2xx", "retries-find-their-create", "keys-finish", "no-one-sided-di",
+    invariants = ["converges", "rollout-finishes", "lifecycle", "bad-input-refused", "one-effect-per-2xx", "retries-find-their-create", "keys-finish", "no-one-sided-di",
                   "central-equals-region", "revocation-within-5s", "serving-through-updates",
                   "made-up-tokens-refused", "valid-tokens-accepted",
                   "no-unexpected-5xx", "no-unexpected-4xx", "no-secret-in-logs", "nothing-left", "soak-driver"]
@@ -1358,7 +1449,8 @@ def main():
     # flood's refusals are required once chaos sent a flood; the soak driver's own crashes are
     # not a check.
     required = [inv for inv in invariants if inv != "soak-driver"
-                and (inv != "made-up-tokens-refused" or soak.faults["token-flood"])]
+                and (inv != "made-up-tokens-refused" or soak.faults["token-flood"])
+                and (inv != "rollout-finishes" or not args.no_upgrade)]
     unexercised = [inv for inv in required if soak.checks[inv] == 0]
     print("invariants (checks):")
     for inv in invariants:
