@@ -13,7 +13,7 @@
 //! the picker's queue TTL passes ([`PoolRoute::queue_ttl`]: 503 with the picker's dropped
 //! reason) or the gateway's stream idle timeout does ([`PoolRoute::stream_idle`]: 408). Held
 //! requests are counted per pool ([`held_requests`]): the EPP's queue-size gauge. Once routed,
-//! a response must be complete within the route's timeout ([`PoolRoute::request_timeout`]);
+//! a response must be complete within the route's timeout ([`Backend::route_timeout`]);
 //! the wait in the picker's queue does not count, as Envoy's router, which keeps the timer,
 //! comes after the picker's ext_proc filter.
 
@@ -115,9 +115,6 @@ pub struct PoolRoute {
     /// How long the gateway lets the held request sit without a byte ([`STREAM_IDLE_TIMEOUT`],
     /// or the route's own, see [`ROUTE_IDLE_FLOOR`]); `None`: no limit (a zero request timeout).
     pub stream_idle: Option<Duration>,
-    /// How long a response may take once the request is routed to a pod (Envoy's route timeout:
-    /// the rule's `timeouts.request`, else [`ROUTE_TIMEOUT`]); `None`: no limit.
-    pub request_timeout: Option<Duration>,
 }
 
 impl Default for PoolRoute {
@@ -128,7 +125,6 @@ impl Default for PoolRoute {
             flow_control: false,
             queue_ttl: crate::picker::DEFAULT_QUEUE_TTL,
             stream_idle: Some(STREAM_IDLE_TIMEOUT),
-            request_timeout: None,
         }
     }
 }
@@ -189,6 +185,10 @@ pub struct Backend {
     pub model: Option<String>,
     /// What the serving model needs to know about the pod and its pool.
     pub serving: crate::serving::BackendServing,
+    /// How long an answer from this pod may take once the request is routed to it (Envoy's
+    /// route timeout: the `timeouts.request` of the rule leading to its pool, else
+    /// [`ROUTE_TIMEOUT`]); `None`: no limit.
+    pub route_timeout: Option<Duration>,
 }
 
 impl Backend {
@@ -197,6 +197,7 @@ impl Backend {
             pod: pod.into(),
             model: model.map(str::to_string),
             serving: Default::default(),
+            route_timeout: None,
         }
     }
 }
@@ -383,8 +384,27 @@ struct Admitted {
     backends: Vec<Backend>,
     /// This request's turn in the round robin (one per request, whichever pods it may use).
     turn: usize,
-    /// When the route's timeout cuts the response.
-    deadline: Option<tokio::time::Instant>,
+    /// When the request was routed (after any wait in the picker's queue, which Envoy's route
+    /// timer does not count).
+    routed_at: tokio::time::Instant,
+}
+
+impl Admitted {
+    /// When the route's timeout cuts the answer of the chosen pod: its rule's timeout in the
+    /// time the model runs on (simulated seconds when the serving model is on).
+    fn deadline(&self, timing: &ModelTiming) -> Option<tokio::time::Instant> {
+        let timeout = self
+            .backends
+            .iter()
+            .find(|b| b.pod == self.backend)?
+            .route_timeout?;
+        let timeout = if timing.serving.enabled() {
+            timeout.mul_f64(timing.serving.time_scale)
+        } else {
+            timeout
+        };
+        Some(self.routed_at + timeout)
+    }
 }
 
 /// The gateway's checks, in a gateway's order: faults, route match, authentication, backend.
@@ -442,11 +462,11 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
         ));
     }
     authenticate(&cfg.auth, headers)?;
-    let (endpoints, pool) = if !endpoints.is_empty() {
-        (endpoints, pools.first())
+    let endpoints = if !endpoints.is_empty() {
+        endpoints
     } else if let Some(pool) = pools.iter().find(|p| p.flow_control) {
         // The route's first pool whose picker holds requests holds this one.
-        (hold(inner, pool).await?, Some(pool))
+        hold(inner, pool).await?
     } else {
         return Err(no_healthy_upstream());
     };
@@ -455,9 +475,7 @@ async fn admit(inner: &Inner, path: &str, headers: &HeaderMap) -> Result<Admitte
         backend: endpoints[turn % endpoints.len()].pod.clone(),
         backends: endpoints,
         turn,
-        deadline: pool
-            .and_then(|p| p.request_timeout)
-            .map(|t| tokio::time::Instant::now() + t),
+        routed_at: tokio::time::Instant::now(),
     })
 }
 
@@ -808,10 +826,12 @@ async fn chat(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
             u["usage"] = usage;
             events.push(u);
         }
+        let deadline = a.deadline(&timing);
         let answer = answer_stream(session, events, timing, 1);
-        return with_backend(cut_at(answer, a.deadline), &a.backend);
+        return with_backend(cut_at(answer, deadline), &a.backend);
     }
-    if !answer_within(a.deadline, answer_after(session, &timing, gen.tokens.len())).await {
+    let deadline = a.deadline(&timing);
+    if !answer_within(deadline, answer_after(session, &timing, gen.tokens.len())).await {
         return with_backend(route_timed_out(), &a.backend);
     }
     with_backend(
@@ -895,10 +915,12 @@ async fn completions(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: 
             u["usage"] = usage;
             events.push(u);
         }
+        let deadline = a.deadline(&timing);
         let answer = answer_stream(session, events, timing, 0);
-        return with_backend(cut_at(answer, a.deadline), &a.backend);
+        return with_backend(cut_at(answer, deadline), &a.backend);
     }
-    if !answer_within(a.deadline, answer_after(session, &timing, gen.tokens.len())).await {
+    let deadline = a.deadline(&timing);
+    if !answer_within(deadline, answer_after(session, &timing, gen.tokens.len())).await {
         return with_backend(route_timed_out(), &a.backend);
     }
     with_backend(

@@ -7,9 +7,11 @@
 //! - only a policy its controller accepted for its current generation is applied; none, or one
 //!   refused, leaves answers as they are;
 //! - the first override whose match holds wins: any of its `statusCodes` (a value or a range)
-//!   and every one of its `responseHeaders`;
-//! - the answer then takes the override's status code, content type and body (when given; the
-//!   original's otherwise) and its header additions and settings.
+//!   and every one of its `responseHeaders` (a header sent more than once is matched as its
+//!   values joined with commas, as Envoy's header match input reads it);
+//! - the answer is then replaced by a local reply (`sendLocalReply`): the override's status code
+//!   (else the original's), content type and body (else none), and its header additions and
+//!   settings; nothing of the original's headers or body is kept.
 //!
 //! Which answers the filter sees is not settled by the documents for one case: the endpoint
 //! picker's own reply (an ext_proc immediate response) reaches it only if the inference
@@ -56,18 +58,20 @@ enum MatchKind {
 impl ResponseOverride {
     fn parse(o: &Value) -> Option<ResponseOverride> {
         let m = &o["match"];
-        let statuses = m["statusCodes"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|s| match s["type"].as_str().unwrap_or("Value") {
-                "Range" => Some((
-                    s.pointer("/range/start")?.as_u64()? as u16,
-                    s.pointer("/range/end")?.as_u64()? as u16,
-                )),
-                _ => s["value"].as_u64().map(|v| (v as u16, v as u16)),
-            })
-            .collect();
+        let mut statuses = Vec::new();
+        for s in m["statusCodes"].as_array().into_iter().flatten() {
+            let code = |v: &Value| v.as_u64().and_then(|c| u16::try_from(c).ok());
+            statuses.push(match s["type"].as_str().unwrap_or("Value") {
+                "Range" => (
+                    code(s.pointer("/range/start")?)?,
+                    code(s.pointer("/range/end")?)?,
+                ),
+                _ => {
+                    let c = code(&s["value"])?;
+                    (c, c)
+                }
+            });
+        }
         let mut headers = Vec::new();
         for h in m["responseHeaders"].as_array().into_iter().flatten() {
             let kind = match h.pointer("/value/type").and_then(Value::as_str) {
@@ -110,14 +114,21 @@ impl ResponseOverride {
         let code = resp.status().as_u16();
         (self.statuses.is_empty() || self.statuses.iter().any(|(a, b)| (*a..=*b).contains(&code)))
             && self.headers.iter().all(|h| {
-                resp.headers().get_all(h.name.as_str()).iter().any(|v| {
-                    let v = v.to_str().unwrap_or("");
-                    match h.kind {
-                        MatchKind::Exact => v == h.value,
-                        MatchKind::Prefix => v.starts_with(&h.value),
-                        MatchKind::Suffix => v.ends_with(&h.value),
-                    }
-                })
+                let values: Vec<&str> = resp
+                    .headers()
+                    .get_all(h.name.as_str())
+                    .iter()
+                    .map(|v| v.to_str().unwrap_or(""))
+                    .collect();
+                if values.is_empty() {
+                    return false;
+                }
+                let v = values.join(",");
+                match h.kind {
+                    MatchKind::Exact => v == h.value,
+                    MatchKind::Prefix => v.starts_with(&h.value),
+                    MatchKind::Suffix => v.ends_with(&h.value),
+                }
             })
     }
 }
@@ -153,28 +164,24 @@ pub fn overrides(
     (list, None)
 }
 
-/// `resp` as the first matching override rewrites it (unchanged when none matches).
+/// `resp` as the first matching override replaces it (unchanged when none matches).
 pub fn apply(overrides: &[ResponseOverride], resp: Response) -> Response {
     let Some(o) = overrides.iter().find(|o| o.matches(&resp)) else {
         return resp;
     };
-    let (mut parts, body) = resp.into_parts();
-    if let Some(code) = o.status.and_then(|c| StatusCode::from_u16(c).ok()) {
-        parts.status = code;
-    }
-    let body = match &o.body {
-        Some(text) => {
-            parts.headers.remove(axum::http::header::CONTENT_LENGTH);
-            Body::from(text.clone())
-        }
-        None => body,
-    };
+    let status = o
+        .status
+        .and_then(|c| StatusCode::from_u16(c).ok())
+        .unwrap_or(resp.status());
+    let mut reply = Response::new(Body::from(o.body.clone().unwrap_or_default()));
+    *reply.status_mut() = status;
+    let headers = reply.headers_mut();
     if let Some(ct) = o
         .content_type
         .as_deref()
         .and_then(|c| HeaderValue::from_str(c).ok())
     {
-        parts.headers.insert(axum::http::header::CONTENT_TYPE, ct);
+        headers.insert(axum::http::header::CONTENT_TYPE, ct);
     }
     let header = |(n, v): &(String, String)| {
         Some((
@@ -183,12 +190,12 @@ pub fn apply(overrides: &[ResponseOverride], resp: Response) -> Response {
         ))
     };
     for (n, v) in o.set.iter().filter_map(header) {
-        parts.headers.insert(n, v);
+        headers.insert(n, v);
     }
     for (n, v) in o.add.iter().filter_map(header) {
-        parts.headers.append(n, v);
+        headers.append(n, v);
     }
-    Response::from_parts(parts, body)
+    reply
 }
 
 #[cfg(test)]
@@ -231,8 +238,20 @@ mod tests {
         assert_eq!(r.status(), 503);
         assert_eq!(r.headers()["retry-after"], "30");
         assert_eq!(r.headers()["content-type"], "application/json");
+        assert!(
+            r.headers().get("x-why").is_none(),
+            "a local reply keeps nothing of the original"
+        );
         let body = axum::body::to_bytes(r.into_body(), 1 << 10).await.unwrap();
         assert_eq!(&body[..], b"{}");
+        let mut twice = answer(StatusCode::SERVICE_UNAVAILABLE, Some("cold"));
+        twice
+            .headers_mut()
+            .append("x-why", HeaderValue::from_static("cold"));
+        assert!(
+            apply(&list, twice).headers().get("retry-after").is_none(),
+            "matched as \"cold,cold\""
+        );
         for other in [
             answer(StatusCode::SERVICE_UNAVAILABLE, None),
             answer(StatusCode::SERVICE_UNAVAILABLE, Some("other")),

@@ -345,9 +345,9 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     };
     let mut endpoints = Vec::new();
     let mut pools = Vec::new();
-    for (pool_name, (stream_idle, request_timeout)) in pool_names.iter().zip(idle_limits) {
+    for (pool_name, (stream_idle, route_timeout)) in pool_names.iter().zip(idle_limits) {
         let (ready, spec) = pool_endpoints(objs, &ns, pool_name, gateway, &mut w.problems);
-        endpoints.extend(ready);
+        endpoints.extend(ready.into_iter().map(|b| Backend { route_timeout, ..b }));
         pools.push(PoolRoute {
             name: pool_name.clone(),
             key: spec.key.clone(),
@@ -358,7 +358,6 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
                 .and_then(|p| p.queue_ttl)
                 .unwrap_or(crate::picker::DEFAULT_QUEUE_TTL),
             stream_idle,
-            request_timeout,
         });
     }
     endpoints.sort_by(|a, b| a.pod.cmp(&b.pod));
@@ -485,6 +484,14 @@ fn pool_endpoints(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A ready pod as a rule without `timeouts.request` routes to it (Envoy's 15 s).
+    fn routed(pod: &str, model: Option<&str>) -> Backend {
+        Backend {
+            route_timeout: Some(ROUTE_TIMEOUT),
+            ..Backend::new(pod, model)
+        }
+    }
     use serde_json::json;
 
     fn b64(s: &str) -> String {
@@ -553,7 +560,7 @@ mod tests {
             without_serving(&w.config.route),
             Route::Pool {
                 paths: vec!["/".into()],
-                endpoints: vec![Backend::new("vllm-1-a", Some("big"))],
+                endpoints: vec![routed("vllm-1-a", Some("big"))],
                 pools: vec![],
             }
         );
@@ -580,8 +587,8 @@ mod tests {
             Route::Pool {
                 paths: vec!["/".into()],
                 endpoints: vec![
-                    Backend::new("vllm-new", Some("big")),
-                    Backend::new("vllm-old", Some("org/small")),
+                    routed("vllm-new", Some("big")),
+                    routed("vllm-old", Some("org/small")),
                 ],
                 pools: vec![],
             }
@@ -615,8 +622,8 @@ mod tests {
             Route::Pool {
                 paths: vec!["/".into()],
                 endpoints: vec![
-                    Backend::new("vllm-1-a", Some("big")),
-                    Backend::new("vllm-2-a", Some("small")),
+                    routed("vllm-1-a", Some("big")),
+                    routed("vllm-2-a", Some("small")),
                 ],
                 pools: vec![],
             }

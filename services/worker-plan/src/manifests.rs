@@ -149,9 +149,10 @@ pub fn cold_start_hold(m: &Model, hold: Duration) -> Duration {
 pub const COLD_START_RETRY_AFTER: u32 = 30;
 
 /// The header in which the endpoint picker (llm-d-router) says why it dropped a request, and
-/// its value when a request's queue TTL ran out with no endpoint to send it to.
+/// the prefix of every such reason: `rejected-no-endpoints` when a request's queue TTL ran out
+/// with no endpoint to send it to (v0.10; some versions say `rejected-ttl-expired`).
 pub const DROPPED_REASON_HEADER: &str = "x-llm-d-request-dropped-reason";
-pub const DROPPED_NO_ENDPOINTS: &str = "rejected-no-endpoints";
+pub const DROPPED_REASON_PREFIX: &str = "rejected-";
 
 /// How long a response may take once the model server has the request (HTTPRoute
 /// `timeouts.request`, Envoy's route timeout): long generations stream for many minutes, and
@@ -667,17 +668,18 @@ fn security_policy(input: &ManifestInput) -> Value {
 }
 
 /// Envoy Gateway's BackendTrafficPolicy on the DI's Gateway: when the endpoint picker gives up
-/// on a request it held through a cold start (503, `rejected-no-endpoints`), the client gets
+/// on a request it held through a cold start (503 with a dropped reason), the client gets
 /// `Retry-After` and an error in OpenAI's shape instead of the picker's bare answer.
 ///
-/// Envoy Gateway overrides responses with Envoy's custom response filter. Whether that filter
-/// sees a reply the picker's ext_proc filter makes itself depends on where the inference
-/// extension puts ext_proc in the filter chain, which the documents do not settle; where it does
-/// not, the client still gets the picker's 503, which OpenAI's and DigitalOcean's clients retry
-/// with their own backoff.
+/// Best effort, so the DI's readiness does not wait for it: Envoy Gateway overrides responses
+/// with Envoy's custom response filter, and whether that filter sees a reply the picker's
+/// ext_proc filter makes itself depends on where the inference extension puts ext_proc in the
+/// filter chain, which the documents do not settle; where it does not (or the policy is not
+/// accepted), the client still gets the picker's 503, which OpenAI's and DigitalOcean's clients
+/// retry with their own backoff. The message holds for any 503 it could match.
 fn traffic_policy(input: &ManifestInput) -> Value {
     let body = json!({"error": {
-        "message": "The model is starting from zero replicas and was not ready in time; retry shortly.",
+        "message": "No replica could take the request in time (a model starting from zero replicas takes minutes); retry shortly.",
         "type": "server_error",
         "code": 503,
     }});
@@ -691,7 +693,7 @@ fn traffic_policy(input: &ManifestInput) -> Value {
                 "match": {
                     "statusCodes": [{"type": "Value", "value": 503}],
                     "responseHeaders": [{"name": DROPPED_REASON_HEADER,
-                                         "value": {"type": "Exact", "value": DROPPED_NO_ENDPOINTS}}],
+                                         "value": {"type": "Prefix", "value": DROPPED_REASON_PREFIX}}],
                 },
                 "response": {
                     "contentType": "application/json",
@@ -1214,7 +1216,7 @@ mod tests {
         assert_eq!(o["match"]["statusCodes"][0]["value"], 503);
         assert_eq!(
             o["match"]["responseHeaders"][0]["value"]["value"],
-            DROPPED_NO_ENDPOINTS
+            DROPPED_REASON_PREFIX
         );
         assert_eq!(o["response"]["header"]["add"][0]["name"], "Retry-After");
         let body: Value =

@@ -30,9 +30,8 @@ pub enum ObjectWait {
     LoadBalancer {
         name: String,
     },
-    /// A policy of the gateway (the endpoint's authentication, its answer for a cold start that
-    /// ran out) that its controller has not accepted for the current generation; `refused`:
-    /// the reason it gave, if it refused.
+    /// A policy of the gateway (the endpoint's authentication) that its controller has not
+    /// accepted for the current generation; `refused`: the reason it gave, if it refused.
     Policy {
         /// The policy's kind, in lower case.
         kind: String,
@@ -679,9 +678,7 @@ pub fn assess(di_id: &Uuid, desired: &[Value], observed: &[Value]) -> Assessment
     for d in desired {
         match d["kind"].as_str() {
             Some("Deployment") => waiting_for.extend(deployment_waits(d, observed)),
-            Some("SecurityPolicy" | "BackendTrafficPolicy") => {
-                waiting_for.extend(policy_waits(d, observed))
-            }
+            Some("SecurityPolicy") => waiting_for.extend(policy_waits(d, observed)),
             Some("Service") if d["spec"]["type"] == "LoadBalancer" => {
                 let name = s(d, "/metadata/name").unwrap_or("");
                 let url = observed_of(d, observed).and_then(endpoint_url);
@@ -764,7 +761,7 @@ mod tests {
                         "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}));
                 }
             }
-            if d["kind"] == "SecurityPolicy" || d["kind"] == "BackendTrafficPolicy" {
+            if d["kind"] == "SecurityPolicy" {
                 o["metadata"]["generation"] = json!(1);
                 o["status"] = json!({"ancestors": [{"ancestorRef": d["spec"]["targetRefs"][0],
                     "controllerName": "c", "conditions": [{"type": "Accepted", "status": "True",
@@ -829,6 +826,23 @@ mod tests {
         assert!(!assess(&di(), &d, &o).progress.ready);
         o.retain(|x| x["kind"] != "SecurityPolicy");
         assert!(!assess(&di(), &d, &o).progress.ready, "a missing policy");
+    }
+
+    /// The gateway's traffic policy (`Retry-After` after a cold start) is best effort: a
+    /// controller that never accepts it leaves the DI serving, and so ready.
+    #[test]
+    fn a_traffic_policy_not_accepted_keeps_nothing_waiting() {
+        let d = desired(1, true, false);
+        let mut o = converged(&d);
+        let p = o
+            .iter_mut()
+            .find(|x| x["kind"] == "BackendTrafficPolicy")
+            .expect("rendered");
+        p["status"] =
+            json!({"ancestors": [{"conditions": [{"type": "Accepted", "status": "False"}]}]});
+        assert!(assess(&di(), &d, &o).progress.ready);
+        o.retain(|x| x["kind"] != "BackendTrafficPolicy");
+        assert!(assess(&di(), &d, &o).progress.ready);
     }
 
     #[test]

@@ -648,7 +648,7 @@ async fn a_request_waits_out_a_cold_start_of_minutes() {
 
 /// Envoy's route timeout, on tokio's paused clock: a rule without `timeouts.request` gets
 /// Envoy's 15 s, so an answer that takes 20 s is cut (504 before its headers; a stream ends in an
-/// error after them); a rule with an hour lets it through.
+/// error after them); a rule with an hour lets it through, another model's included.
 #[tokio::test(start_paused = true)]
 async fn a_route_timeout_cuts_a_response_that_takes_longer() {
     let timing = Arc::new(RwLock::new(ModelTiming {
@@ -661,15 +661,20 @@ async fn a_route_timeout_cuts_a_response_that_takes_longer() {
     let ep = Endpoint::start(&front, ip, timing, Arc::new(Faults::default()));
     let (ca, cert, key) = pki("ca-route", &ep);
     let c = client(&ca);
-    let route = |request_timeout: Option<Duration>| {
-        let mut cfg = wired(&cert, &key, &["pod-a"]);
-        if let Route::Pool { pools, .. } = &mut cfg.route {
-            pools.push(PoolRoute {
-                name: "pool".into(),
-                key: format!("route-timeout-{ip}"),
-                request_timeout,
-                ..PoolRoute::default()
-            });
+    // Two models, each behind its own rule: the rule of the pod that answers decides.
+    let route = |timeout: Option<Duration>| {
+        let mut cfg = wired(&cert, &key, &[]);
+        if let Route::Pool { endpoints, .. } = &mut cfg.route {
+            let backend = |pod: &str, model: &str, route_timeout| Backend {
+                route_timeout,
+                ..Backend::new(pod, Some(model))
+            };
+            endpoints.push(backend("pod-a", MODEL, timeout));
+            endpoints.push(backend(
+                "pod-b",
+                "other-model",
+                Some(Duration::from_secs(3600)),
+            ));
         }
         cfg
     };
@@ -690,6 +695,17 @@ async fn a_route_timeout_cuts_a_response_that_takes_longer() {
         .unwrap();
     assert_eq!(r.status(), 200, "the stream's headers go out at once");
     assert!(r.text().await.is_err(), "the stream is cut, not ended");
+
+    // The other model's rule gives an hour: its answer is not cut.
+    let r = c
+        .post(format!("{}/v1/chat/completions", ep.url()))
+        .bearer_auth(TOKEN)
+        .json(&json!({"model": "other-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-sim-backend"], "pod-b");
 
     ep.update(route(Some(Duration::from_secs(3600)))).unwrap();
     let r = chat(&c, &ep, TOKEN).await;

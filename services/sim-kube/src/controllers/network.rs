@@ -598,6 +598,21 @@ fn traffic_policy_problem(policy: &Value) -> Option<String> {
         if o.get("response").is_none() || o.pointer("/response/body/valueRef").is_some() {
             return Some("only inline local responses are simulated".into());
         }
+        let m = &o["match"];
+        for s in m["statusCodes"].as_array().into_iter().flatten() {
+            let valid = match s["type"].as_str().unwrap_or("Value") {
+                "Range" => s.pointer("/range/start").is_some() && s.pointer("/range/end").is_some(),
+                _ => s["value"].is_u64(),
+            };
+            if !valid {
+                return Some("a statusCodes entry without its value or range".into());
+            }
+        }
+        for h in m["responseHeaders"].as_array().into_iter().flatten() {
+            if h.pointer("/value/type").and_then(Value::as_str) == Some("RegularExpression") {
+                return Some("RegularExpression header matches are not simulated".into());
+            }
+        }
     }
     None
 }
