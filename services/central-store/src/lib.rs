@@ -605,7 +605,10 @@ impl CentralStore {
         Ok((row.team_id == team_id).then_some(row))
     }
 
-    /// One page of the team's live DIs (public JSON bodies), oldest first, with the total.
+    /// One page of the team's live DIs (public JSON bodies), oldest first, with the total. From
+    /// memory when the team's list is cached (see [`read_cache`]); otherwise one query reads
+    /// the team's whole list to cache it, or, for a team above the cache's size per team, the
+    /// page alone.
     pub async fn dedicated_inference_list(
         &self,
         team_id: Uuid,
@@ -614,6 +617,24 @@ impl CentralStore {
         page: i64,
         per_page: i64,
     ) -> Result<(Vec<String>, i64)> {
+        let list = match self.cache.list(team_id) {
+            Some(list) => Some(list),
+            None if self.cache.serving() => Some(self.team_list(team_id).await?),
+            None => None,
+        };
+        if let Some(list) = list.filter(|l| !l.too_large) {
+            let matching = list.entries.iter().filter(|e| {
+                region.is_none_or(|r| e.region == r) && name.is_none_or(|n| e.name == n)
+            });
+            let total = matching.clone().count();
+            let skip = usize::try_from((page - 1).saturating_mul(per_page)).unwrap_or(usize::MAX);
+            let bodies = matching
+                .skip(skip)
+                .take(usize::try_from(per_page).unwrap_or(0))
+                .map(|e| e.body.clone())
+                .collect();
+            return Ok((bodies, i64::try_from(total).unwrap_or(i64::MAX)));
+        }
         let rows: Vec<(String, i64)> = sqlx::query_as(
             "SELECT body::text, count(*) OVER () FROM dedicated_inferences
              WHERE team_id = $1 AND state = 'live' AND body IS NOT NULL
@@ -640,6 +661,33 @@ impl CentralStore {
             .await?,
         };
         Ok((rows.into_iter().map(|(body, _)| body).collect(), total))
+    }
+
+    /// The team's whole list, read to be cached (for a team too large, only that it is).
+    async fn team_list(&self, team_id: Uuid) -> Result<Arc<read_cache::TeamList>> {
+        let ticket = self.cache.ticket();
+        let entries: Vec<read_cache::ListEntry> = sqlx::query_as(
+            "SELECT region, name, body::text AS body FROM dedicated_inferences
+             WHERE team_id = $1 AND state = 'live' AND body IS NOT NULL
+             ORDER BY created_at, id LIMIT $2",
+        )
+        .bind(team_id)
+        .bind(read_cache::MAX_CACHED_LIST as i64 + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let list = Arc::new(if entries.len() > read_cache::MAX_CACHED_LIST {
+            read_cache::TeamList {
+                entries: Vec::new(),
+                too_large: true,
+            }
+        } else {
+            read_cache::TeamList {
+                entries,
+                too_large: false,
+            }
+        });
+        self.cache.fill_list(ticket, team_id, list.clone());
+        Ok(list)
     }
 
     /// Merges a region's view of a DI; a view older than the one held is ignored.

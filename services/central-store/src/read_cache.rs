@@ -1,10 +1,13 @@
 //! An in-process cache of ownership rows, so that a GET (and the ownership check in front of every
-//! per-DI operation) costs no database round trip.
+//! per-DI operation) costs no database round trip, and of teams' lists, so that a list does not
+//! either.
 //!
 //! Coherence comes from Postgres itself: a trigger on `dedicated_inferences` sends the id of every
-//! changed row on [`CHANNEL`] when its transaction commits, and [`watch`] drops that id from the
-//! cache. Every central replica therefore sees another replica's write as soon as it commits, and
-//! a replica's own writes also invalidate synchronously, so its client reads what it just wrote.
+//! changed row on [`CHANNEL`] and its team on [`TEAM_CHANNEL`] when its transaction commits, and
+//! [`watch`] drops that row and that team's list from the cache. Every central replica therefore
+//! sees another replica's write as soon as it commits, and a replica's own writes also invalidate
+//! synchronously (the row, and every list: the writer need not know the team), so its client
+//! reads what it just wrote.
 //!
 //! The cache only serves while the listener is connected: before the first `LISTEN`, and from a
 //! lost connection until a new `LISTEN` is in place, it is empty and bypassed, because
@@ -24,8 +27,16 @@ use crate::Owned;
 /// The channel the `dedicated_inferences` trigger notifies (migration 0002).
 pub const CHANNEL: &str = "central_dedicated_inferences";
 
-/// Beyond this many rows new fills are skipped; the rows already held keep serving.
+/// The channel on which the same trigger names the changed row's team (migration 0006).
+pub const TEAM_CHANNEL: &str = "central_team_lists";
+
+/// Beyond this many rows new fills are skipped; the rows already held keep serving. The same
+/// bound holds for the entries of every cached list together.
 const CAPACITY: usize = 200_000;
+
+/// A team with more live DIs than this is listed from the database page by page: rebuilding its
+/// whole list after each of its changes would cost more than the pages it serves.
+pub(crate) const MAX_CACHED_LIST: usize = 1_000;
 
 #[derive(Default)]
 pub(crate) struct ReadCache {
@@ -35,8 +46,59 @@ pub(crate) struct ReadCache {
 #[derive(Default)]
 struct Inner {
     rows: HashMap<Uuid, Arc<Owned>>,
+    lists: HashMap<Uuid, Arc<TeamList>>,
+    list_entries: usize,
+    /// The last invalidations of lists, `(generation, team)`, newest last (`None`: every team):
+    /// a list filled from a read taken at an older generation is refused only if its own team
+    /// changed since, so writes of other teams do not keep a list from being cached.
+    list_changes: std::collections::VecDeque<(u64, Option<Uuid>)>,
+    /// The generation of the newest invalidation the log let go of.
+    list_changes_forgotten: u64,
     generation: u64,
     listening: bool,
+}
+
+/// How many list invalidations [`Inner::list_changes`] remembers.
+const LIST_CHANGES: usize = 4096;
+
+impl Inner {
+    fn list_changed(&mut self, team: Option<Uuid>) {
+        self.generation += 1;
+        if self.list_changes.len() == LIST_CHANGES {
+            if let Some((g, _)) = self.list_changes.pop_front() {
+                self.list_changes_forgotten = g;
+            }
+        }
+        self.list_changes.push_back((self.generation, team));
+    }
+
+    /// Whether `team`'s list may have changed after generation `since`.
+    fn list_changed_since(&self, team: Uuid, since: u64) -> bool {
+        // A change the log no longer holds may have been this team's.
+        self.list_changes_forgotten > since
+            || self
+                .list_changes
+                .iter()
+                .rev()
+                .take_while(|(g, _)| *g > since)
+                .any(|(_, t)| t.is_none_or(|t| t == team))
+    }
+}
+
+/// A team's live DIs that have a public body, oldest first (`created_at`, then id), as a list
+/// reads them; or, for a team above [`MAX_CACHED_LIST`], only that it is (its pages are read
+/// from the database, without first reading its whole list again).
+#[derive(Debug, Default)]
+pub(crate) struct TeamList {
+    pub(crate) entries: Vec<ListEntry>,
+    pub(crate) too_large: bool,
+}
+
+#[derive(Debug, sqlx::FromRow)]
+pub(crate) struct ListEntry {
+    pub(crate) region: String,
+    pub(crate) name: String,
+    pub(crate) body: String,
 }
 
 /// Proof of when a fill read the database: [`ReadCache::fill`] refuses it if anything was
@@ -62,10 +124,49 @@ impl ReadCache {
         }
     }
 
+    pub(crate) fn list(&self, team: Uuid) -> Option<Arc<TeamList>> {
+        let inner = self.inner.read().expect("cache lock");
+        inner.lists.get(&team).cloned()
+    }
+
+    pub(crate) fn fill_list(&self, ticket: Ticket, team: Uuid, list: Arc<TeamList>) {
+        let mut inner = self.inner.write().expect("cache lock");
+        let n = list.entries.len();
+        let Some(since) = ticket.0 else { return };
+        if !inner.list_changed_since(team, since)
+            && inner.listening
+            && inner.list_entries + n <= CAPACITY
+        {
+            inner.list_entries += n;
+            if let Some(old) = inner.lists.insert(team, list) {
+                inner.list_entries -= old.entries.len();
+            }
+        }
+    }
+
+    /// A write of this process to row `id`: the row and every list go.
     pub(crate) fn invalidate(&self, id: Uuid) {
+        let mut inner = self.inner.write().expect("cache lock");
+        inner.list_changed(None);
+        inner.rows.remove(&id);
+        inner.lists.clear();
+        inner.list_entries = 0;
+    }
+
+    /// A committed change of row `id`, by any replica.
+    fn row_changed(&self, id: Uuid) {
         let mut inner = self.inner.write().expect("cache lock");
         inner.generation += 1;
         inner.rows.remove(&id);
+    }
+
+    /// A committed change of one of `team`'s rows, by any replica.
+    fn team_changed(&self, team: Uuid) {
+        let mut inner = self.inner.write().expect("cache lock");
+        inner.list_changed(Some(team));
+        if let Some(old) = inner.lists.remove(&team) {
+            inner.list_entries -= old.entries.len();
+        }
     }
 
     pub(crate) fn serving(&self) -> bool {
@@ -75,14 +176,17 @@ impl ReadCache {
     /// Empties the cache and says whether notifications are arriving from now on.
     fn reset(&self, listening: bool) {
         let mut inner = self.inner.write().expect("cache lock");
-        inner.generation += 1;
+        inner.list_changed(None);
         inner.rows.clear();
+        inner.lists.clear();
+        inner.list_entries = 0;
         inner.listening = listening;
     }
 }
 
-/// Keeps the cache coherent for as long as the future runs: listens on [`CHANNEL`], drops each
-/// notified id, and reconnects (with an empty cache) whenever the connection is lost.
+/// Keeps the cache coherent for as long as the future runs: listens on [`CHANNEL`] and
+/// [`TEAM_CHANNEL`], drops each notified row and team list, and reconnects (with an empty cache)
+/// whenever the connection is lost.
 pub(crate) async fn watch(cache: Arc<ReadCache>, pool: PgPool) {
     loop {
         match listen(&pool).await {
@@ -91,9 +195,10 @@ pub(crate) async fn watch(cache: Arc<ReadCache>, pool: PgPool) {
                 // `Ok(None)` is a dropped connection: sqlx would re-LISTEN silently, but whatever
                 // was sent in between is lost, so start over.
                 while let Ok(Some(n)) = listener.try_recv().await {
-                    match n.payload().parse::<Uuid>() {
-                        Ok(id) => cache.invalidate(id),
-                        Err(_) => cache.reset(true),
+                    match (n.channel(), n.payload().parse::<Uuid>()) {
+                        (TEAM_CHANNEL, Ok(team)) => cache.team_changed(team),
+                        (_, Ok(id)) => cache.row_changed(id),
+                        (_, Err(_)) => cache.reset(true),
                     }
                 }
                 cache.reset(false);
@@ -109,6 +214,44 @@ pub(crate) async fn watch(cache: Arc<ReadCache>, pool: PgPool) {
 
 async fn listen(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
     let mut listener = PgListener::connect_with(pool).await?;
-    listener.listen(CHANNEL).await?;
+    listener.listen_all([CHANNEL, TEAM_CHANNEL]).await?;
     Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listening() -> ReadCache {
+        let cache = ReadCache::default();
+        cache.reset(true);
+        cache
+    }
+
+    /// A list read while another team changed is cached; one read while its own team changed,
+    /// or while this process wrote, is not; nor one the change log no longer reaches back to.
+    #[test]
+    fn a_list_fill_is_refused_only_for_changes_of_its_own_team() {
+        let (team, other) = (Uuid::new_v4(), Uuid::new_v4());
+        let cache = listening();
+        let fill = |cache: &ReadCache, between: &dyn Fn(&ReadCache)| {
+            let ticket = cache.ticket();
+            between(cache);
+            cache.fill_list(ticket, team, Arc::default());
+            cache.list(team).is_some()
+        };
+        assert!(fill(&cache, &|c| {
+            c.row_changed(Uuid::new_v4());
+            c.team_changed(other);
+        }));
+        cache.team_changed(team);
+        assert!(!fill(&cache, &|c| c.team_changed(team)));
+        assert!(!fill(&cache, &|c| c.invalidate(Uuid::new_v4())));
+        assert!(!fill(&cache, &|c| {
+            for _ in 0..=LIST_CHANGES {
+                c.team_changed(other);
+            }
+        }));
+        assert!(fill(&cache, &|_| {}));
+    }
 }

@@ -404,6 +404,20 @@ async fn api_tokens(pool: PgPool) {
     assert!(store.api_token_by_hash(&[2u8; 32]).await.unwrap().is_none());
 }
 
+/// Starts the read caches of `replicas` (central replicas on one database) and waits until each
+/// listens; abort the handles to stop them.
+async fn caching(replicas: &[&CentralStore]) -> Vec<tokio::task::JoinHandle<()>> {
+    let watchers = replicas
+        .iter()
+        .map(|r| tokio::spawn(r.watch_read_cache()))
+        .collect();
+    test_support::until(Duration::from_secs(10), "listeners connected", async || {
+        replicas.iter().all(|r| r.read_cache_serving())
+    })
+    .await;
+    watchers
+}
+
 /// Two central replicas on one database: each serves lookups from memory, sees its own writes at
 /// once and the other's as soon as Postgres delivers the commit's notification.
 #[sqlx::test(migrator = "central_store::MIGRATOR")]
@@ -418,15 +432,8 @@ async fn read_cache_is_coherent_across_replicas(pool: PgPool) {
     a.read_model_apply(&update(id, team, "x", "new", &body, 1))
         .await
         .unwrap();
-    let watchers = [
-        tokio::spawn(a.watch_read_cache()),
-        tokio::spawn(b.watch_read_cache()),
-    ];
+    let watchers = caching(&[&a, &b]).await;
     let ten_seconds = std::time::Duration::from_secs(10);
-    test_support::until(ten_seconds, "listeners connected", async || {
-        a.read_cache_serving() && b.read_cache_serving()
-    })
-    .await;
     let status = |s: &CentralStore| {
         let s = s.clone();
         async move {
@@ -719,4 +726,140 @@ async fn a_create_confirmed_after_its_di_is_gone_keeps_no_response(pool: PgPool)
             .unwrap(),
         IdempotencyState::Erased { di_id: Some(d) } if d == id
     ));
+}
+
+/// A team's list served from memory agrees with the database page for page (filters, pages past
+/// the end), follows the other replica's creates and deletes once Postgres delivers the commit's
+/// notification and this replica's own writes at once, and a team too large to cache is paged
+/// from the database.
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn team_lists_are_served_from_memory_and_stay_coherent(pool: PgPool) {
+    let a = CentralStore::new(pool.clone());
+    let b = CentralStore::new(pool.clone());
+    let uncached = CentralStore::new(pool.clone());
+    let (team, other_team) = (Uuid::new_v4(), Uuid::new_v4());
+    let apply = async |s: &CentralStore, id: Uuid, team: Uuid, region: &str, name: &str, seq| {
+        let body = json!({"id": id, "name": name, "region": region});
+        s.read_model_apply(&ReadModelUpdate {
+            region,
+            ..update(id, team, name, "active", &body, seq)
+        })
+        .await
+        .unwrap();
+    };
+    let ids: Vec<Uuid> = (0..7).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        let region = if i % 2 == 0 { "atl1" } else { "nyc2" };
+        apply(&a, *id, team, region, &format!("di-{i}"), 1).await;
+    }
+    apply(&a, Uuid::new_v4(), other_team, "atl1", "theirs", 1).await;
+    let watchers = caching(&[&a, &b]).await;
+    let ten_seconds = std::time::Duration::from_secs(10);
+    let names = |s: &CentralStore,
+                 region: Option<&'static str>,
+                 name: Option<&'static str>,
+                 page,
+                 per_page| {
+        let s = s.clone();
+        async move {
+            let (bodies, total) = s
+                .dedicated_inference_list(team, region, name, page, per_page)
+                .await
+                .unwrap();
+            let names: Vec<String> = bodies
+                .iter()
+                .map(|b| {
+                    serde_json::from_str::<serde_json::Value>(b).unwrap()["name"]
+                        .as_str()
+                        .unwrap()
+                        .to_string()
+                })
+                .collect();
+            (names, total)
+        }
+    };
+    for (region, name) in [
+        (None, None),
+        (Some("nyc2"), None),
+        (None, Some("di-4")),
+        (Some("atl1"), Some("di-1")),
+    ] {
+        for (page, per_page) in [(1, 20), (1, 3), (2, 3), (3, 3), (4, 3), (9, 2)] {
+            assert_eq!(
+                names(&b, region, name, page, per_page).await,
+                names(&uncached, region, name, page, per_page).await,
+                "{region:?} {name:?} page {page} of {per_page}"
+            );
+        }
+    }
+    assert_eq!(
+        names(&b, None, None, 1, 20).await.1,
+        7,
+        "only the team's own"
+    );
+
+    // A write that sends no notification is invisible to B: proof that it lists from memory.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL session_replication_role = replica")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE dedicated_inferences SET state = 'gone' WHERE id = $1")
+        .bind(ids[0])
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        names(&b, None, None, 1, 20).await.1,
+        7,
+        "B read the database"
+    );
+    assert_eq!(names(&uncached, None, None, 1, 20).await.1, 6);
+    sqlx::query("UPDATE dedicated_inferences SET state = 'live' WHERE id = $1")
+        .bind(ids[0])
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    // A new DI from replica A: A lists it at once, B once the notification arrives.
+    apply(&a, Uuid::new_v4(), team, "tor1", "newest", 1).await;
+    assert_eq!(names(&a, None, None, 1, 20).await.1, 8);
+    test_support::until(ten_seconds, "B lists the new DI", async || {
+        names(&b, None, None, 3, 3).await.0 == ["di-6", "newest"]
+    })
+    .await;
+    // B's own write: listed at once.
+    apply(&b, Uuid::new_v4(), team, "tor1", "b-own", 1).await;
+    assert_eq!(
+        names(&b, Some("tor1"), None, 1, 20).await.0,
+        ["newest", "b-own"]
+    );
+
+    // Past the size cached per team: pages come from the database, still right.
+    sqlx::query(
+        "INSERT INTO dedicated_inferences (id, team_id, region, name, state, status, body, created_at)
+         SELECT gen_random_uuid(), $1, 'atl1', 'bulk-' || n, 'live', 'active',
+                jsonb_build_object('name', 'bulk-' || n), now() + n * interval '1 second'
+         FROM generate_series(1, 1000) n",
+    )
+    .bind(team)
+    .execute(&pool)
+    .await
+    .unwrap();
+    test_support::until(ten_seconds, "B sees the bulk insert", async || {
+        names(&b, None, None, 1, 20).await.1 == 1009
+    })
+    .await;
+    assert_eq!(
+        names(&b, None, None, 50, 20).await,
+        names(&uncached, None, None, 50, 20).await
+    );
+    let last = names(&b, None, None, 51, 20).await;
+    assert_eq!(last, names(&uncached, None, None, 51, 20).await);
+    assert_eq!(last.0.len(), 9);
+    assert_eq!(last.0.last().unwrap(), "bulk-1000");
+    for w in watchers {
+        w.abort();
+    }
 }
