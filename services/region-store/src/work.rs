@@ -393,6 +393,18 @@ impl Store {
         Ok(())
     }
 
+    /// Whether any DI's ledger records a cluster named `name`. Every cluster is recorded before
+    /// it is created, and its last record goes only once its deletion began: without one, no
+    /// cluster of that name is running or being created.
+    pub async fn ledger_cluster_recorded(&self, name: &str) -> Result<bool> {
+        Ok(sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM teardown_ledger WHERE kind = 'cluster' AND name = $1)",
+        )
+        .bind(name)
+        .fetch_one(&self.pool)
+        .await?)
+    }
+
     /// The DI's recorded resources, oldest first (delete walks them in reverse).
     pub async fn ledger_entries(&self, di_id: Uuid) -> Result<Vec<LedgerEntry>> {
         let mut conn = self.pool.acquire().await?;

@@ -232,6 +232,33 @@ fn do_requests(env: &Env) -> u64 {
         .unwrap_or(0)
 }
 
+/// DIs in new VPCs, one each: a cluster recorded nowhere cannot exist, so none of theirs is
+/// looked for in a list of the region's clusters; filling a region with VPCs costs no list per
+/// VPC (it did: one list of every cluster, page by page, for each new VPC).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_vpc_gets_its_cluster_without_a_list_of_the_regions_clusters() {
+    let env = env_with(None).await;
+    let mut dis = Vec::new();
+    for i in 0..4 {
+        let vpc = env.new_vpc(&format!("vpc-{i}")).await;
+        dis.push(env.create_in(vpc, 1).await.0);
+    }
+    let w = env.worker().await;
+    for di in &dis {
+        env.wait_active(di.id, 1).await;
+    }
+    let requests = env.sim.stats().requests;
+    let lists = requests
+        .get("do")
+        .and_then(|by_kind| by_kind.get("GET /v2/kubernetes/clusters"))
+        .copied()
+        .unwrap_or(0);
+    assert_eq!(lists, 0, "{requests:?}");
+    assert_eq!(env.cloud().cluster_list().await.unwrap().len(), 4);
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resync_asks_digitalocean_nothing_until_the_nodes_change() {
     let env = env_with(None).await;

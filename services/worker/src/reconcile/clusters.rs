@@ -24,7 +24,20 @@ impl Reconciler {
         ledger: &mut Ledger<'_>,
     ) -> Result<std::result::Result<(String, KubeClient), Pass>> {
         let poll = self.settings.poll;
-        let cluster = match self.find_cluster(name, false).await? {
+        // A new VPC's cluster is recorded nowhere yet: then none exists, and the region's
+        // clusters are not listed (a list for every new VPC made filling a region quadratic).
+        // One known by id, or recorded, is looked for as before.
+        let known = self
+            .cluster_ids
+            .lock()
+            .expect("cluster ids")
+            .contains_key(name);
+        let found = if known || self.store.ledger_cluster_recorded(name).await? {
+            self.find_cluster(name, false).await?
+        } else {
+            None
+        };
+        let cluster = match found {
             Some(c) => c,
             None => {
                 ledger.record(LEDGER_CLUSTER, name, "", None).await?;

@@ -229,12 +229,37 @@ impl Env {
 
     /// Creates a DI; returns it and its managed token's value.
     pub async fn create(&self, scale: i32) -> (Record, String) {
+        self.create_in(self.vpc, scale).await
+    }
+
+    /// A new VPC of the simulated region (`POST /v2/vpcs`).
+    pub async fn new_vpc(&self, name: &str) -> Uuid {
+        let v: serde_json::Value = reqwest::Client::new()
+            .post(format!("{}/v2/vpcs", self.sim.base_url()))
+            .bearer_auth(SIM_TOKEN)
+            .json(&serde_json::json!({"name": name, "region": "atl1"}))
+            .send()
+            .await
+            .unwrap()
+            .error_for_status()
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        v["vpc"]["id"].as_str().unwrap().parse().unwrap()
+    }
+
+    /// Creates a DI in VPC `vpc`; returns it and its managed token's value.
+    pub async fn create_in(&self, vpc: Uuid, scale: i32) -> (Record, String) {
         let id = Uuid::new_v4();
         let token = common::tokens::mint("di_");
         let req = CreateRequest {
             id,
             team_id: self.team,
-            spec: self.spec(scale, None),
+            spec: Spec {
+                vpc_uuid: Some(vpc),
+                ..self.spec(scale, None)
+            },
             hugging_face_token: None,
             managed_token: NewToken {
                 id: Uuid::new_v4(),
