@@ -354,7 +354,7 @@ impl CentralStore {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
-        self.cache.invalidate(new.di_id);
+        self.cache.invalidate(new.di_id, new.team_id);
         Ok(CreateBegin::Started)
     }
 
@@ -494,7 +494,7 @@ impl CentralStore {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
-        self.cache.invalidate(update.id);
+        self.cache.invalidate(update.id, update.team_id);
         Ok(())
     }
 
@@ -576,7 +576,8 @@ impl CentralStore {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
-        self.cache.invalidate(di_id);
+        // A pending row: no list shows it.
+        self.cache.row_changed(di_id);
         Ok(())
     }
 
@@ -607,8 +608,8 @@ impl CentralStore {
 
     /// One page of the team's live DIs (public JSON bodies), oldest first, with the total. From
     /// memory when the team's list is cached (see [`read_cache`]); otherwise one query reads
-    /// the team's whole list to cache it, or, for a team above the cache's size per team, the
-    /// page alone.
+    /// the team's whole list to cache it, or, for a team above the cache's size per team (250
+    /// live DIs), the page alone.
     pub async fn dedicated_inference_list(
         &self,
         team_id: Uuid,
@@ -617,6 +618,8 @@ impl CentralStore {
         page: i64,
         per_page: i64,
     ) -> Result<(Vec<String>, i64)> {
+        // Pages count from 1; the handlers enforce it, the store holds to it whatever the caller.
+        let (page, per_page) = (page.max(1), per_page.max(0));
         let list = match self.cache.list(team_id) {
             Some(list) => Some(list),
             None if self.cache.serving() => Some(self.team_list(team_id).await?),
@@ -695,7 +698,7 @@ impl CentralStore {
         let mut tx = self.pool.begin().await?;
         apply(&mut tx, update).await?;
         tx.commit().await?;
-        self.cache.invalidate(update.id);
+        self.cache.invalidate(update.id, update.team_id);
         Ok(())
     }
 
@@ -707,7 +710,7 @@ impl CentralStore {
             .bind(name)
             .execute(&self.pool)
             .await;
-        self.cache.invalidate(id);
+        self.cache.invalidate(id, team_id);
         match renamed {
             Err(sqlx::Error::Database(e))
                 if e.constraint() == Some("dedicated_inferences_team_name") =>
