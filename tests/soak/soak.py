@@ -342,6 +342,10 @@ class Customer(threading.Thread):
         vpc = self.rng.choice(self.vpcs[region])
         model, repo = self.rng.choice(MODELS)
         gpu = self.rng.choice(GPUS)
+        if self.steady:
+            # A catalog model on the first size: nothing about it may fail, so the rollout has
+            # a DI to move in each region.
+            (model, repo), gpu = MODELS[0], GPUS[0]
         deployment = {"model_slug": model, "model_provider": "hugging_face",
                       "accelerators": [{"scale": 1, "type": "prefill_decode", "accelerator_slug": gpu}]}
         if repo:
