@@ -1131,6 +1131,7 @@ class Upgrade(threading.Thread):
                 continue  # killed by chaos meanwhile: it starts with the new settings
             deadline = now() + 60
             while now() < deadline and (pid in self.chaos.pids("worker") or len(self.chaos.pids("worker")) < len(old)):
+                # Real time: another process restarting, seen only through its pid.
                 time.sleep(0.2)
         self.done = True
         self.soak.log("upgrade: every worker restarted")
@@ -1155,6 +1156,7 @@ def rollout_finished(soak):
                 and c.get("image") != UPGRADE_IMAGE)
             if not behind:
                 break
+            # Real time: the simulator's inventory, polled from outside as an operator would.
             time.sleep(2)
         status = subprocess.run([os.path.join(soak.args.bin, "regional"), "fleet", "status"],
                                 env={**os.environ, "DATABASE_URL": f"{pg}/region_{region}"},
