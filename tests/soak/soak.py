@@ -1111,15 +1111,23 @@ class Upgrade(threading.Thread):
     in `<state>/worker.env`, then each worker stopped (SIGTERM) and started again by its
     supervisor with it, one at a time, each once its replacement runs."""
 
-    def __init__(self, soak, chaos):
+    def __init__(self, soak, chaos, steady):
         super().__init__(daemon=True, name="upgrade")
         self.soak = soak
         self.chaos = chaos
+        self.steady = steady
         self.done = False
+        # The steady customer's DIs active before the upgrade: only the rollout may restart them.
+        self.active_before = []
 
     def run(self):
         if self.soak.stop.wait(self.soak.args.seconds * 0.4):
             return
+        for di_id in list(self.steady.mine):
+            resp = self.steady.get(di_id)
+            body = resp.json().get("dedicated_inference", {}) if resp.status_code == 200 else {}
+            if body.get("status") == "active" and body.get("pending_deployment_spec") is None:
+                self.active_before.append(di_id)
         self.soak.log(f"upgrade: the workers restart one at a time with {UPGRADE_IMAGE}")
         with open(os.path.join(self.soak.state, "worker.env"), "w") as f:
             f.write(f"VLLM_IMAGE={UPGRADE_IMAGE}\n")
@@ -1137,10 +1145,34 @@ class Upgrade(threading.Thread):
         self.soak.log("upgrade: every worker restarted")
 
 
-def rollout_finished(soak):
+def rollout_finished(soak, upgrade):
     """After the upgrade, each region's newest rollout finishes without halting: every active
-    DI's model servers run the new image, and `regional fleet status` shows no failed DI."""
+    DI's model servers run the new image, and `regional fleet status` shows no failed DI. A DI
+    active before the upgrade and left unchanged by its customer (the steady one's) moved under
+    the rollout's budget: it carries the rollout's `PlatformUpdated` event."""
     active = {d["id"] for d in soak.dis.values() if d.get("outcome") == "active"}
+    for di_id in upgrade.active_before:
+        if di_id not in active:
+            continue
+        reasons, page = [], 1
+        while True:  # every page: each token change is an event too
+            ev = soak.request(upgrade.steady.client, "GET",
+                              f"/v2/dedicated-inferences/{di_id}/events?per_page=200&page={page}", what="settle")
+            if ev is None or ev.status_code != 200:
+                reasons = None
+                break
+            events = ev.json()["events"]
+            reasons += [e["reason"] for e in events]
+            if len(events) < 200:
+                break
+            page += 1
+        if reasons is None:
+            continue
+        if "PlatformUpdated" in reasons:
+            soak.checked("rollout-finishes")
+        else:
+            soak.violate("rollout-finishes", f"{di_id} was active before the upgrade and moved outside the "
+                         f"fleet rollout: events {reasons[-8:]}")
     pg = soak.args.central_db.rsplit("/", 1)[0]
     deadline = now() + soak.args.settle
     for region in REGIONS:
@@ -1412,7 +1444,7 @@ def main():
     watcher.start()
     if not args.no_chaos:
         chaos.start()
-    upgrade = Upgrade(soak, chaos)
+    upgrade = Upgrade(soak, chaos, next(c for c in customers if c.steady))
     if not args.no_upgrade:
         upgrade.start()
     soak.stop.wait(args.seconds)
@@ -1428,7 +1460,7 @@ def main():
     print("soak: waiting for every DI to settle", flush=True)
     converge(soak, watcher)
     if upgrade.done:
-        rollout_finished(soak)
+        rollout_finished(soak, upgrade)
     n_central, n_region = compare_views(soak, teams)
     print("soak: deleting everything at once", flush=True)
     teardown(soak, watcher)
