@@ -13,9 +13,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use either::Either;
+use futures::StreamExt;
 use kube::api::{ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::watcher;
 use kube::{Api, Client, Config};
+
+pub use kube::runtime::watcher::Event as WatchEvent;
+
+/// How long the server keeps a watch open before the watcher starts the next one from where
+/// it left off (kube-runtime's default is 290 s).
+const WATCH_TIMEOUT_SECS: u32 = 240;
+/// A watch's longest silence before its connection is taken for dead: past the server's own
+/// end of the watch, so a quiet kind is not re-listed, yet a connection lost without a word
+/// is noticed within minutes.
+pub const WATCH_READ_TIMEOUT: Duration = Duration::from_secs(WATCH_TIMEOUT_SECS as u64 + 60);
 use serde_json::Value;
 
 use common::errors::{Classify, ErrorClass};
@@ -263,7 +275,7 @@ pub enum Deleted {
 #[derive(Debug, Clone)]
 pub struct KubeClientOptions {
     pub connect_timeout: Duration,
-    /// Time to wait for a response (these clients do no watches).
+    /// Time to wait for a response (watches wait [`WATCH_READ_TIMEOUT`] instead).
     pub read_timeout: Duration,
     pub write_timeout: Duration,
     pub retry: RetryConfig,
@@ -293,6 +305,8 @@ struct Counters {
 #[derive(Clone)]
 pub struct KubeClient {
     client: Client,
+    /// The same server and credentials, with the longer read timeout of a watch.
+    watch_client: Client,
     field_manager: String,
     retry: RetryConfig,
     counters: Arc<Counters>,
@@ -385,14 +399,21 @@ impl KubeClient {
         if config.cluster_url.scheme_str() == Some("http") && config.root_cert.is_none() {
             config.root_cert = Some(Vec::new());
         }
-        let client = Client::try_from(config)
-            .map_err(|e| KubeError::Config(format!("building the client: {e}")))?;
-        Ok(Self::from_client(client, field_manager, options.retry))
+        let mut watch_config = config.clone();
+        watch_config.read_timeout = Some(WATCH_READ_TIMEOUT);
+        let build = |config| {
+            Client::try_from(config)
+                .map_err(|e| KubeError::Config(format!("building the client: {e}")))
+        };
+        let mut kube = Self::from_client(build(config)?, field_manager, options.retry);
+        kube.watch_client = build(watch_config)?;
+        Ok(kube)
     }
 
     /// Wraps an existing kube client (its own retry layer should be off).
     pub fn from_client(client: Client, field_manager: &str, retry: RetryConfig) -> KubeClient {
         KubeClient {
+            watch_client: client.clone(),
             client,
             field_manager: field_manager.to_string(),
             retry,
@@ -623,6 +644,60 @@ impl KubeClient {
         .await;
         let list = self.noted(list)?;
         list.items.into_iter().map(|o| to_value(o, &ar)).collect()
+    }
+
+    /// Every object of a kind in every namespace that matches `label_selector`, then every
+    /// change to them: kube-runtime's watcher (a LIST, then a WATCH from its resourceVersion,
+    /// re-listed when the server answers 410 Gone), objects as JSON with `apiVersion` and
+    /// `kind`. Errors are yielded and the stream goes on (the watcher backs off by itself only
+    /// if the caller asks it to); a 401 marks the credentials rejected as any request's does.
+    pub fn watch(
+        &self,
+        api_version: &str,
+        kind: &str,
+        label_selector: &str,
+    ) -> Result<
+        impl futures::Stream<Item = Result<WatchEvent<Value>, KubeError>> + Send + 'static,
+        KubeError,
+    > {
+        let (_, ar) = self.api(api_version, kind, None, true)?;
+        let api: Api<DynamicObject> = Api::all_with(self.watch_client.clone(), &ar);
+        let mut config = watcher::Config::default().timeout(WATCH_TIMEOUT_SECS);
+        if !label_selector.is_empty() {
+            config = config.labels(label_selector);
+        }
+        let me = self.clone();
+        Ok(watcher::watcher(api, config).map(move |event| {
+            let event = match event {
+                Ok(e) => e,
+                Err(e) => {
+                    let e = match e {
+                        watcher::Error::InitialListFailed(e)
+                        | watcher::Error::WatchStartFailed(e)
+                        | watcher::Error::WatchFailed(e) => KubeError::from(e),
+                        watcher::Error::WatchError(status) => {
+                            KubeError::from(kube::Error::Api(status))
+                        }
+                        e @ watcher::Error::NoResourceVersion => {
+                            KubeError::InvalidObject(e.to_string())
+                        }
+                    };
+                    metrics::kubernetes("watch", Outcome::of(e.class()));
+                    return me.noted(Err(e));
+                }
+            };
+            let value = |o| to_value(o, &ar);
+            Ok(match event {
+                WatchEvent::Apply(o) => WatchEvent::Apply(value(o)?),
+                WatchEvent::Delete(o) => WatchEvent::Delete(value(o)?),
+                WatchEvent::Init => {
+                    metrics::kubernetes("watch", Outcome::Ok);
+                    WatchEvent::Init
+                }
+                WatchEvent::InitApply(o) => WatchEvent::InitApply(value(o)?),
+                WatchEvent::InitDone => WatchEvent::InitDone,
+            })
+        }))
     }
 
     /// Deletes with Background propagation. A missing object (or a missing namespace) is

@@ -199,7 +199,7 @@ impl Store {
              UPDATE work_items w
              SET holder = $1, lease_token = gen_random_uuid(),
                  expires_at = now() + $2 * interval '1 millisecond',
-                 holder_pid = $4, holder_session_start = $5
+                 holder_pid = $4, holder_session_start = $5, woken = false
              FROM due WHERE w.di_id = due.di_id
              RETURNING w.di_id, w.lease_token, due.seq, due.lease_expired, w.traceparent"
         ))
@@ -302,7 +302,9 @@ impl Store {
         let done = sqlx::query(
             "UPDATE work_items SET holder = NULL, lease_token = NULL, expires_at = NULL,
                  holder_pid = NULL, holder_session_start = NULL,
-                 next_check_after = now() + $4 * interval '1 millisecond',
+                 next_check_after = CASE WHEN woken THEN now()
+                                         ELSE now() + $4 * interval '1 millisecond' END,
+                 woken = false,
                  seen_seq = greatest(seen_seq, $3), checked_at = now(), retrying = $5
              WHERE di_id = $1 AND lease_token = $2",
         )
@@ -314,6 +316,25 @@ impl Store {
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    /// Makes DIs `ids` due now: their Kubernetes objects changed and their worker did not
+    /// wait for it (a cluster watch saw it). Those already due within `soon` are left as they
+    /// are, so the passes of a DI that is moving are not multiplied; a DI under a lease is
+    /// marked, as its pass may have looked before the change (see [`Store::work_release`]).
+    /// Returns how many were woken.
+    pub async fn work_wake(&self, ids: &[Uuid], soon: Duration) -> Result<u64> {
+        let done = sqlx::query(
+            "UPDATE work_items SET next_check_after = least(next_check_after, now()),
+                 woken = holder IS NOT NULL
+             WHERE di_id = ANY($1)
+               AND (holder IS NOT NULL OR next_check_after > now() + $2 * interval '1 millisecond')",
+        )
+        .bind(ids)
+        .bind(millis(soon) as f64)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
     }
 
     /// Records the DI's current progress fingerprint (under a lease, only while it is held: the

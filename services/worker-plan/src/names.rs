@@ -66,6 +66,11 @@ pub fn namespace(di_id: &Uuid) -> String {
     format!("di-{di_id}")
 }
 
+/// The DI whose namespace `ns` is (see [`namespace`]).
+pub fn di_of_namespace(ns: &str) -> Option<Uuid> {
+    ns.strip_prefix("di-")?.parse().ok()
+}
+
 /// The DOKS cluster shared by the DIs of one VPC: `di-<vpc uuid>`.
 pub fn cluster(vpc_uuid: &Uuid) -> String {
     format!("di-{vpc_uuid}")
@@ -132,6 +137,14 @@ pub fn model_label(model_id: &Uuid) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_namespace_names_its_di() {
+        let di = Uuid::new_v4();
+        assert_eq!(di_of_namespace(&namespace(&di)), Some(di));
+        assert_eq!(di_of_namespace("kube-system"), None);
+        assert_eq!(di_of_namespace("di-not-a-uuid"), None);
+    }
 
     fn id(s: &str) -> Uuid {
         s.parse().unwrap()

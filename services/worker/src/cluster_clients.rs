@@ -9,14 +9,19 @@
 //! a third for passes already using it and for DigitalOcean being unavailable at that moment; a
 //! client whose credentials the cluster refused (401: revoked, or expired early) is never handed
 //! out again.
+//!
+//! Each client's cluster is watched ([`crate::watch_cache`]) from the first resync that reads it
+//! until the client is replaced or forgotten: the watches use the client's credentials.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::clock::Clock;
 
 use cloud_clients::{DoClient, DoError, KubeClient, KubeClientOptions, KubeError};
+
+use crate::watch_cache::{ClusterCache, Wakes, Watched};
 
 /// When credentials that do not say when they expire are renewed.
 const RENEW_UNDATED: Duration = Duration::from_secs(3600);
@@ -36,6 +41,8 @@ struct Entry {
     renew_at: Instant,
     /// When the server stops accepting them, if it said.
     expires_at: Option<Instant>,
+    /// The cluster's watches through this client, once a resync asked for them.
+    cache: Option<Arc<ClusterCache>>,
 }
 
 impl Entry {
@@ -65,6 +72,8 @@ pub struct ClusterClients {
     options: KubeClientOptions,
     /// The clock credentials expire by (the system's outside tests).
     clock: Clock,
+    /// Where every cluster's watches report DIs whose objects changed.
+    wakes: Arc<Wakes>,
 }
 
 impl ClusterClients {
@@ -75,7 +84,33 @@ impl ClusterClients {
             field_manager: field_manager.to_string(),
             options,
             clock,
+            wakes: Arc::new(Wakes::default()),
         }
+    }
+
+    /// The DIs that the clusters' watches saw change.
+    pub fn wakes(&self) -> Arc<Wakes> {
+        self.wakes.clone()
+    }
+
+    /// The watch cache of cluster `id`, through its current client while that is fresh
+    /// (see [`ClusterClients::fresh`]), started now watching `kinds` if it was not yet.
+    pub fn cache(
+        &self,
+        id: &str,
+        kinds: impl FnOnce() -> Vec<Watched>,
+    ) -> Option<Arc<ClusterCache>> {
+        let now = self.clock.instant();
+        let mut cache = self.cache.lock().expect("cluster clients");
+        let e = cache.get_mut(id)?;
+        if !(e.renew_at > now && e.usable(now)) {
+            return None;
+        }
+        let kube = &e.kube;
+        let started = e.cache.get_or_insert_with(|| {
+            Arc::new(ClusterCache::start(kube, kinds(), self.wakes.clone()))
+        });
+        Some(started.clone())
     }
 
     pub fn set_options(&mut self, options: KubeClientOptions) {
@@ -139,6 +174,7 @@ impl ClusterClients {
                 kube: kube.clone(),
                 renew_at: now + renew,
                 expires_at: expires_in.map(|left| now + left),
+                cache: None,
             },
         );
         Ok(kube)

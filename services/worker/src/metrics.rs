@@ -36,6 +36,13 @@ pub const FLEET_DIS: &str = "worker_fleet_rollout_dis";
 /// `halted`), 0 for the others.
 pub const FLEET_STATE: &str = "worker_fleet_rollout_state";
 
+/// `worker_observed_total{source}`: passes that read their DI's objects from the cluster's
+/// watch cache (`cache`) or listed them (`list`).
+pub const OBSERVED: &str = "worker_observed_total";
+/// `worker_watch_wakes_total`: DIs made due because their cluster's watches saw their objects
+/// change.
+pub const WATCH_WAKES: &str = "worker_watch_wakes_total";
+
 /// A pass runs from milliseconds (nothing to do) to about a minute (a cloud API retried until
 /// the retry policy's time bound), beyond the default request-latency buckets.
 const PASS_BUCKETS: &[f64] = &[
@@ -181,6 +188,24 @@ pub fn lease_lost(n: usize) {
 }
 
 /// Counts what a pass did with a fleet rollout slot.
+pub fn observed(source: &'static str) {
+    common::metrics::counter_add(
+        OBSERVED,
+        "Passes by where they read their DI's objects: the cluster's watch cache, or a list",
+        vec![("source", source.to_string())],
+        1.0,
+    );
+}
+
+pub fn watch_wakes(n: usize) {
+    common::metrics::counter_add(
+        WATCH_WAKES,
+        "DIs made due because their cluster's watches saw their objects change",
+        vec![],
+        n as f64,
+    );
+}
+
 pub fn fleet_slot(outcome: &'static str) {
     common::metrics::counter_add(
         FLEET_SLOTS,

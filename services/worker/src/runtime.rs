@@ -157,6 +157,7 @@ pub struct WorkerHandle {
     session_stop: watch::Sender<bool>,
     session: tokio::task::JoinHandle<()>,
     sampler: tokio::task::JoinHandle<()>,
+    waker: tokio::task::JoinHandle<()>,
     /// The metrics server stops last, so that it can be scraped while passes finish.
     metrics_stop: oneshot::Sender<()>,
     metrics_server: tokio::task::JoinHandle<()>,
@@ -223,6 +224,7 @@ impl Worker {
             async move { queue.keep_session(url, session_stop_rx).await }
         });
         let sampler = tokio::spawn(sample_queue_depth(shared.clone(), stop_rx.clone()));
+        let waker = tokio::spawn(wake_changed(shared.clone(), stop_rx.clone()));
         let main = tokio::spawn(run(shared.clone(), stop_rx, running.clone()));
         let (metrics_stop, metrics_stop_rx) = oneshot::channel();
         let metrics_server =
@@ -235,6 +237,7 @@ impl Worker {
             session_stop,
             session,
             sampler,
+            waker,
             metrics_stop,
             metrics_server,
             metrics_addr,
@@ -271,6 +274,7 @@ impl WorkerHandle {
         let _ = self.session_stop.send(true);
         let _ = self.session.await;
         let _ = self.sampler.await;
+        let _ = self.waker.await;
         let _ = self.metrics_stop.send(());
         let _ = self.metrics_server.await;
         tracing::info!(worker = %self.shared.config.worker_id, "worker stopped");
@@ -283,6 +287,7 @@ impl WorkerHandle {
         self.listener.abort();
         self.session.abort();
         self.sampler.abort();
+        self.waker.abort();
         self.metrics_server.abort();
     }
 }
@@ -478,6 +483,54 @@ async fn run_pass(shared: &Shared, claim: Claim) {
         Ok(_) => shared.schedule(next),
         Err(e) => {
             tracing::warn!(di = %id, error = %e, "releasing the lease failed; it will expire")
+        }
+    }
+}
+
+/// Gathers a burst of watch events (a rollout's pods) into one statement.
+const WAKE_GATHER: Duration = Duration::from_millis(250);
+/// A DI due within this is left alone by a wake: it is moving, and is looked at soon anyway.
+const WAKE_UNLESS_DUE_WITHIN: Duration = Duration::from_secs(3);
+
+/// Makes due the DIs whose objects the cluster watches saw change (see
+/// [`crate::watch_cache`]), so that a change behind the worker's back is repaired in seconds
+/// rather than at the next resync, and looks for work at once. Every worker of the region
+/// learns of them: the DI is due for whichever claims it. A failed write is tried again with
+/// the next batch.
+async fn wake_changed(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let wakes = shared.reconciler.wakes();
+    loop {
+        tokio::select! {
+            _ = wakes.notified() => {}
+            _ = stop.changed() => return,
+        }
+        tokio::time::sleep(WAKE_GATHER).await;
+        let ids = wakes.take();
+        if ids.is_empty() {
+            continue;
+        }
+        match shared.store.work_wake(&ids, WAKE_UNLESS_DUE_WITHIN).await {
+            Ok(woken) => {
+                metrics::watch_wakes(woken as usize);
+                if woken > 0 {
+                    tracing::debug!(
+                        woken,
+                        seen = ids.len(),
+                        "DIs changed in their clusters; looking at them now"
+                    );
+                    shared.wake.notify_one();
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, count = ids.len(), "waking changed DIs failed; trying again");
+                for id in ids {
+                    wakes.wake(id);
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = stop.changed() => return,
+                }
+            }
         }
     }
 }

@@ -70,8 +70,11 @@ impl Reconciler {
             Ok(at) => at,
             Err(wait) => return Ok(wait),
         };
+        // A resync reads the cluster's watch cache; a DI that is moving (or restarting under
+        // a fleet slot) lists, as it must judge its own writes.
+        let cached = c.resync && at.trusted && !self.fleet_moving(&c);
         let observed = match self
-            .observe(&at.kube, rec.id, &names::namespace(&rec.id))
+            .observe(&at, rec.id, &names::namespace(&rec.id), cached)
             .await
         {
             Err(e) if at.trusted => {

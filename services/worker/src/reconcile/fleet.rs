@@ -40,6 +40,12 @@ impl Reconciler {
         }
     }
 
+    /// The DI's pods are restarting under a slot of this worker's rollout, or going back from
+    /// a failed one.
+    pub(super) fn fleet_moving(&self, c: &Converging<'_>) -> bool {
+        matches!(self.slot(c), Slot::Rolling | Slot::Failed)
+    }
+
     /// Holds back, in `desired`, the restarts this pass may not make: on a resync without a slot
     /// (and none to be had), each restarting Deployment keeps the template it runs; with a failed
     /// slot, the one it ran before. A customer's own change applies as rendered. Returns whether

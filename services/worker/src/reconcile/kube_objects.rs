@@ -14,7 +14,9 @@ use uuid::Uuid;
 use super::converge::Reached;
 use super::ledger::Ledger;
 use super::{ReconcileError, Reconciler, Result, LEDGER_NAMESPACE};
+use crate::metrics;
 use crate::plan::{self, names, AccessTokenHash, TlsPair};
+use crate::watch_cache::{Owner, Watched};
 
 /// The kinds the worker renders, observed for readiness and pruning: (apiVersion, kind).
 const RENDERED_KINDS: &[(&str, &str)] = &[
@@ -91,14 +93,54 @@ pub(super) fn tls(cas: &[NewCa], observed: &[Value]) -> Result<TlsPair> {
     }
 }
 
+/// What a cluster's watch cache keeps: the rendered kinds, the pods of DI namespaces and the
+/// nodes of DI pools, as [`Reconciler::observe`] lists them.
+fn watched() -> Vec<Watched> {
+    let managed = format!("{}={}", names::MANAGED_BY_LABEL, names::MANAGED_BY);
+    RENDERED_KINDS
+        .iter()
+        .map(|(api_version, kind)| Watched {
+            api_version,
+            kind,
+            selector: managed.clone(),
+            owner: Owner::Label,
+        })
+        .chain([
+            Watched {
+                api_version: "v1",
+                kind: "Pod",
+                selector: String::new(),
+                owner: Owner::Namespace,
+            },
+            Watched {
+                api_version: "v1",
+                kind: "Node",
+                selector: names::DI_ID_LABEL.to_string(),
+                owner: Owner::Label,
+            },
+        ])
+        .collect()
+}
+
 impl Reconciler {
-    /// The DI's rendered objects, its pods and its nodes.
+    /// The DI's rendered objects, its pods and its nodes: from the cluster's watch cache when
+    /// `cached` and the cache is synced (see [`crate::watch_cache`] for when a pass may), else
+    /// listed. The first pass to reach a cluster starts its watches, so that changes behind the
+    /// worker's back wake the DIs of the cluster from then on.
     pub(super) async fn observe(
         &self,
-        kube: &KubeClient,
+        at: &Reached,
         id: Uuid,
         ns: &str,
+        cached: bool,
     ) -> Result<Vec<Value>> {
+        let cache = self.kube.cache(&at.cluster_id, watched);
+        if let Some(objects) = cache.filter(|_| cached).and_then(|c| c.objects(id, ns)) {
+            metrics::observed("cache");
+            return Ok(objects);
+        }
+        metrics::observed("list");
+        let kube = &at.kube;
         let sel = label_selector(id);
         let node_sel = format!("{}={}", names::DI_ID_LABEL, id);
         // The lists are independent: issue them at once (the pass waits for one round trip, not

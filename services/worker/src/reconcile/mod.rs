@@ -239,6 +239,11 @@ impl Reconciler {
 
     /// The same reconciler, making its cluster clients with `options` (the DigitalOcean client
     /// comes configured; tests that drive passes one by one want few or quick retries).
+    /// The DIs that this worker's cluster watches saw change (see [`crate::watch_cache`]).
+    pub fn wakes(&self) -> Arc<crate::watch_cache::Wakes> {
+        self.kube.wakes()
+    }
+
     pub fn with_kube_options(mut self, options: KubeClientOptions) -> Self {
         Arc::get_mut(&mut self.shared)
             .expect("options are set before the reconciler is shared")

@@ -1,0 +1,411 @@
+//! What the worker's resyncs observe, kept per cluster by watches rather than listed per pass.
+//!
+//! A cluster's cache runs one watch per kind the worker reads (the kinds it renders, pods,
+//! nodes), shared by every DI of the cluster, as client-go's informers and kube-runtime's
+//! reflectors do: a LIST, then a WATCH resumed from its `resourceVersion`, and a fresh LIST
+//! when the server says the watch is too old (410 Gone). Objects are indexed by the DI they
+//! belong to, so a resync reads its DI's objects without a request, and a change that the
+//! worker did not wait for (an object deleted or edited behind its back, a pod that crashed, a
+//! node that went away) wakes the DI's pass at once instead of at its next resync.
+//!
+//! Only resyncs read the cache (see `Reconciler::observe`): a watch lags the server, and a
+//! pass that has just written and then judges readiness from a copy older than its write could
+//! take a DI for ready too early. Passes of a DI that is moving list as before. A kind whose
+//! watch failed is not trusted until it has listed again: until then resyncs list too.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cloud_clients::{KubeClient, WatchEvent};
+use futures::StreamExt;
+use serde_json::Value;
+use tokio::sync::Notify;
+use uuid::Uuid;
+
+use crate::plan::names;
+
+/// Who a watched object belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    /// The DI named by its [`names::DI_ID_LABEL`] label.
+    Label,
+    /// The DI whose namespace it is in (pods, which carry the labels of their template).
+    Namespace,
+}
+
+/// One kind a cluster's cache watches.
+#[derive(Debug, Clone)]
+pub struct Watched {
+    pub api_version: &'static str,
+    pub kind: &'static str,
+    /// The server-side label selector of the watch (empty: every object of the kind).
+    pub selector: String,
+    pub owner: Owner,
+}
+
+/// DIs whose objects changed under them, to be made due (see `runtime`): a set, so a burst of
+/// events on one DI wakes it once.
+#[derive(Default)]
+pub struct Wakes {
+    due: Mutex<HashSet<Uuid>>,
+    notify: Notify,
+}
+
+impl Wakes {
+    pub fn wake(&self, di: Uuid) {
+        self.due.lock().expect("wakes").insert(di);
+        self.notify.notify_one();
+    }
+
+    /// Waits until at least one DI is to be woken.
+    pub async fn notified(&self) {
+        self.notify.notified().await
+    }
+
+    /// The DIs to wake, forgotten here.
+    pub fn take(&self) -> Vec<Uuid> {
+        self.due.lock().expect("wakes").drain().collect()
+    }
+}
+
+/// Objects of one kind, by DI and then by (namespace, name): the order a LIST returns them in.
+type ByDi = HashMap<Uuid, BTreeMap<(String, String), Value>>;
+
+#[derive(Default)]
+struct KindState {
+    /// Listed, and watching since without a failure.
+    synced: bool,
+    /// Synced once: a later LIST's differences are changes and wake their DIs.
+    listed_before: bool,
+    by_di: ByDi,
+    /// What a LIST in progress has returned so far.
+    listing: Option<ByDi>,
+}
+
+struct KindCache {
+    watched: Watched,
+    state: Mutex<KindState>,
+}
+
+/// The watches of one cluster, for as long as its client is used: dropping the cache stops
+/// them.
+pub struct ClusterCache {
+    kinds: Vec<Arc<KindCache>>,
+    tasks: Vec<tokio::task::AbortHandle>,
+}
+
+impl Drop for ClusterCache {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl ClusterCache {
+    /// Starts watching `kinds` through `kube`; changes after the first LIST wake their DIs.
+    pub fn start(kube: &KubeClient, kinds: Vec<Watched>, wakes: Arc<Wakes>) -> ClusterCache {
+        let kinds: Vec<Arc<KindCache>> = kinds
+            .into_iter()
+            .map(|watched| {
+                Arc::new(KindCache {
+                    watched,
+                    state: Mutex::new(KindState::default()),
+                })
+            })
+            .collect();
+        let tasks = kinds
+            .iter()
+            .map(|k| tokio::spawn(watch(k.clone(), kube.clone(), wakes.clone())).abort_handle())
+            .collect();
+        ClusterCache { kinds, tasks }
+    }
+
+    /// DI `di`'s objects in namespace `ns` (and its cluster-scoped ones, nodes), kind by kind in
+    /// the order the cache was started with; `None` while any kind is not synced.
+    pub fn objects(&self, di: Uuid, ns: &str) -> Option<Vec<Value>> {
+        let mut out = Vec::new();
+        for k in &self.kinds {
+            let state = k.state.lock().expect("watch cache");
+            if !state.synced {
+                return None;
+            }
+            let Some(objects) = state.by_di.get(&di) else {
+                continue;
+            };
+            out.extend(
+                objects
+                    .iter()
+                    .filter(|((o_ns, _), _)| o_ns.is_empty() || o_ns == ns)
+                    .map(|(_, o)| o.clone()),
+            );
+        }
+        Some(out)
+    }
+
+    /// Every kind has listed and watches without a failure.
+    pub fn synced(&self) -> bool {
+        self.kinds
+            .iter()
+            .all(|k| k.state.lock().expect("watch cache").synced)
+    }
+}
+
+/// Watches one kind until the cache is dropped. A failure (the server unreachable, refused
+/// credentials, a watch too old to resume) marks the kind unsynced and, after a backoff,
+/// starts over with a LIST.
+async fn watch(kind: Arc<KindCache>, kube: KubeClient, wakes: Arc<Wakes>) {
+    let w = &kind.watched;
+    let mut failures = 0u32;
+    loop {
+        match kube.watch(w.api_version, w.kind, &w.selector) {
+            Ok(stream) => {
+                let mut stream = std::pin::pin!(stream);
+                while let Some(event) = stream.next().await {
+                    match event {
+                        Ok(event) => {
+                            if kind.handle(event, &wakes) {
+                                failures = 0;
+                            }
+                        }
+                        Err(e) => {
+                            tracing::debug!(kind = w.kind, error = %e, "watch failed; listing again");
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(kind = w.kind, error = %e, "cannot watch"),
+        }
+        {
+            let mut state = kind.state.lock().expect("watch cache");
+            state.synced = false;
+            state.listing = None;
+        }
+        failures = failures.saturating_add(1);
+        let wait = crate::queue::backoff(
+            failures,
+            Duration::from_millis(500),
+            Duration::from_secs(30),
+        );
+        tokio::time::sleep(wait).await;
+    }
+}
+
+impl KindCache {
+    /// Applies one event; true once a LIST completed (the watch works).
+    fn handle(&self, event: WatchEvent<Value>, wakes: &Wakes) -> bool {
+        let mut state = self.state.lock().expect("watch cache");
+        match event {
+            WatchEvent::Init => state.listing = Some(ByDi::new()),
+            WatchEvent::InitApply(o) => {
+                if let Some((di, key, o)) = self.entry(o) {
+                    if let Some(listing) = state.listing.as_mut() {
+                        listing.entry(di).or_default().insert(key, o);
+                    }
+                }
+            }
+            WatchEvent::InitDone => {
+                let listed = state.listing.take().unwrap_or_default();
+                if state.listed_before {
+                    for di in differing(&state.by_di, &listed) {
+                        wakes.wake(di);
+                    }
+                }
+                state.by_di = listed;
+                state.synced = true;
+                state.listed_before = true;
+                return true;
+            }
+            WatchEvent::Apply(o) => {
+                if let Some((di, key, o)) = self.entry(o) {
+                    let objects = state.by_di.entry(di).or_default();
+                    let old = objects.insert(key.clone(), o);
+                    let new = &objects[&key];
+                    if old.is_none_or(|old| meaningful_change(&old, new)) {
+                        wakes.wake(di);
+                    }
+                }
+            }
+            WatchEvent::Delete(o) => {
+                if let Some((di, key, _)) = self.entry(o) {
+                    if let Some(objects) = state.by_di.get_mut(&di) {
+                        if objects.remove(&key).is_some() {
+                            wakes.wake(di);
+                        }
+                        if objects.is_empty() {
+                            state.by_di.remove(&di);
+                        }
+                    }
+                }
+            }
+        }
+        false
+    }
+
+    /// The DI an object belongs to, its key, and the object as kept (without its
+    /// `managedFields`, which no pass reads and which are a good part of its size).
+    fn entry(&self, mut o: Value) -> Option<(Uuid, (String, String), Value)> {
+        let meta = o.get_mut("metadata")?.as_object_mut()?;
+        meta.remove("managedFields");
+        let ns = meta
+            .get("namespace")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        let name = meta.get("name")?.as_str()?.to_string();
+        let di = match self.watched.owner {
+            Owner::Label => meta
+                .get("labels")
+                .and_then(|l| l.get(names::DI_ID_LABEL))
+                .and_then(Value::as_str)
+                .and_then(|s| s.parse().ok())?,
+            Owner::Namespace => names::di_of_namespace(&ns)?,
+        };
+        Some((di, (ns, name), o))
+    }
+}
+
+/// DIs whose objects differ between two LISTs (added, removed, or at another version).
+fn differing(before: &ByDi, after: &ByDi) -> Vec<Uuid> {
+    let version = |o: &Value| o.pointer("/metadata/resourceVersion").cloned();
+    let same = |a: &BTreeMap<(String, String), Value>, b: &BTreeMap<(String, String), Value>| {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|((ka, va), (kb, vb))| ka == kb && version(va) == version(vb))
+    };
+    let mut out: Vec<Uuid> = before
+        .iter()
+        .filter(|(di, objs)| after.get(di).is_none_or(|a| !same(objs, a)))
+        .map(|(di, _)| *di)
+        .collect();
+    out.extend(after.keys().filter(|di| !before.contains_key(di)));
+    out
+}
+
+/// Whether an update says something a pass would act on: more than a new `resourceVersion`
+/// and the heartbeat times a kubelet refreshes in a node's or pod's conditions.
+fn meaningful_change(old: &Value, new: &Value) -> bool {
+    fn stable(o: &Value) -> Value {
+        let mut o = o.clone();
+        if let Some(meta) = o.get_mut("metadata").and_then(Value::as_object_mut) {
+            meta.remove("resourceVersion");
+        }
+        if let Some(conditions) = o
+            .pointer_mut("/status/conditions")
+            .and_then(Value::as_array_mut)
+        {
+            for c in conditions.iter_mut().filter_map(Value::as_object_mut) {
+                c.remove("lastHeartbeatTime");
+                c.remove("lastProbeTime");
+            }
+        }
+        o
+    }
+    stable(old) != stable(new)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn kind(owner: Owner) -> KindCache {
+        KindCache {
+            watched: Watched {
+                api_version: "v1",
+                kind: "Pod",
+                selector: String::new(),
+                owner,
+            },
+            state: Mutex::new(KindState::default()),
+        }
+    }
+
+    fn pod(di: Uuid, name: &str, rv: &str, phase: &str) -> Value {
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": name, "namespace": names::namespace(&di), "resourceVersion": rv,
+            "managedFields": [{"manager": "kubelet"}]},
+            "status": {"phase": phase, "conditions": [{"type": "Ready", "status": "True",
+                "lastProbeTime": rv}]}})
+    }
+
+    #[test]
+    fn a_cache_serves_each_di_its_own_objects_once_listed_and_wakes_on_changes() {
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let wakes = Wakes::default();
+        let cache = ClusterCache {
+            kinds: vec![Arc::new(kind(Owner::Namespace))],
+            tasks: Vec::new(),
+        };
+        let k = &cache.kinds[0];
+        assert_eq!(
+            cache.objects(a, &names::namespace(&a)),
+            None,
+            "not listed yet"
+        );
+        k.handle(WatchEvent::Init, &wakes);
+        k.handle(WatchEvent::InitApply(pod(a, "p1", "1", "Running")), &wakes);
+        k.handle(WatchEvent::InitApply(pod(b, "p2", "2", "Running")), &wakes);
+        let other_ns = json!({"metadata": {"name": "dns", "namespace": "kube-system"}});
+        k.handle(WatchEvent::InitApply(other_ns), &wakes);
+        assert_eq!(cache.objects(a, &names::namespace(&a)), None, "listing");
+        assert!(k.handle(WatchEvent::InitDone, &wakes));
+        assert!(wakes.take().is_empty(), "the first LIST wakes nobody");
+        let of_a = cache.objects(a, &names::namespace(&a)).unwrap();
+        assert_eq!(of_a.len(), 1);
+        assert_eq!(of_a[0]["metadata"]["name"], "p1");
+        assert!(of_a[0]["metadata"].get("managedFields").is_none());
+
+        // A heartbeat wakes nobody; a pod that stopped being ready wakes its DI only.
+        k.handle(WatchEvent::Apply(pod(a, "p1", "3", "Running")), &wakes);
+        assert!(wakes.take().is_empty());
+        k.handle(WatchEvent::Apply(pod(a, "p1", "4", "Failed")), &wakes);
+        assert_eq!(wakes.take(), vec![a]);
+        k.handle(WatchEvent::Delete(pod(b, "p2", "5", "Running")), &wakes);
+        assert_eq!(wakes.take(), vec![b]);
+        assert_eq!(cache.objects(b, &names::namespace(&b)), Some(vec![]));
+
+        // A LIST after a failed watch: what changed meanwhile wakes its DIs.
+        k.handle(WatchEvent::Init, &wakes);
+        k.handle(WatchEvent::InitApply(pod(a, "p1", "4", "Failed")), &wakes);
+        k.handle(WatchEvent::InitApply(pod(b, "p3", "6", "Running")), &wakes);
+        k.handle(WatchEvent::InitDone, &wakes);
+        assert_eq!(wakes.take(), vec![b]);
+    }
+
+    #[test]
+    fn objects_of_another_namespace_are_not_the_dis() {
+        let di = Uuid::new_v4();
+        let wakes = Wakes::default();
+        let cache = ClusterCache {
+            kinds: vec![Arc::new(kind(Owner::Label))],
+            tasks: Vec::new(),
+        };
+        let k = &cache.kinds[0];
+        let labelled = |ns: &str, name: &str| {
+            json!({"metadata": {"name": name, "namespace": ns,
+                "labels": {names::DI_ID_LABEL: di.to_string()}}})
+        };
+        k.handle(WatchEvent::Init, &wakes);
+        k.handle(
+            WatchEvent::InitApply(labelled(&names::namespace(&di), "mine")),
+            &wakes,
+        );
+        k.handle(
+            WatchEvent::InitApply(labelled("elsewhere", "stray")),
+            &wakes,
+        );
+        k.handle(WatchEvent::InitApply(labelled("", "node-1")), &wakes);
+        k.handle(WatchEvent::InitDone, &wakes);
+        let names: Vec<_> = cache
+            .objects(di, &names::namespace(&di))
+            .unwrap()
+            .iter()
+            .map(|o| o["metadata"]["name"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(names, ["node-1", "mine"]);
+    }
+}

@@ -1,0 +1,175 @@
+//! The worker's watch caches against the simulated region's Kubernetes API: resyncs of converged
+//! DIs read the cluster's watches instead of listing, and what changes behind the worker's back
+//! is put back within seconds, not at the next resync.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::json;
+use support::*;
+use test_support::eventually;
+use worker::plan::names;
+use worker::runtime::Worker;
+
+/// Kubernetes LISTs the simulator has served.
+fn lists(env: &Env) -> u64 {
+    env.sim
+        .stats()
+        .requests
+        .get("kube")
+        .map(|by_kind| {
+            by_kind
+                .iter()
+                .filter(|(kind, _)| kind.starts_with("LIST "))
+                .map(|(_, n)| n)
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Resyncs every half second over three converged DIs: dozens of passes, and no list beyond
+/// what the watches themselves need (each pass listed every kind, 16 lists, before the caches).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resyncs_of_converged_dis_read_the_watch_cache() {
+    let env = env_with(None).await;
+    let mut config = env.config();
+    config.settings.resync = Duration::from_millis(500);
+    let w = Worker::start(config).await.unwrap();
+    let dis = env.create_active(3).await;
+    // The caches have listed once the DIs resync from them.
+    let passes = w.stats().passes;
+    eventually(Duration::from_secs(30), "a resync of each DI", async || {
+        (w.stats().passes >= passes + 3).then_some(())
+    })
+    .await;
+
+    env.sim.reset_stats();
+    let passes = w.stats().passes;
+    eventually(Duration::from_secs(60), "30 resyncs", async || {
+        (w.stats().passes >= passes + 30).then_some(())
+    })
+    .await;
+    let resyncs = w.stats().passes - passes;
+    let listed = lists(&env);
+    assert!(
+        listed < 16,
+        "{listed} lists in {resyncs} resyncs: {:?}",
+        env.sim.stats().requests.get("kube")
+    );
+    for d in &dis {
+        assert_eq!(chat(&d.client, &d.url, &d.token).await, 200);
+    }
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}
+
+/// With resyncs five minutes apart, objects deleted or edited behind the worker's back come back
+/// as the worker renders them within seconds: the cluster's watches wake the DI.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_behind_the_workers_back_is_repaired_at_once() {
+    let env = env_with(None).await;
+    let mut config = env.config();
+    config.settings.resync = Duration::from_secs(300);
+    let w = Worker::start(config).await.unwrap();
+    let dis = env.create_active(2).await;
+    let (di, other) = (dis[0].record.id, dis[1].record.id);
+    let ns = names::namespace(&di);
+    let kube = env.cluster_kube().await;
+    let deployment = |name: &str| {
+        let kube = kube.clone();
+        let (ns, name) = (ns.clone(), name.to_string());
+        async move {
+            kube.get("apps/v1", "Deployment", Some(&ns), &name)
+                .await
+                .unwrap()
+        }
+    };
+    let models = kube
+        .list("apps/v1", "Deployment", Some(&ns), "")
+        .await
+        .unwrap();
+    let vllm = models
+        .iter()
+        .filter_map(|d| d["metadata"]["name"].as_str())
+        .find(|n| n.starts_with("vllm-"))
+        .expect("a model server Deployment")
+        .to_string();
+    let replicas = deployment(&vllm).await.unwrap()["spec"]["replicas"].clone();
+    let routes = kube
+        .list("gateway.networking.k8s.io/v1", "HTTPRoute", Some(&ns), "")
+        .await
+        .unwrap();
+    let route = routes[0]["metadata"]["name"].as_str().unwrap().to_string();
+    let other_ns = names::namespace(&other);
+    let generations = async || {
+        let theirs = kube
+            .list("apps/v1", "Deployment", Some(&other_ns), "")
+            .await
+            .unwrap();
+        theirs
+            .iter()
+            .map(|d| {
+                (
+                    d["metadata"]["name"].clone(),
+                    d["metadata"]["generation"].clone(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let theirs = generations().await;
+    let passes = w.stats().passes;
+
+    // Someone deletes the DI's route and scales its model server to zero with a tool of theirs.
+    kube.delete(
+        "gateway.networking.k8s.io/v1",
+        "HTTPRoute",
+        Some(&ns),
+        &route,
+    )
+    .await
+    .unwrap();
+    let intruder = cloud_clients::KubeClient::from_client(
+        kube.client(),
+        "kubectl-edit",
+        cloud_clients::RetryConfig::default(),
+    );
+    intruder
+        .apply(&json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": vllm, "namespace": ns},
+            "spec": {"replicas": 0},
+        }))
+        .await
+        .unwrap();
+
+    eventually(
+        Duration::from_secs(20),
+        "the route and replicas back",
+        async || {
+            let route = kube
+                .get(
+                    "gateway.networking.k8s.io/v1",
+                    "HTTPRoute",
+                    Some(&ns),
+                    &route,
+                )
+                .await
+                .ok()??;
+            let d = deployment(&vllm).await?;
+            (d["spec"]["replicas"] == replicas).then_some(route)
+        },
+    )
+    .await;
+    let d = &dis[0];
+    eventually(Duration::from_secs(30), "the DI serves again", async || {
+        (chat(&d.client, &d.url, &d.token).await == 200).then_some(())
+    })
+    .await;
+    // Woken, not resynced: a handful of passes, and the other DI's objects untouched.
+    let woken = w.stats().passes - passes;
+    assert!(woken <= 10, "{woken} passes");
+    assert_eq!(generations().await, theirs);
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}
