@@ -24,10 +24,13 @@ pub use kube::runtime::watcher::Event as WatchEvent;
 /// How long the server keeps a watch open before the watcher starts the next one from where
 /// it left off (kube-runtime's default is 290 s).
 const WATCH_TIMEOUT_SECS: u32 = 240;
-/// A watch's longest silence before its connection is taken for dead: past the server's own
-/// end of the watch, so a quiet kind is not re-listed, yet a connection lost without a word
-/// is noticed within minutes.
-pub const WATCH_READ_TIMEOUT: Duration = Duration::from_secs(WATCH_TIMEOUT_SECS as u64 + 60);
+/// How often an HTTP/2 connection is pinged, and how long a ping may go unanswered before the
+/// connection is taken for dead: what notices a cluster lost without a word under a watch,
+/// which may be silent for minutes.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Idle HTTP/1.1 connections kept per cluster, for a server that does not speak HTTP/2.
+const MAX_IDLE_HTTP1: usize = 4;
 use serde_json::Value;
 
 use common::errors::{Classify, ErrorClass};
@@ -275,9 +278,8 @@ pub enum Deleted {
 #[derive(Debug, Clone)]
 pub struct KubeClientOptions {
     pub connect_timeout: Duration,
-    /// Time to wait for a response (watches wait [`WATCH_READ_TIMEOUT`] instead).
+    /// Time to wait for a response's headers (a watch's body then streams for minutes).
     pub read_timeout: Duration,
-    pub write_timeout: Duration,
     pub retry: RetryConfig,
 }
 
@@ -286,7 +288,6 @@ impl Default for KubeClientOptions {
         Self {
             connect_timeout: Duration::from_secs(5),
             read_timeout: Duration::from_secs(30),
-            write_timeout: Duration::from_secs(30),
             retry: RetryConfig::default(),
         }
     }
@@ -305,8 +306,6 @@ struct Counters {
 #[derive(Clone)]
 pub struct KubeClient {
     client: Client,
-    /// The same server and credentials, with the longer read timeout of a watch.
-    watch_client: Client,
     field_manager: String,
     retry: RetryConfig,
     counters: Arc<Counters>,
@@ -389,31 +388,18 @@ impl KubeClient {
                     kubeconfig_error_kind(&e)
                 ))
             })?;
-        config.default_retry = false;
-        config.connect_timeout = Some(options.connect_timeout);
-        config.read_timeout = Some(options.read_timeout);
-        config.write_timeout = Some(options.write_timeout);
-        config.reset_reader_on_write = true;
         // A plain-http server never negotiates TLS, so it needs no trust store; without one,
         // kube-rs would load and parse the system's whole CA bundle for every client.
         if config.cluster_url.scheme_str() == Some("http") && config.root_cert.is_none() {
             config.root_cert = Some(Vec::new());
         }
-        let mut watch_config = config.clone();
-        watch_config.read_timeout = Some(WATCH_READ_TIMEOUT);
-        let build = |config| {
-            Client::try_from(config)
-                .map_err(|e| KubeError::Config(format!("building the client: {e}")))
-        };
-        let mut kube = Self::from_client(build(config)?, field_manager, options.retry);
-        kube.watch_client = build(watch_config)?;
-        Ok(kube)
+        let client = one_connection_client(&config, &options)?;
+        Ok(Self::from_client(client, field_manager, options.retry))
     }
 
     /// Wraps an existing kube client (its own retry layer should be off).
     pub fn from_client(client: Client, field_manager: &str, retry: RetryConfig) -> KubeClient {
         KubeClient {
-            watch_client: client.clone(),
             client,
             field_manager: field_manager.to_string(),
             retry,
@@ -661,7 +647,7 @@ impl KubeClient {
         KubeError,
     > {
         let (_, ar) = self.api(api_version, kind, None, true)?;
-        let api: Api<DynamicObject> = Api::all_with(self.watch_client.clone(), &ar);
+        let api: Api<DynamicObject> = Api::all_with(self.client.clone(), &ar);
         let mut config = watcher::Config::default().timeout(WATCH_TIMEOUT_SECS);
         if !label_selector.is_empty() {
             config = config.labels(label_selector);
@@ -729,6 +715,49 @@ impl KubeClient {
         tracing::debug!(kind, name, ?outcome, "deleted");
         Ok(outcome)
     }
+}
+
+/// A kube client that speaks HTTP/2 to the cluster wherever the server offers it (real API
+/// servers do, through ALPN): every request and watch of the cluster then shares one
+/// connection, so a worker's descriptors grow with the clusters it uses, not with its requests
+/// and watches. kube-rs's own stack offers HTTP/1.1 only. The rest is as kube-rs builds it:
+/// its TLS configuration (the kubeconfig's CA, nothing else), base URI and authentication.
+fn one_connection_client(
+    config: &Config,
+    options: &KubeClientOptions,
+) -> Result<Client, KubeError> {
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::{TokioExecutor, TokioTimer};
+    use kube::client::ConfigExt;
+    let failed = |e: &dyn std::fmt::Display| KubeError::Config(format!("building the client: {e}"));
+    let tls = config.rustls_client_config().map_err(|e| failed(&e))?;
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(options.connect_timeout));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    let hyper: hyper_util::client::legacy::Client<_, kube::client::Body> =
+        hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_timer(TokioTimer::new())
+            .pool_max_idle_per_host(MAX_IDLE_HTTP1)
+            .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+            .http2_keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
+            .http2_keep_alive_while_idle(true)
+            .build(https);
+    let service = tower::ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer().map_err(|e| failed(&e))?)
+        // Until the response's headers: a watch's body goes on for minutes after them.
+        .layer(tower::timeout::TimeoutLayer::new(options.read_timeout))
+        .map_err(tower::BoxError::from)
+        .service(hyper);
+    Ok(Client::new(service, config.default_namespace.clone()))
 }
 
 /// Converts a request's error and counts the request in [`metrics::KUBE_REQUESTS`].

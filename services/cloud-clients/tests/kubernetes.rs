@@ -459,3 +459,47 @@ async fn unreachable_api_server_is_transient() {
     assert!(matches!(err, KubeError::Transport(_)), "{err:?}");
     assert_eq!(err.class(), ErrorClass::TRANSIENT);
 }
+
+/// A cluster's API server offers HTTP/2 (as kube-apiserver does): a client's watches and its
+/// requests, many at once, share one connection, so a worker's descriptors follow the clusters
+/// it uses rather than its requests (with HTTP/1.1, each open watch held a connection of its
+/// own). A watch sees what a request wrote through that same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_and_watches_share_one_connection() {
+    use futures::StreamExt;
+    let sim = start_sim(small_delays()).await;
+    let (_, _, kube) = cluster(&sim, "h2").await;
+    kube.apply(&namespace()).await.unwrap();
+    let before = sim.open_connections();
+    let mut watches = Vec::new();
+    for kind in ["ConfigMap", "Secret", "Service", "ServiceAccount"] {
+        watches.push(Box::pin(kube.watch("v1", kind, "").unwrap()));
+    }
+    let lists = (0..40).map(|_| kube.list("v1", "ConfigMap", Some(NS), ""));
+    futures::future::try_join_all(lists).await.unwrap();
+    kube.apply(&config_map("seen", true, "v")).await.unwrap();
+    let config_maps = &mut watches[0];
+    let seen = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(event) = config_maps.next().await {
+            // Listed, if the watch had not listed yet when the write came; else watched.
+            if let cloud_clients::WatchEvent::Apply(o) | cloud_clients::WatchEvent::InitApply(o) =
+                event.unwrap()
+            {
+                if o["metadata"]["name"] == "seen" {
+                    return o;
+                }
+            }
+        }
+        panic!("the watch ended");
+    })
+    .await
+    .expect("the watch sees the write");
+    assert_eq!(seen["data"]["key"], "v");
+    assert_eq!(
+        sim.open_connections(),
+        before.max(1),
+        "four watches and 40 lists at once on one connection"
+    );
+    drop(watches);
+    sim.shutdown().await;
+}

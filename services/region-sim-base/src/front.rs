@@ -161,6 +161,15 @@ pub fn tls_config(cert_pem: &str, key_pem: &str) -> anyhow::Result<Arc<ServerCon
     Ok(Arc::new(cfg))
 }
 
+/// As [`tls_config`], for a Kubernetes API server: it offers HTTP/2 first, as kube-apiserver
+/// (Go's `net/http`) does through ALPN, so that a client's requests and watches share one
+/// connection.
+pub fn api_server_tls_config(cert_pem: &str, key_pem: &str) -> anyhow::Result<Arc<ServerConfig>> {
+    let mut cfg = Arc::unwrap_or_clone(tls_config(cert_pem, key_pem)?);
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
+}
+
 struct Registered {
     id: u64,
     site: Site,
@@ -382,18 +391,36 @@ async fn serve_connection(stream: tokio::net::TcpStream, cfg: Arc<ServerConfig>,
         _ => return,
     };
     let svc = TowerToHyperService::new(app);
-    // The header read timeout starts when the connection waits for a request, so it is the
-    // idle timeout of a kept-alive connection too.
-    let conn = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(idle_timeout)
-        .serve_connection(TokioIo::new(tls), svc);
+    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+    let io = TokioIo::new(tls);
+    let served = async move {
+        if h2 {
+            // Pings are answered by the connection itself: a quiet watch keeps it open.
+            let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .max_concurrent_streams(H2_MAX_STREAMS)
+                .serve_connection(io, svc)
+                .await;
+        } else {
+            // The header read timeout starts when the connection waits for a request, so it
+            // is the idle timeout of a kept-alive connection too.
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(idle_timeout)
+                .serve_connection(io, svc)
+                .await;
+        }
+    };
     tokio::select! {
-        _ = conn => {}
+        _ = served => {}
         // The site went away (a load balancer, a cluster): its connections go with it.
         _ = stop.changed() => {}
     }
 }
+
+/// Streams one HTTP/2 connection may carry at once: kube-apiserver sets 1,000
+/// (`--http2-max-streams-per-connection`) rather than Go's 250, as its watches stay open.
+const H2_MAX_STREAMS: u32 = 1000;
 
 #[cfg(test)]
 mod tests {

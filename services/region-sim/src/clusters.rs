@@ -187,7 +187,10 @@ mod pki {
         let cert = server.signed_by(&key, &ca_cert, &ca_key)?;
         Ok(ClusterPki {
             ca_pem: ca_cert.pem(),
-            server: region_sim_base::front::tls_config(&cert.pem(), &key.serialize_pem())?,
+            server: region_sim_base::front::api_server_tls_config(
+                &cert.pem(),
+                &key.serialize_pem(),
+            )?,
         })
     }
 }

@@ -451,6 +451,11 @@ impl RegionSim {
         self.shared.clusters.front().port()
     }
 
+    /// TCP connections open now to cluster APIs and load balancers.
+    pub fn open_connections(&self) -> usize {
+        self.shared.clusters.front().open_connections()
+    }
+
     /// Loopback addresses held now by clusters and load balancers.
     pub fn addresses_in_use(&self) -> usize {
         self.shared.clusters.front().addresses().in_use()
