@@ -16,7 +16,7 @@ use either::Either;
 use futures::StreamExt;
 use kube::api::{ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::runtime::watcher;
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Config};
 
 pub use kube::runtime::watcher::Event as WatchEvent;
@@ -29,8 +29,9 @@ const WATCH_TIMEOUT_SECS: u32 = 240;
 /// which may be silent for minutes.
 const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(20);
-/// Idle HTTP/1.1 connections kept per cluster, for a server that does not speak HTTP/2.
-const MAX_IDLE_HTTP1: usize = 4;
+/// Idle HTTP/1.1 connections kept per cluster, for a server that does not speak HTTP/2: as many
+/// as a pass's lists at once.
+const MAX_IDLE_HTTP1: usize = 16;
 use serde_json::Value;
 
 use common::errors::{Classify, ErrorClass};
@@ -635,8 +636,8 @@ impl KubeClient {
     /// Every object of a kind in every namespace that matches `label_selector`, then every
     /// change to them: kube-runtime's watcher (a LIST, then a WATCH from its resourceVersion,
     /// re-listed when the server answers 410 Gone), objects as JSON with `apiVersion` and
-    /// `kind`. Errors are yielded and the stream goes on (the watcher backs off by itself only
-    /// if the caller asks it to); a 401 marks the credentials rejected as any request's does.
+    /// `kind`. Errors are yielded and the stream goes on, resuming after a backoff; a 401 marks
+    /// the credentials rejected as any request's does.
     pub fn watch(
         &self,
         api_version: &str,
@@ -653,37 +654,41 @@ impl KubeClient {
             config = config.labels(label_selector);
         }
         let me = self.clone();
-        Ok(watcher::watcher(api, config).map(move |event| {
-            let event = match event {
-                Ok(e) => e,
-                Err(e) => {
-                    let e = match e {
-                        watcher::Error::InitialListFailed(e)
-                        | watcher::Error::WatchStartFailed(e)
-                        | watcher::Error::WatchFailed(e) => KubeError::from(e),
-                        watcher::Error::WatchError(status) => {
-                            KubeError::from(kube::Error::Api(status))
-                        }
-                        e @ watcher::Error::NoResourceVersion => {
-                            KubeError::InvalidObject(e.to_string())
-                        }
-                    };
-                    metrics::kubernetes("watch", Outcome::of(e.class()));
-                    return me.noted(Err(e));
-                }
-            };
-            let value = |o| to_value(o, &ar);
-            Ok(match event {
-                WatchEvent::Apply(o) => WatchEvent::Apply(value(o)?),
-                WatchEvent::Delete(o) => WatchEvent::Delete(value(o)?),
-                WatchEvent::Init => {
-                    metrics::kubernetes("watch", Outcome::Ok);
-                    WatchEvent::Init
-                }
-                WatchEvent::InitApply(o) => WatchEvent::InitApply(value(o)?),
-                WatchEvent::InitDone => WatchEvent::InitDone,
-            })
-        }))
+        // On a failure the watcher resumes from the last resourceVersion it saw (and lists
+        // anew only when the server answers 410 Gone), after kube-runtime's backoff.
+        Ok(watcher::watcher(api, config)
+            .default_backoff()
+            .map(move |event| {
+                let event = match event {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let e = match e {
+                            watcher::Error::InitialListFailed(e)
+                            | watcher::Error::WatchStartFailed(e)
+                            | watcher::Error::WatchFailed(e) => KubeError::from(e),
+                            watcher::Error::WatchError(status) => {
+                                KubeError::from(kube::Error::Api(status))
+                            }
+                            e @ watcher::Error::NoResourceVersion => {
+                                KubeError::InvalidObject(e.to_string())
+                            }
+                        };
+                        metrics::kubernetes("watch", Outcome::of(e.class()));
+                        return me.noted(Err(e));
+                    }
+                };
+                let value = |o| to_value(o, &ar);
+                Ok(match event {
+                    WatchEvent::Apply(o) => WatchEvent::Apply(value(o)?),
+                    WatchEvent::Delete(o) => WatchEvent::Delete(value(o)?),
+                    WatchEvent::Init => {
+                        metrics::kubernetes("watch", Outcome::Ok);
+                        WatchEvent::Init
+                    }
+                    WatchEvent::InitApply(o) => WatchEvent::InitApply(value(o)?),
+                    WatchEvent::InitDone => WatchEvent::InitDone,
+                })
+            }))
     }
 
     /// Deletes with Background propagation. A missing object (or a missing namespace) is
@@ -730,11 +735,24 @@ fn one_connection_client(
     use hyper_util::rt::{TokioExecutor, TokioTimer};
     use kube::client::ConfigExt;
     let failed = |e: &dyn std::fmt::Display| KubeError::Config(format!("building the client: {e}"));
+    // What this stack does not do is refused rather than silently skipped (DOKS credentials
+    // carry neither).
+    if config.proxy_url.is_some() {
+        return Err(failed(&"a proxy is not supported"));
+    }
+    if config.tls_server_name.is_some() {
+        return Err(failed(&"tls-server-name is not supported"));
+    }
     let tls = config.rustls_client_config().map_err(|e| failed(&e))?;
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(options.connect_timeout));
+    // An HTTP/1.1 connection has no pings: TCP's keepalive notices a peer gone without a word
+    // (a NAT or load balancer dropping the connection) under a quiet watch.
+    http.set_keepalive(Some(KEEP_ALIVE_INTERVAL));
+    http.set_keepalive_interval(Some(KEEP_ALIVE_INTERVAL / 3));
+    http.set_keepalive_retries(Some(3));
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()
@@ -753,6 +771,7 @@ fn one_connection_client(
     let service = tower::ServiceBuilder::new()
         .layer(config.base_uri_layer())
         .option_layer(config.auth_layer().map_err(|e| failed(&e))?)
+        .layer(config.extra_headers_layer().map_err(|e| failed(&e))?)
         // Until the response's headers: a watch's body goes on for minutes after them.
         .layer(tower::timeout::TimeoutLayer::new(options.read_timeout))
         .map_err(tower::BoxError::from)

@@ -418,9 +418,11 @@ async fn serve_connection(stream: tokio::net::TcpStream, cfg: Arc<ServerConfig>,
     }
 }
 
-/// Streams one HTTP/2 connection may carry at once: kube-apiserver sets 1,000
-/// (`--http2-max-streams-per-connection`) rather than Go's 250, as its watches stay open.
-const H2_MAX_STREAMS: u32 = 1000;
+/// Streams one HTTP/2 connection may carry at once. kube-apiserver leaves it to Go
+/// (`--http2-max-streams-per-connection` 0), whose default versions differ on (250, or 100
+/// since the rapid-reset fixes): the lower one, so that a client that opens more streams than
+/// that (16 watches and a few passes' lists on one cluster) is seen to wait here as it would.
+const H2_MAX_STREAMS: u32 = 100;
 
 #[cfg(test)]
 mod tests {

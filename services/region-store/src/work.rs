@@ -120,6 +120,8 @@ pub struct PassInputs {
     pub replicas: Vec<DeploymentReplicas>,
     /// The database's clock (milliseconds since the epoch): one clock for every worker.
     pub now_ms: i64,
+    /// How long ago the DI's previous pass ended, by any worker (none before its first).
+    pub since_last_pass_ms: Option<i64>,
     /// The DI's slot in a fleet rollout, if it has one.
     pub fleet_slot: Option<crate::FleetSlot>,
 }
@@ -148,6 +150,10 @@ pub struct Stall {
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
+
+/// A DI due within this is left alone by a wake ([`Store::work_wake`]): it is moving, and is
+/// looked at soon anyway.
+pub const WAKE_UNLESS_DUE_WITHIN: Duration = Duration::from_secs(3);
 
 impl Store {
     // -----------------------------------------------------------------------------------------
@@ -302,7 +308,7 @@ impl Store {
         let done = sqlx::query(
             "UPDATE work_items SET holder = NULL, lease_token = NULL, expires_at = NULL,
                  holder_pid = NULL, holder_session_start = NULL,
-                 next_check_after = CASE WHEN woken THEN now()
+                 next_check_after = CASE WHEN woken AND NOT $5 AND $4 > $6 THEN now()
                                          ELSE now() + $4 * interval '1 millisecond' END,
                  woken = false,
                  seen_seq = greatest(seen_seq, $3), checked_at = now(), retrying = $5
@@ -313,17 +319,19 @@ impl Store {
         .bind(seen_seq)
         .bind(millis(next_check_after) as f64)
         .bind(retrying)
+        .bind(millis(WAKE_UNLESS_DUE_WITHIN) as f64)
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected() == 1)
     }
 
     /// Makes DIs `ids` due now: their Kubernetes objects changed and their worker did not
-    /// wait for it (a cluster watch saw it). Those already due within `soon` are left as they
-    /// are, so the passes of a DI that is moving are not multiplied; a DI under a lease is
-    /// marked, as its pass may have looked before the change (see [`Store::work_release`]).
-    /// Returns how many were woken.
-    pub async fn work_wake(&self, ids: &[Uuid], soon: Duration) -> Result<u64> {
+    /// wait for it (a cluster watch saw it). Those already due within
+    /// [`WAKE_UNLESS_DUE_WITHIN`] are left as they are, so the passes of a DI that is moving
+    /// are not multiplied; a DI under a lease is marked, as its pass may have looked before the
+    /// change: its release makes it due at once, unless it is due soon anyway or backs off from
+    /// a failure (see [`Store::work_release`]). Returns how many were woken.
+    pub async fn work_wake(&self, ids: &[Uuid]) -> Result<u64> {
         let done = sqlx::query(
             "UPDATE work_items SET next_check_after = least(next_check_after, now()),
                  woken = holder IS NOT NULL
@@ -331,7 +339,7 @@ impl Store {
                AND (holder IS NOT NULL OR next_check_after > now() + $2 * interval '1 millisecond')",
         )
         .bind(ids)
-        .bind(millis(soon) as f64)
+        .bind(millis(WAKE_UNLESS_DUE_WITHIN) as f64)
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected())
@@ -452,8 +460,14 @@ impl Store {
             .await?;
         // The replica rows and the database's clock in one round trip (an aggregate over no
         // rows is still one row).
-        let (now_ms, replicas): (i64, sqlx::types::Json<Vec<ReplicasRow>>) = sqlx::query_as(
+        let (now_ms, since_last_pass_ms, replicas): (
+            i64,
+            Option<i64>,
+            sqlx::types::Json<Vec<ReplicasRow>>,
+        ) = sqlx::query_as(
             "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint,
+                    (SELECT (extract(epoch FROM clock_timestamp() - checked_at) * 1000)::bigint
+                     FROM work_items WHERE di_id = $1),
                     coalesce(json_agg(json_build_object('model_id', model_id, 'ready', ready,
                         'wanted', wanted, 'autoscaler', autoscaler) ORDER BY model_id), '[]')
              FROM deployment_replicas WHERE di_id = $1",
@@ -467,6 +481,7 @@ impl Store {
             fleet_slot,
             replicas,
             now_ms,
+            since_last_pass_ms,
             ledger,
             accelerators: accelerators
                 .into_iter()

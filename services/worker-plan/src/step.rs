@@ -51,6 +51,22 @@ pub fn reads_pools(resync: bool, rolling: bool, nodes_as_planned: bool) -> bool 
     !(resync && !rolling && nodes_as_planned)
 }
 
+/// Whether the pass may read the DI's objects from its cluster's watch cache rather than list
+/// them: only a resync (a moving DI judges its own writes) that reached the cluster as the last
+/// pass left it, not restarting under a fleet slot, and whose DI's previous pass ended at least
+/// `margin` ago. A watch lags the server: a pass reading a copy older than what the previous
+/// pass saw (this worker's list, another worker's cache) could undo what it did, such as
+/// recording an old address again.
+pub fn reads_cache(
+    resync: bool,
+    trusted: bool,
+    fleet_moving: bool,
+    since_last_pass: Option<Duration>,
+    margin: Duration,
+) -> bool {
+    resync && trusted && !fleet_moving && since_last_pass.is_some_and(|d| d >= margin)
+}
+
 /// One object to apply, with its copy as the pass listed it (an object listed up to date costs
 /// no request).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -230,6 +246,22 @@ mod tests {
 
     use super::*;
     use crate::readiness::{ObjectWait, Progress};
+
+    #[test]
+    fn only_a_settled_resync_reads_the_watch_cache() {
+        let s = Duration::from_secs;
+        let margin = s(2);
+        assert!(reads_cache(true, true, false, Some(s(300)), margin));
+        // A moving DI, a cluster reached anew, a DI restarting under a fleet slot: lists.
+        assert!(!reads_cache(false, true, false, Some(s(300)), margin));
+        assert!(!reads_cache(true, false, false, Some(s(300)), margin));
+        assert!(!reads_cache(true, true, true, Some(s(300)), margin));
+        // Just after another pass (the watch may not have caught up with what it saw), or with
+        // no pass before: lists.
+        assert!(!reads_cache(true, true, false, Some(s(1)), margin));
+        assert!(!reads_cache(true, true, false, None, margin));
+        assert!(reads_cache(true, true, false, Some(margin), margin));
+    }
 
     fn assessment(ready: bool, public: Option<&str>) -> Assessment {
         Assessment {

@@ -23,6 +23,11 @@ use cloud_clients::{DoClient, DoError, KubeClient, KubeClientOptions, KubeError}
 
 use crate::watch_cache::{ClusterCache, Wakes, Watched};
 
+/// A cluster's watches no pass has asked for this long are stopped: the cluster is gone (deleted
+/// by another worker) or no DI of it is looked at, while every live DI is resynced every few
+/// minutes.
+const CACHE_UNUSED: Duration = Duration::from_secs(15 * 60);
+
 /// When credentials that do not say when they expire are renewed.
 const RENEW_UNDATED: Duration = Duration::from_secs(3600);
 
@@ -41,8 +46,10 @@ struct Entry {
     renew_at: Instant,
     /// When the server stops accepting them, if it said.
     expires_at: Option<Instant>,
-    /// The cluster's watches through this client, once a resync asked for them.
+    /// The cluster's watches through this client, once a pass asked for them, and when a pass
+    /// last did.
     cache: Option<Arc<ClusterCache>>,
+    cache_asked: Instant,
 }
 
 impl Entry {
@@ -74,6 +81,8 @@ pub struct ClusterClients {
     clock: Clock,
     /// Where every cluster's watches report DIs whose objects changed.
     wakes: Arc<Wakes>,
+    /// When unused watches were last looked for.
+    swept: Mutex<Instant>,
 }
 
 impl ClusterClients {
@@ -83,8 +92,9 @@ impl ClusterClients {
             fetching: tokio::sync::Mutex::new(()),
             field_manager: field_manager.to_string(),
             options,
-            clock,
             wakes: Arc::new(Wakes::default()),
+            swept: Mutex::new(clock.instant()),
+            clock,
         }
     }
 
@@ -102,7 +112,9 @@ impl ClusterClients {
     ) -> Option<Arc<ClusterCache>> {
         let now = self.clock.instant();
         let mut cache = self.cache.lock().expect("cluster clients");
+        self.stop_unused(&mut cache, now);
         let e = cache.get_mut(id)?;
+        e.cache_asked = now;
         if !(e.renew_at > now && e.usable(now)) {
             return None;
         }
@@ -155,6 +167,20 @@ impl ClusterClients {
         }
     }
 
+    /// Stops the watches no pass asked for in [`CACHE_UNUSED`] (looked for once a minute).
+    fn stop_unused(&self, cache: &mut HashMap<String, Entry>, now: Instant) {
+        let mut swept = self.swept.lock().expect("swept");
+        if now.saturating_duration_since(*swept) < Duration::from_secs(60) {
+            return;
+        }
+        *swept = now;
+        for e in cache.values_mut() {
+            if e.cache.is_some() && now.saturating_duration_since(e.cache_asked) >= CACHE_UNUSED {
+                e.cache = None;
+            }
+        }
+    }
+
     async fn fetch(&self, cloud: &DoClient, id: &str) -> Result<KubeClient, Error> {
         let creds = cloud.cluster_credentials(id).await.map_err(Error::Cloud)?;
         let kube = KubeClient::from_credentials(&creds, &self.field_manager, self.options.clone())
@@ -175,6 +201,7 @@ impl ClusterClients {
                 renew_at: now + renew,
                 expires_at: expires_in.map(|left| now + left),
                 cache: None,
+                cache_asked: now,
             },
         );
         Ok(kube)

@@ -489,8 +489,6 @@ async fn run_pass(shared: &Shared, claim: Claim) {
 
 /// Gathers a burst of watch events (a rollout's pods) into one statement.
 const WAKE_GATHER: Duration = Duration::from_millis(250);
-/// A DI due within this is left alone by a wake: it is moving, and is looked at soon anyway.
-const WAKE_UNLESS_DUE_WITHIN: Duration = Duration::from_secs(3);
 
 /// Makes due the DIs whose objects the cluster watches saw change (see
 /// [`crate::watch_cache`]), so that a change behind the worker's back is repaired in seconds
@@ -509,7 +507,7 @@ async fn wake_changed(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         if ids.is_empty() {
             continue;
         }
-        match shared.store.work_wake(&ids, WAKE_UNLESS_DUE_WITHIN).await {
+        match shared.store.work_wake(&ids).await {
             Ok(woken) => {
                 metrics::watch_wakes(woken as usize);
                 if woken > 0 {

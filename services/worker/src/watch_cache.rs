@@ -8,14 +8,18 @@
 //! worker did not wait for (an object deleted or edited behind its back, a pod that crashed, a
 //! node that went away) wakes the DI's pass at once instead of at its next resync.
 //!
-//! Only resyncs read the cache (see `Reconciler::observe`): a watch lags the server, and a
-//! pass that has just written and then judges readiness from a copy older than its write could
-//! take a DI for ready too early. Passes of a DI that is moving list as before. A kind whose
-//! watch failed is not trusted until it has listed again: until then resyncs list too.
+//! Only resyncs read the cache, and only some time after the DI's previous pass (see
+//! `plan::step::reads_cache`): a watch lags the server, and a pass that judged from a copy older
+//! than what an earlier pass (of this worker or another) saw could undo what that pass did
+//! (record an old address again, ask a fleet slot for a DI already updated). Passes of a DI
+//! that is moving list as before. As client-go's informers do, a failed watch resumes from the
+//! last `resourceVersion` it saw (a LIST only after 410 Gone), so a dropped connection costs no
+//! relist; but a kind whose watch failed is not trusted until [`TRUST_AFTER_FAILURE`] has
+//! passed without another failure or until it delivers an event: until then resyncs list.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cloud_clients::{KubeClient, WatchEvent};
 use futures::StreamExt;
@@ -69,18 +73,39 @@ impl Wakes {
     }
 }
 
-/// Objects of one kind, by DI and then by (namespace, name): the order a LIST returns them in.
-type ByDi = HashMap<Uuid, BTreeMap<(String, String), Value>>;
+/// How long after a failure of its watch a kind's cache is not read, unless the watch delivers
+/// an event first: longer than the watcher's longest backoff (30 s) plus a request that times
+/// out (30 s), so that a watch that keeps failing is never trusted between its attempts.
+pub const TRUST_AFTER_FAILURE: Duration = Duration::from_secs(90);
+
+/// An object's key: (namespace, name), the order a LIST returns objects in.
+type Key = (String, String);
+/// Objects of one kind, by DI and then by key.
+type ByDi = HashMap<Uuid, BTreeMap<Key, Value>>;
 
 #[derive(Default)]
 struct KindState {
-    /// Listed, and watching since without a failure.
-    synced: bool,
-    /// Synced once: a later LIST's differences are changes and wake their DIs.
+    /// A LIST has completed since the watcher last started one.
+    listed: bool,
+    /// Listed once: a later LIST's differences are changes and wake their DIs.
     listed_before: bool,
+    /// The watch's last failure, if it has delivered nothing since.
+    failed_at: Option<Instant>,
     by_di: ByDi,
+    /// The DI each object is kept under: an object relabelled to another DI, or to none,
+    /// leaves the one it was under.
+    owners: HashMap<Key, Uuid>,
     /// What a LIST in progress has returned so far.
     listing: Option<ByDi>,
+}
+
+impl KindState {
+    fn trusted(&self) -> bool {
+        self.listed
+            && self
+                .failed_at
+                .is_none_or(|t| t.elapsed() >= TRUST_AFTER_FAILURE)
+    }
 }
 
 struct KindCache {
@@ -128,7 +153,7 @@ impl ClusterCache {
         let mut out = Vec::new();
         for k in &self.kinds {
             let state = k.state.lock().expect("watch cache");
-            if !state.synced {
+            if !state.trusted() {
                 return None;
             }
             let Some(objects) = state.by_di.get(&di) else {
@@ -144,67 +169,55 @@ impl ClusterCache {
         Some(out)
     }
 
-    /// Every kind has listed and watches without a failure.
+    /// Every kind has listed and its watch is trusted.
     pub fn synced(&self) -> bool {
         self.kinds
             .iter()
-            .all(|k| k.state.lock().expect("watch cache").synced)
+            .all(|k| k.state.lock().expect("watch cache").trusted())
     }
 }
 
 /// Watches one kind until the cache is dropped. A failure (the server unreachable, refused
-/// credentials, a watch too old to resume) marks the kind unsynced and, after a backoff,
-/// starts over with a LIST.
+/// credentials) marks the kind untrusted for a while; the watcher resumes by itself.
 async fn watch(kind: Arc<KindCache>, kube: KubeClient, wakes: Arc<Wakes>) {
     let w = &kind.watched;
-    let mut failures = 0u32;
-    loop {
-        match kube.watch(w.api_version, w.kind, &w.selector) {
-            Ok(stream) => {
-                let mut stream = std::pin::pin!(stream);
-                while let Some(event) = stream.next().await {
-                    match event {
-                        Ok(event) => {
-                            if kind.handle(event, &wakes) {
-                                failures = 0;
-                            }
-                        }
-                        Err(e) => {
-                            tracing::debug!(kind = w.kind, error = %e, "watch failed; listing again");
-                            break;
-                        }
-                    }
-                }
+    let stream = match kube.watch(w.api_version, w.kind, &w.selector) {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::warn!(kind = w.kind, error = %e, "cannot watch");
+            return;
+        }
+    };
+    let mut stream = std::pin::pin!(stream);
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(event) => kind.handle(event, &wakes),
+            Err(e) => {
+                tracing::debug!(kind = w.kind, error = %e, "watch failed; resuming");
+                kind.state.lock().expect("watch cache").failed_at = Some(Instant::now());
             }
-            Err(e) => tracing::warn!(kind = w.kind, error = %e, "cannot watch"),
         }
-        {
-            let mut state = kind.state.lock().expect("watch cache");
-            state.synced = false;
-            state.listing = None;
-        }
-        failures = failures.saturating_add(1);
-        let wait = crate::queue::backoff(
-            failures,
-            Duration::from_millis(500),
-            Duration::from_secs(30),
-        );
-        tokio::time::sleep(wait).await;
     }
 }
 
 impl KindCache {
-    /// Applies one event; true once a LIST completed (the watch works).
-    fn handle(&self, event: WatchEvent<Value>, wakes: &Wakes) -> bool {
+    /// Applies one event.
+    fn handle(&self, event: WatchEvent<Value>, wakes: &Wakes) {
         let mut state = self.state.lock().expect("watch cache");
+        let state = &mut *state;
         match event {
-            WatchEvent::Init => state.listing = Some(ByDi::new()),
+            WatchEvent::Init => {
+                state.listing = Some(ByDi::new());
+                state.listed = false;
+                return;
+            }
             WatchEvent::InitApply(o) => {
-                if let Some((di, key, o)) = self.entry(o) {
+                if let Some((key, Some(di), o)) = self.entry(o) {
                     if let Some(listing) = state.listing.as_mut() {
                         listing.entry(di).or_default().insert(key, o);
                     }
                 }
+                return;
             }
             WatchEvent::InitDone => {
                 let listed = state.listing.take().unwrap_or_default();
@@ -213,40 +226,47 @@ impl KindCache {
                         wakes.wake(di);
                     }
                 }
+                state.owners = listed
+                    .iter()
+                    .flat_map(|(di, objects)| objects.keys().map(|k| (k.clone(), *di)))
+                    .collect();
                 state.by_di = listed;
-                state.synced = true;
+                state.listed = true;
                 state.listed_before = true;
-                return true;
             }
             WatchEvent::Apply(o) => {
-                if let Some((di, key, o)) = self.entry(o) {
-                    let objects = state.by_di.entry(di).or_default();
-                    let old = objects.insert(key.clone(), o);
-                    let new = &objects[&key];
-                    if old.is_none_or(|old| meaningful_change(&old, new)) {
-                        wakes.wake(di);
+                if let Some((key, di, o)) = self.entry(o) {
+                    if let Some(left) = state.owners.get(&key).copied().filter(|o| Some(*o) != di) {
+                        remove(state, left, &key);
+                        wakes.wake(left);
+                    }
+                    if let Some(di) = di {
+                        state.owners.insert(key.clone(), di);
+                        let objects = state.by_di.entry(di).or_default();
+                        let old = objects.insert(key.clone(), o);
+                        if old.is_none_or(|old| meaningful_change(&old, &objects[&key])) {
+                            wakes.wake(di);
+                        }
                     }
                 }
             }
             WatchEvent::Delete(o) => {
-                if let Some((di, key, _)) = self.entry(o) {
-                    if let Some(objects) = state.by_di.get_mut(&di) {
-                        if objects.remove(&key).is_some() {
-                            wakes.wake(di);
-                        }
-                        if objects.is_empty() {
-                            state.by_di.remove(&di);
-                        }
+                if let Some((key, _, _)) = self.entry(o) {
+                    if let Some(di) = state.owners.get(&key).copied() {
+                        remove(state, di, &key);
+                        wakes.wake(di);
                     }
                 }
             }
         }
-        false
+        // It delivered: the watch works.
+        state.failed_at = None;
     }
 
-    /// The DI an object belongs to, its key, and the object as kept (without its
-    /// `managedFields`, which no pass reads and which are a good part of its size).
-    fn entry(&self, mut o: Value) -> Option<(Uuid, (String, String), Value)> {
+    /// An object's key, the DI it belongs to (none when its label or namespace names none), and
+    /// the object as kept (without its `managedFields`, which no pass reads and which are a good
+    /// part of its size).
+    fn entry(&self, mut o: Value) -> Option<(Key, Option<Uuid>, Value)> {
         let meta = o.get_mut("metadata")?.as_object_mut()?;
         meta.remove("managedFields");
         let ns = meta
@@ -260,21 +280,32 @@ impl KindCache {
                 .get("labels")
                 .and_then(|l| l.get(names::DI_ID_LABEL))
                 .and_then(Value::as_str)
-                .and_then(|s| s.parse().ok())?,
-            Owner::Namespace => names::di_of_namespace(&ns)?,
+                .and_then(|s| s.parse().ok()),
+            Owner::Namespace => names::di_of_namespace(&ns),
         };
-        Some((di, (ns, name), o))
+        Some(((ns, name), di, o))
     }
 }
 
-/// DIs whose objects differ between two LISTs (added, removed, or at another version).
+/// Forgets the object `key` kept under DI `di`.
+fn remove(state: &mut KindState, di: Uuid, key: &Key) {
+    state.owners.remove(key);
+    if let Some(objects) = state.by_di.get_mut(&di) {
+        objects.remove(key);
+        if objects.is_empty() {
+            state.by_di.remove(&di);
+        }
+    }
+}
+
+/// DIs whose objects differ between two LISTs (added, removed, or changed in more than their
+/// version and heartbeats: after an outage every node has a new heartbeat).
 fn differing(before: &ByDi, after: &ByDi) -> Vec<Uuid> {
-    let version = |o: &Value| o.pointer("/metadata/resourceVersion").cloned();
-    let same = |a: &BTreeMap<(String, String), Value>, b: &BTreeMap<(String, String), Value>| {
+    let same = |a: &BTreeMap<Key, Value>, b: &BTreeMap<Key, Value>| {
         a.len() == b.len()
             && a.iter()
                 .zip(b)
-                .all(|((ka, va), (kb, vb))| ka == kb && version(va) == version(vb))
+                .all(|((ka, va), (kb, vb))| ka == kb && !meaningful_change(va, vb))
     };
     let mut out: Vec<Uuid> = before
         .iter()
@@ -352,7 +383,7 @@ mod tests {
         let other_ns = json!({"metadata": {"name": "dns", "namespace": "kube-system"}});
         k.handle(WatchEvent::InitApply(other_ns), &wakes);
         assert_eq!(cache.objects(a, &names::namespace(&a)), None, "listing");
-        assert!(k.handle(WatchEvent::InitDone, &wakes));
+        k.handle(WatchEvent::InitDone, &wakes);
         assert!(wakes.take().is_empty(), "the first LIST wakes nobody");
         let of_a = cache.objects(a, &names::namespace(&a)).unwrap();
         assert_eq!(of_a.len(), 1);
@@ -368,12 +399,52 @@ mod tests {
         assert_eq!(wakes.take(), vec![b]);
         assert_eq!(cache.objects(b, &names::namespace(&b)), Some(vec![]));
 
-        // A LIST after a failed watch: what changed meanwhile wakes its DIs.
+        // A LIST after 410 Gone: what changed meanwhile wakes its DIs, heartbeats do not.
         k.handle(WatchEvent::Init, &wakes);
-        k.handle(WatchEvent::InitApply(pod(a, "p1", "4", "Failed")), &wakes);
+        assert_eq!(
+            cache.objects(a, &names::namespace(&a)),
+            None,
+            "listing again"
+        );
+        k.handle(WatchEvent::InitApply(pod(a, "p1", "9", "Failed")), &wakes);
         k.handle(WatchEvent::InitApply(pod(b, "p3", "6", "Running")), &wakes);
         k.handle(WatchEvent::InitDone, &wakes);
         assert_eq!(wakes.take(), vec![b]);
+
+        // A failed watch is not read until it delivers again (or a while has passed).
+        k.state.lock().unwrap().failed_at = Some(Instant::now());
+        assert_eq!(cache.objects(a, &names::namespace(&a)), None);
+        k.handle(WatchEvent::Apply(pod(a, "p1", "10", "Failed")), &wakes);
+        assert!(cache.objects(a, &names::namespace(&a)).is_some());
+    }
+
+    #[test]
+    fn an_object_relabelled_leaves_the_di_it_was_under() {
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let wakes = Wakes::default();
+        let cache = ClusterCache {
+            kinds: vec![Arc::new(kind(Owner::Label))],
+            tasks: Vec::new(),
+        };
+        let k = &cache.kinds[0];
+        let node = |di: Option<Uuid>| {
+            let labels = di.map_or(json!({}), |di| json!({names::DI_ID_LABEL: di.to_string()}));
+            json!({"metadata": {"name": "gpu-1", "labels": labels}})
+        };
+        k.handle(WatchEvent::Init, &wakes);
+        k.handle(WatchEvent::InitApply(node(Some(a))), &wakes);
+        k.handle(WatchEvent::InitDone, &wakes);
+        k.handle(WatchEvent::Apply(node(Some(b))), &wakes);
+        let mut woken = wakes.take();
+        woken.sort();
+        let mut both = vec![a, b];
+        both.sort();
+        assert_eq!(woken, both);
+        assert_eq!(cache.objects(a, "").unwrap().len(), 0);
+        assert_eq!(cache.objects(b, "").unwrap().len(), 1);
+        k.handle(WatchEvent::Apply(node(None)), &wakes);
+        assert_eq!(wakes.take(), vec![b]);
+        assert_eq!(cache.objects(b, "").unwrap().len(), 0);
     }
 
     #[test]

@@ -148,6 +148,59 @@ async fn released_work_waits_for_its_time_or_a_change(pool: PgPool) {
     );
 }
 
+/// A change a cluster watch saw wakes a resting DI at once, leaves one due within seconds as it
+/// is, and reaches a DI whose pass is running through that pass's release, unless the pass
+/// backs off from a failure or looks again soon anyway.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_wake_makes_a_resting_di_due_and_outlives_a_running_pass(pool: PgPool) {
+    let s = store(pool);
+    let team = Uuid::new_v4();
+    let id = create(&s, team).await;
+    let hour = Duration::from_secs(3600);
+    let claim = async || s.work_claim("a", LEASE, 10).await.unwrap();
+    let c = claim().await.remove(0);
+    assert!(s
+        .work_release(id, c.lease_token, c.seq, hour)
+        .await
+        .unwrap());
+    assert!(claim().await.is_empty());
+    assert_eq!(s.work_wake(&[id]).await.unwrap(), 1);
+    let c = claim().await.remove(0);
+
+    // Looking again within a second: a wake leaves it be.
+    assert!(s
+        .work_release(id, c.lease_token, c.seq, Duration::from_secs(1))
+        .await
+        .unwrap());
+    assert_eq!(s.work_wake(&[id]).await.unwrap(), 0);
+
+    // Woken while its pass runs: the release does not put it off for an hour.
+    age(s.pool(), id, Duration::from_secs(2)).await;
+    let c = claim().await.remove(0);
+    assert_eq!(s.work_wake(&[id]).await.unwrap(), 1);
+    assert!(s
+        .work_release(id, c.lease_token, c.seq, hour)
+        .await
+        .unwrap());
+    let c = claim().await.remove(0);
+    // ... and the claim forgets the wake: the next release waits as asked.
+    assert!(s
+        .work_release(id, c.lease_token, c.seq, hour)
+        .await
+        .unwrap());
+    assert!(claim().await.is_empty());
+
+    // A pass backing off from a failure keeps its backoff.
+    assert_eq!(s.work_wake(&[id]).await.unwrap(), 1);
+    let c = claim().await.remove(0);
+    s.work_wake(&[id]).await.unwrap();
+    assert!(s
+        .work_release_to_retry(id, c.lease_token, c.seq, hour)
+        .await
+        .unwrap());
+    assert!(claim().await.is_empty());
+}
+
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
 async fn depth_counts_what_is_claimable_and_what_is_leased(pool: PgPool) {
     let s = store(pool.clone());

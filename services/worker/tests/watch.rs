@@ -36,6 +36,8 @@ async fn resyncs_of_converged_dis_read_the_watch_cache() {
     let env = env_with(None).await;
     let mut config = env.config();
     config.settings.resync = Duration::from_millis(500);
+    // Passes half a second apart: the watches (on loopback) lag by far less.
+    config.settings.cache_margin = Duration::from_millis(100);
     let w = Worker::start(config).await.unwrap();
     let dis = env.create_active(3).await;
     // The caches have listed once the DIs resync from them.
@@ -184,6 +186,7 @@ async fn an_autoscaled_dis_looks_read_its_metrics_and_no_lists() {
     let env = env_with(None).await;
     let mut config = env.config();
     config.settings.autoscale_interval = Duration::from_millis(300);
+    config.settings.cache_margin = Duration::from_millis(100);
     let w = Worker::start(config).await.unwrap();
     let (rec, _) = env.create(1).await;
     let active = env.wait_active(rec.id, 1).await;

@@ -70,9 +70,17 @@ impl Reconciler {
             Ok(at) => at,
             Err(wait) => return Ok(wait),
         };
-        // A resync reads the cluster's watch cache; a DI that is moving (or restarting under
-        // a fleet slot) lists, as it must judge its own writes.
-        let cached = c.resync && at.trusted && !self.fleet_moving(&c);
+        let since_last_pass = c
+            .inputs
+            .since_last_pass_ms
+            .map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
+        let cached = step::reads_cache(
+            c.resync,
+            at.trusted,
+            self.fleet_moving(&c),
+            since_last_pass,
+            s.cache_margin,
+        );
         let observed = match self
             .observe(&at, rec.id, &names::namespace(&rec.id), cached)
             .await

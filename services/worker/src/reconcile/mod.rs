@@ -61,6 +61,9 @@ pub struct Settings {
     pub resync: Duration,
     /// How often the autoscaler looks at a converged DI that declares `autoscaling`.
     pub autoscale_interval: Duration,
+    /// How long after a DI's previous pass a resync may read its objects from the cluster's
+    /// watch cache (see [`plan::step::reads_cache`]): more than a watch lags the server.
+    pub cache_margin: Duration,
     /// How long the load must have fit in one replica fewer before the autoscaler removes one.
     pub scale_down_window: Duration,
     /// The clock cluster credentials expire by (the system's; tests share one with the
@@ -89,6 +92,7 @@ impl std::fmt::Debug for Settings {
             .field("poll", &self.poll)
             .field("resync", &self.resync)
             .field("autoscale_interval", &self.autoscale_interval)
+            .field("cache_margin", &self.cache_margin)
             .field("scale_down_window", &self.scale_down_window)
             .field("fleet_budget", &self.fleet_budget)
             .field("fleet_slot_timeout", &self.fleet_slot_timeout)
@@ -113,6 +117,7 @@ impl Settings {
             poll: Duration::from_secs(2),
             resync: Duration::from_secs(300),
             autoscale_interval: Duration::from_secs(10),
+            cache_margin: Duration::from_secs(2),
             scale_down_window: Duration::from_secs(120),
             clock: Clock::system(),
             fleet_budget: FleetBudget {
