@@ -60,6 +60,11 @@ struct Args {
     /// Periodic resync of converged DIs.
     #[arg(long, env = "WORKER_RESYNC_SECS", default_value_t = 300)]
     resync_secs: u64,
+    /// Whether resyncs read each cluster's watches instead of listing, and changes the watches
+    /// see wake their DIs (`false`: every pass lists, drift waits for the resync; an escape
+    /// hatch should a cluster's API server mistreat long watches).
+    #[arg(long, env = "WORKER_WATCH_CACHES", default_value_t = true, action = clap::ArgAction::Set)]
+    watch_caches: bool,
     /// How often the autoscaler looks at a DI that declares `autoscaling`.
     #[arg(long, env = "WORKER_AUTOSCALE_INTERVAL_MS", default_value_t = 10_000)]
     autoscale_interval_ms: u64,
@@ -163,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
     config.poll_min = Duration::from_millis(args.poll_min_ms.max(1));
     config.settings.resync = Duration::from_secs(args.resync_secs.max(1));
     config.settings.autoscale_interval = Duration::from_millis(args.autoscale_interval_ms.max(100));
+    config.settings.watch_caches = args.watch_caches;
     config.settings.scale_down_window = Duration::from_secs(args.scale_down_window_secs);
     config.settings.gateway_class = args.gateway_class;
     config.settings.system_pool_size = args.system_pool_size;

@@ -314,7 +314,7 @@ impl<'a> Life<'a> {
         let (rec, _token) = env.create(1).await;
         let mut life = Life {
             env,
-            reconciler: env.reconciler(faulting.retries()),
+            reconciler: env.reconciler_with(faulting.retries(), listing_only(env)),
             faulting,
             id: rec.id,
             placeholders: Placeholders::new(&rec),
@@ -576,6 +576,15 @@ async fn settle(sim: &RegionSim, api: Api) {
         quiet = if now == calls { quiet + 1 } else { 0 };
         calls = now;
     }
+}
+
+/// The worker's settings without cluster watches: each pass's own calls are walked one by one,
+/// and a watch's requests (a LIST at start, a WATCH resumed after a refusal) would take the
+/// faults meant for them.
+fn listing_only(env: &Env) -> worker::reconcile::Settings {
+    let mut settings = env.config().settings;
+    settings.watch_caches = false;
+    settings
 }
 
 fn active_at(rec: &Record, version: i32) -> bool {

@@ -134,7 +134,11 @@ impl Reconciler {
         ns: &str,
         cached: bool,
     ) -> Result<Vec<Value>> {
-        let cache = self.kube.cache(&at.cluster_id, watched);
+        let cache = self
+            .settings
+            .watch_caches
+            .then(|| self.kube.cache(&at.cluster_id, watched))
+            .flatten();
         if let Some(objects) = cache.filter(|_| cached).and_then(|c| c.objects(id, ns)) {
             metrics::observed("cache");
             return Ok(objects);

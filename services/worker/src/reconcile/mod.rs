@@ -64,6 +64,8 @@ pub struct Settings {
     /// How long after a DI's previous pass a resync may read its objects from the cluster's
     /// watch cache (see [`plan::step::reads_cache`]): more than a watch lags the server.
     pub cache_margin: Duration,
+    /// Whether passes start and read the clusters' watch caches (see [`crate::watch_cache`]).
+    pub watch_caches: bool,
     /// How long the load must have fit in one replica fewer before the autoscaler removes one.
     pub scale_down_window: Duration,
     /// The clock cluster credentials expire by (the system's; tests share one with the
@@ -93,6 +95,7 @@ impl std::fmt::Debug for Settings {
             .field("resync", &self.resync)
             .field("autoscale_interval", &self.autoscale_interval)
             .field("cache_margin", &self.cache_margin)
+            .field("watch_caches", &self.watch_caches)
             .field("scale_down_window", &self.scale_down_window)
             .field("fleet_budget", &self.fleet_budget)
             .field("fleet_slot_timeout", &self.fleet_slot_timeout)
@@ -118,6 +121,7 @@ impl Settings {
             resync: Duration::from_secs(300),
             autoscale_interval: Duration::from_secs(10),
             cache_margin: Duration::from_secs(2),
+            watch_caches: true,
             scale_down_window: Duration::from_secs(120),
             clock: Clock::system(),
             fleet_budget: FleetBudget {

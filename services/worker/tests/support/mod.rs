@@ -187,17 +187,24 @@ impl Env {
     /// A reconciler of its own, as a worker builds it, whose DigitalOcean and Kubernetes
     /// clients retry as `retry` says: for tests that drive passes one by one.
     pub fn reconciler(&self, retry: RetryConfig) -> Reconciler {
+        self.reconciler_with(retry, self.config().settings)
+    }
+
+    /// As [`Env::reconciler`], with `settings`.
+    pub fn reconciler_with(
+        &self,
+        retry: RetryConfig,
+        settings: worker::reconcile::Settings,
+    ) -> Reconciler {
         let options = DoClientOptions {
             retry: retry.clone(),
             ..DoClientOptions::default()
         };
         let cloud = DoClient::with_options(&self.sim.base_url(), SIM_TOKEN, options).unwrap();
-        Reconciler::new(self.store.clone(), cloud, self.config().settings).with_kube_options(
-            KubeClientOptions {
-                retry,
-                ..KubeClientOptions::default()
-            },
-        )
+        Reconciler::new(self.store.clone(), cloud, settings).with_kube_options(KubeClientOptions {
+            retry,
+            ..KubeClientOptions::default()
+        })
     }
 
     pub async fn worker(&self) -> WorkerHandle {
