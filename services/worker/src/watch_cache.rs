@@ -171,13 +171,6 @@ impl ClusterCache {
         }
         Some(out)
     }
-
-    /// Every kind has listed and its watch is trusted.
-    pub fn synced(&self) -> bool {
-        self.kinds
-            .iter()
-            .all(|k| k.state.lock().expect("watch cache").trusted())
-    }
 }
 
 /// Watches one kind until the cache is dropped. A failure (the server unreachable, refused
