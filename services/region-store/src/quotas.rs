@@ -1,14 +1,15 @@
 //! Quotas: what one team may hold in this region — dedicated inferences, GPUs of each size, GPUs
 //! in all — and the check that keeps every create and patch within them.
 //!
-//! What a team holds is counted, not stored: its DIs from their create until they are being
-//! deleted (a delete frees the quota at once, though teardown takes minutes), and for each its
-//! newest accepted spec (pending, else current: what the team asked for, which a rollout is
-//! heading to). A deployment holds `scale` replicas, or `autoscaling.max_replicas` when it
-//! autoscales (the most the autoscaler may start, the rule of the worker's autoscale policy), of
-//! its size's GPUs per node.
+//! What a team holds: its DIs from their create until they are being deleted (a delete frees
+//! the quota at once, though teardown takes minutes), and for each, per size, the more of what
+//! its current and its pending spec ask (the old replicas serve until the new ones do). A
+//! deployment holds `scale` replicas, or `autoscaling.max_replicas` when it autoscales (the most
+//! the autoscaler may start, the rule of the worker's autoscale policy), of its size's GPUs per
+//! node. Postgres keeps the team's figures as its DIs change (migration 0017's `di_holdings`
+//! and its trigger), so a check costs the same for a team of one DI or of ten thousand.
 //!
-//! A create or patch counts what the team holds before its change and what its DI holds after
+//! A create or patch reads what the team holds before its change and what its DI holds after
 //! it, in its own transaction, under a per-team advisory lock that every create and patch of the
 //! team takes first: two concurrent creates cannot both fit in the last free slot. A figure that
 //! the change takes above its limit *and* raises refuses it (`Unprocessable`); so a limit lowered
@@ -64,6 +65,19 @@ pub(crate) struct Held {
 }
 
 impl Held {
+    /// From (size, replicas) rows, the DIs counted under the empty size.
+    fn from_rows(rows: Vec<(String, i64)>) -> Held {
+        let mut held = Held::default();
+        for (size, n) in rows {
+            if size.is_empty() {
+                held.dedicated_inferences = u32::try_from(n).unwrap_or(0);
+            } else if n != 0 {
+                held.replicas.insert(size, n);
+            }
+        }
+        held
+    }
+
     /// This, with `old` (a part of it) replaced by `new`.
     fn replacing(&self, old: &Held, new: &Held) -> Held {
         let mut out = self.clone();
@@ -202,7 +216,7 @@ impl Store {
         let quotas = self.quotas()?;
         let mut tx = self.pool.begin().await?;
         let overrides = overrides(&mut tx, team_id).await?;
-        let held = held(&mut tx, team_id, None).await?;
+        let held = team_held(&mut tx, team_id).await?;
         tx.commit().await?;
         Ok(quotas.report(&overrides, &held))
     }
@@ -264,14 +278,14 @@ impl Store {
             return Ok(None);
         }
         lock_team(tx, team_id).await?;
-        let team = held(tx, team_id, None).await?;
-        let di = held(tx, team_id, Some(id)).await?;
+        fold_changes(tx, team_id).await?;
+        let team = team_held(tx, team_id).await?;
+        let di = di_held(tx, team_id, id).await?;
         Ok(Some((team, di)))
     }
 
     /// After the change: refuses it if it raised a figure above its limit. Only DI `id` changed
-    /// (the lock kept the team's other creates and patches out), so only it is counted again:
-    /// one scan of the team's DIs per change, however many it has.
+    /// (the lock kept the team's other creates and patches out), so only it is counted again.
     pub(crate) async fn quota_check(
         &self,
         tx: &mut Transaction<'_, Postgres>,
@@ -282,7 +296,7 @@ impl Store {
         let (Some(quotas), Some((team, di))) = (&self.quotas, before) else {
             return Ok(());
         };
-        let after = team.replacing(&di, &held(tx, team_id, Some(id)).await?);
+        let after = team.replacing(&di, &di_held(tx, team_id, id).await?);
         quotas.check(&overrides(tx, team_id).await?, &team, &after)
     }
 }
@@ -297,56 +311,50 @@ async fn lock_team(tx: &mut Transaction<'_, Postgres>, team_id: Uuid) -> Result<
     Ok(())
 }
 
-/// What `team_id` holds, as `tx` sees it; with `only`, what that one DI of it holds.
-async fn held(
-    tx: &mut Transaction<'_, Postgres>,
-    team_id: Uuid,
-    only: Option<Uuid>,
-) -> Result<Held> {
-    // A NULL size is the row counting the DIs themselves. While a spec rolls out, a DI holds,
-    // per size, the more of what its current and its pending spec ask: the old replicas serve
-    // until the new ones do (and keep serving if the rollout fails), so a scale-down or a move
-    // frees its GPUs when it has rolled out, not when it is accepted.
-    let rows: Vec<(Option<String>, i64)> = sqlx::query_as(
-        "WITH counting AS (
-             SELECT id, current_version, pending_version FROM dedicated_inferences
-             WHERE team_id = $1 AND ($2::uuid IS NULL OR id = $2) AND gone_at IS NULL
-               AND status <> 'deleting'),
-         versions AS (
-             SELECT id, current_version AS version FROM counting WHERE current_version IS NOT NULL
-             UNION
-             SELECT id, pending_version FROM counting WHERE pending_version IS NOT NULL),
-         per_version AS (
-             SELECT v.id, v.version, g.accelerator_slug,
-                    sum(CASE WHEN jsonb_typeof(m.workload_config -> 'autoscaling') = 'object'
-                             THEN greatest(g.scale, coalesce((m.workload_config #>> '{autoscaling,max_replicas}')::numeric, g.scale))
-                             ELSE g.scale END) AS replicas
-             FROM versions v
-             JOIN model_deployments m ON m.di_id = v.id AND m.version = v.version
-             JOIN accelerator_groups g
-               ON g.di_id = m.di_id AND g.version = m.version AND g.deployment_position = m.position
-             GROUP BY v.id, v.version, g.accelerator_slug),
-         per_di AS (
-             SELECT id, accelerator_slug, max(replicas) AS replicas FROM per_version
-             GROUP BY id, accelerator_slug)
-         SELECT NULL, count(*) FROM counting
-         UNION ALL
-         SELECT accelerator_slug, sum(replicas)::bigint FROM per_di GROUP BY accelerator_slug",
+/// What `team_id` holds, as `tx` sees it: its folded holdings and the changes since.
+async fn team_held(tx: &mut Transaction<'_, Postgres>, team_id: Uuid) -> Result<Held> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT accelerator_slug, sum(held)::bigint FROM (
+             SELECT accelerator_slug, held FROM team_holdings WHERE team_id = $1
+             UNION ALL
+             SELECT accelerator_slug, change FROM team_holding_changes WHERE team_id = $1) h
+         GROUP BY accelerator_slug",
     )
     .bind(team_id)
-    .bind(only)
     .fetch_all(&mut **tx)
     .await?;
-    let mut held = Held::default();
-    for (size, n) in rows {
-        match size {
-            None => held.dedicated_inferences = u32::try_from(n).unwrap_or(u32::MAX),
-            Some(size) => {
-                held.replicas.insert(size, n);
-            }
-        }
-    }
-    Ok(held)
+    Ok(Held::from_rows(rows))
+}
+
+/// Folds `team_id`'s holding changes into its holdings, so that they stay a handful of rows.
+async fn fold_changes(tx: &mut Transaction<'_, Postgres>, team_id: Uuid) -> Result<()> {
+    sqlx::query(
+        "WITH folded AS (
+             DELETE FROM team_holding_changes WHERE team_id = $1
+             RETURNING accelerator_slug, change)
+         INSERT INTO team_holdings (team_id, accelerator_slug, held)
+         SELECT $1, accelerator_slug, sum(change) FROM folded GROUP BY accelerator_slug
+         ON CONFLICT (team_id, accelerator_slug) DO UPDATE SET held = team_holdings.held + excluded.held",
+    )
+    .bind(team_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// What DI `id` of `team_id` holds, as `tx` sees it (nothing before its create).
+async fn di_held(tx: &mut Transaction<'_, Postgres>, team_id: Uuid, id: Uuid) -> Result<Held> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT h.accelerator_slug, h.held FROM dedicated_inferences d,
+             di_holdings(d.id, d.gone_at IS NULL AND d.status <> 'deleting',
+                         d.current_version, d.pending_version) h
+         WHERE d.id = $1 AND d.team_id = $2",
+    )
+    .bind(id)
+    .bind(team_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(Held::from_rows(rows))
 }
 
 /// `team_id`'s own limits, as `tx` sees them.

@@ -303,3 +303,259 @@ async fn a_rollout_frees_gpus_when_it_completes_not_when_it_is_accepted(pool: Pg
         .await
         .unwrap();
 }
+
+/// What a team holds is kept as its DIs change (migration 0017), not counted at each check. Any
+/// mix of creates, patches, refusals, rollouts, failures, deletes and teardowns must leave it
+/// equal to a count from scratch over the team's DIs, after every step.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn what_a_team_holds_is_kept_as_its_dis_change(pool: PgPool) {
+    let store = Store::new(
+        pool.clone(),
+        Sealer::from_base64(&Sealer::generate_key()).unwrap(),
+    )
+    .with_quotas(Quotas {
+        region: "atl1".into(),
+        dedicated_inferences: 6,
+        gpus: 40,
+        gpus_per_size: 24,
+        gpus_per_node: [(H1.to_string(), 1), (H8.to_string(), 8)].into(),
+    });
+    let teams = [Uuid::new_v4(), Uuid::new_v4()];
+    // Each DI made, with its team and the spec it was created with.
+    let mut dis: Vec<(Uuid, Uuid, Spec)> = Vec::new();
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move |n: u64| {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (seed >> 33) % n
+    };
+    let (mut refused_for_quota, mut accepted) = (0, 0);
+    for _ in 0..300 {
+        let size = if next(3) == 0 { H8 } else { H1 };
+        let scale = next(4) as i32 + 1;
+        let config = if next(3) == 0 {
+            serde_json::json!({"autoscaling": {"min_replicas": 0, "max_replicas": scale + 2}})
+        } else {
+            serde_json::json!({})
+        };
+        let op = next(7);
+        let di = (!dis.is_empty()).then(|| dis[next(dis.len() as u64) as usize].clone());
+        let outcome = match (op, di) {
+            (0 | 1, _) | (_, None) => {
+                let team = teams[next(2) as usize];
+                let req = create(team, vec![deployment(size, scale, config)]);
+                let created = store.dedicated_inference_create(&req, &ca()).await;
+                if created.is_ok() {
+                    dis.push((req.id, team, req.spec.clone()));
+                }
+                created.map(|_| ())
+            }
+            (2, Some((id, team, mut spec))) => {
+                match store.dedicated_inference_get(id, team).await {
+                    Ok(record) => {
+                        spec.version = record.pending_spec.or(record.spec).expect("a spec").version;
+                        spec.model_deployments = vec![deployment(size, scale, config)];
+                        store
+                            .dedicated_inference_patch(id, team, Some(&spec), None, false)
+                            .await
+                            .map(|_| ())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            (3, Some((id, team, _))) => {
+                // The worker rolls the pending spec out, from whichever status the DI is in.
+                let _ = store.provisioning_begin(id).await;
+                let _ = store.updating_begin(id).await;
+                match store.dedicated_inference_get(id, team).await {
+                    Ok(record) => match record.pending_spec {
+                        Some(pending) => store
+                            .rollout_complete(
+                                id,
+                                pending.version,
+                                &region_store::Endpoints::default(),
+                            )
+                            .await
+                            .map(|_| ()),
+                        None => Ok(()),
+                    },
+                    Err(e) => Err(e),
+                }
+            }
+            (4, Some((id, _, _))) => store
+                .error_set(id, None, "Stalled", "stalled")
+                .await
+                .map(|_| ()),
+            (5, Some((id, team, _))) => {
+                store.dedicated_inference_delete(id, team).await.map(|_| ())
+            }
+            (_, Some((id, _, _))) => store.gone(id).await.map(|_| ()),
+        };
+        match outcome {
+            Ok(()) => accepted += 1,
+            Err(StoreError::Unprocessable(m)) if m.contains("Quota exceeded") => {
+                refused_for_quota += 1
+            }
+            Err(StoreError::Conflict(_) | StoreError::NotFound) => {}
+            Err(e) => panic!("{e:?}"),
+        }
+        for team in teams {
+            let report = store.quota_use(team).await.unwrap();
+            let mut kept: Vec<(String, i64)> = report
+                .gpus_per_size
+                .iter()
+                .filter(|u| u.used > 0)
+                .map(|u| (u.accelerator_slug.clone(), i64::from(u.used)))
+                .collect();
+            kept.push((String::new(), report.dedicated_inferences.used.into()));
+            kept.sort();
+            assert_eq!(kept, counted_from_scratch(&pool, team).await, "team {team}");
+        }
+    }
+    // The walk went through refusals as well as changes.
+    assert!(
+        refused_for_quota > 10 && accepted > 100,
+        "{refused_for_quota} refused, {accepted} accepted"
+    );
+}
+
+/// A team's GPUs per size (and its DIs under the empty size), counted over all of its DIs the
+/// way quota checks counted them before migration 0017.
+async fn counted_from_scratch(pool: &PgPool, team: Uuid) -> Vec<(String, i64)> {
+    let mut rows: Vec<(String, i64)> = sqlx::query_as(
+        "WITH counting AS (
+             SELECT id, current_version, pending_version FROM dedicated_inferences
+             WHERE team_id = $1 AND gone_at IS NULL AND status <> 'deleting'),
+         versions AS (
+             SELECT id, current_version AS version FROM counting WHERE current_version IS NOT NULL
+             UNION
+             SELECT id, pending_version FROM counting WHERE pending_version IS NOT NULL),
+         per_version AS (
+             SELECT v.id, v.version, g.accelerator_slug,
+                    sum(CASE WHEN jsonb_typeof(m.workload_config -> 'autoscaling') = 'object'
+                             THEN greatest(g.scale, coalesce((m.workload_config #>> '{autoscaling,max_replicas}')::numeric, g.scale))
+                             ELSE g.scale END) AS replicas
+             FROM versions v
+             JOIN model_deployments m ON m.di_id = v.id AND m.version = v.version
+             JOIN accelerator_groups g
+               ON g.di_id = m.di_id AND g.version = m.version AND g.deployment_position = m.position
+             GROUP BY v.id, v.version, g.accelerator_slug),
+         per_di AS (
+             SELECT id, accelerator_slug, max(replicas) AS replicas FROM per_version
+             GROUP BY id, accelerator_slug)
+         SELECT '', count(*) FROM counting
+         UNION ALL
+         SELECT accelerator_slug, sum(replicas)::bigint FROM per_di GROUP BY accelerator_slug",
+    )
+    .bind(team)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    rows.iter_mut().for_each(|(size, n)| {
+        if !size.is_empty() {
+            *n *= if size == H8 { 8 } else { 1 };
+        }
+    });
+    rows.sort();
+    rows
+}
+
+/// A region upgraded to kept holdings starts from what its teams hold already: DIs being
+/// deleted, rolling out, autoscaled or gone.
+#[sqlx::test(migrations = false)]
+async fn the_upgrade_counts_what_teams_hold_already(pool: PgPool) {
+    let (before, from) = region_store::MIGRATOR
+        .iter()
+        .partition::<Vec<_>, _>(|m| m.version < 17);
+    for migration in before {
+        sqlx::raw_sql(&migration.sql).execute(&pool).await.unwrap();
+    }
+    let teams = [Uuid::new_v4(), Uuid::new_v4()];
+    // (team, status, current spec, pending spec, gone): a spec is (size, scale, max_replicas).
+    let dis = [
+        (0, "active", Some((H1, 2, None)), None, false),
+        (
+            0,
+            "updating",
+            Some((H1, 4, None)),
+            Some((H8, 1, Some(3))),
+            false,
+        ),
+        (0, "deleting", Some((H8, 2, None)), None, false),
+        (0, "deleting", Some((H8, 2, None)), None, true),
+        (1, "new", None, Some((H1, 1, Some(5))), false),
+        (1, "error", Some((H8, 1, None)), Some((H8, 2, None)), false),
+    ];
+    for (team, status, current, pending, gone) in dis {
+        let id = Uuid::new_v4();
+        sqlx::query(
+            "INSERT INTO dedicated_inferences (id, team_id, region, vpc_uuid, enable_public_endpoint, status,
+                                               current_version, pending_version, gone_at)
+             VALUES ($1, $2, 'atl1', $1, true, $3, $4, $5, CASE WHEN $6 THEN now() END)",
+        )
+        .bind(id)
+        .bind(teams[team])
+        .bind(status)
+        .bind(current.map(|_| 1))
+        .bind(pending.map(|_| 2))
+        .bind(gone)
+        .execute(&pool)
+        .await
+        .unwrap();
+        for (version, spec) in [(1, current), (2, pending)] {
+            let Some((size, scale, max_replicas)) = spec else {
+                continue;
+            };
+            let config = match max_replicas {
+                Some(max) => {
+                    serde_json::json!({"autoscaling": {"min_replicas": 0, "max_replicas": max}})
+                }
+                None => serde_json::json!({}),
+            };
+            sqlx::query(
+                "WITH v AS (INSERT INTO spec_versions (di_id, version, id, name, enable_public_endpoint, vpc_uuid)
+                            VALUES ($1, $2, gen_random_uuid(), 'di', true, $1)),
+                      m AS (INSERT INTO model_deployments (di_id, version, position, model_id, model_slug, model_provider, workload_config)
+                            VALUES ($1, $2, 0, gen_random_uuid(), 'm', 'hugging_face', $5))
+                 INSERT INTO accelerator_groups (di_id, version, deployment_position, position, accelerator_slug, role, scale)
+                 VALUES ($1, $2, 0, 0, $3, 'prefill_decode', $4)",
+            )
+            .bind(id)
+            .bind(version)
+            .bind(size)
+            .bind(scale)
+            .bind(config)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    }
+    for migration in from {
+        sqlx::raw_sql(&migration.sql).execute(&pool).await.unwrap();
+    }
+    let store = store(pool.clone());
+    let expected = [
+        vec![
+            (String::new(), 2),
+            (H1.to_string(), 6),
+            (H8.to_string(), 24),
+        ],
+        vec![
+            (String::new(), 2),
+            (H1.to_string(), 5),
+            (H8.to_string(), 16),
+        ],
+    ];
+    for (team, expected) in teams.into_iter().zip(expected) {
+        let counted = counted_from_scratch(&pool, team).await;
+        assert_eq!(counted, expected);
+        let report = store.quota_use(team).await.unwrap();
+        assert_eq!(
+            (
+                dis_use(&report).1,
+                size_use(&report, H1).1,
+                size_use(&report, H8).1
+            ),
+            (2, expected[1].1 as u32, expected[2].1 as u32)
+        );
+    }
+}
