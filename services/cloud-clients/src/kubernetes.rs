@@ -281,6 +281,9 @@ pub struct KubeClientOptions {
     pub connect_timeout: Duration,
     /// Time to wait for a response's headers (a watch's body then streams for minutes).
     pub read_timeout: Duration,
+    /// How long an HTTP/1.1 connection no request used stays pooled. An HTTP/2 connection stays
+    /// while its client lives: the cluster's watches run on it between requests.
+    pub idle_timeout: Duration,
     pub retry: RetryConfig,
 }
 
@@ -289,6 +292,7 @@ impl Default for KubeClientOptions {
         Self {
             connect_timeout: Duration::from_secs(5),
             read_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(90),
             retry: RetryConfig::default(),
         }
     }
@@ -394,7 +398,11 @@ impl KubeClient {
         if config.cluster_url.scheme_str() == Some("http") && config.root_cert.is_none() {
             config.root_cert = Some(Vec::new());
         }
-        let client = one_connection_client(&config, &options)?;
+        let client = one_connection_client(&config, &options, Protocol::Negotiated)?;
+        let client = match speaks_http2(&client).await {
+            true => one_connection_client(&config, &options, Protocol::Http2)?,
+            false => client,
+        };
         Ok(Self::from_client(client, field_manager, options.retry))
     }
 
@@ -722,6 +730,34 @@ impl KubeClient {
     }
 }
 
+/// The HTTP versions a client may speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    /// HTTP/2 where the server picks it through ALPN, else HTTP/1.1, whose idle connections
+    /// leave the pool after [`KubeClientOptions::idle_timeout`].
+    Negotiated,
+    /// HTTP/2 only, for a server seen to speak it: one connection is made at a time and shared,
+    /// and it is kept while the client lives (its pings find it dead). hyper's pool would drop
+    /// a connection no request used for its idle timeout, though watches still run on it, and
+    /// the next request would open a second one beside it.
+    Http2,
+}
+
+/// Whether the server answered `GET /version` over HTTP/2 (real API servers do, through ALPN).
+/// Asked once when a client is made; if the question fails, the client negotiates as before.
+async fn speaks_http2(client: &Client) -> bool {
+    let Ok(request) = http::Request::get("/version").body(kube::client::Body::empty()) else {
+        return false;
+    };
+    match client.send(request).await {
+        Ok(response) => response.version() == http::Version::HTTP_2,
+        Err(e) => {
+            tracing::debug!(error = %e, "asking the API server its version failed");
+            false
+        }
+    }
+}
+
 /// A kube client that speaks HTTP/2 to the cluster wherever the server offers it (real API
 /// servers do, through ALPN): every request and watch of the cluster then shares one
 /// connection, so a worker's descriptors grow with the clusters it uses, not with its requests
@@ -730,6 +766,7 @@ impl KubeClient {
 fn one_connection_client(
     config: &Config,
     options: &KubeClientOptions,
+    protocol: Protocol,
 ) -> Result<Client, KubeError> {
     use hyper_util::client::legacy::connect::HttpConnector;
     use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -759,15 +796,19 @@ fn one_connection_client(
         .enable_http1()
         .enable_http2()
         .wrap_connector(http);
-    let hyper: hyper_util::client::legacy::Client<_, kube::client::Body> =
-        hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .pool_timer(TokioTimer::new())
-            .pool_max_idle_per_host(MAX_IDLE_HTTP1)
-            .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
-            .http2_keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
-            .http2_keep_alive_while_idle(true)
-            .build(https);
+    let mut builder = hyper_util::client::legacy::Client::builder(TokioExecutor::new());
+    builder
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(options.idle_timeout)
+        .pool_max_idle_per_host(MAX_IDLE_HTTP1)
+        .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+        .http2_keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
+        .http2_keep_alive_while_idle(true);
+    if protocol == Protocol::Http2 {
+        builder.http2_only(true).pool_idle_timeout(None);
+    }
+    let hyper: hyper_util::client::legacy::Client<_, kube::client::Body> = builder.build(https);
     let service = tower::ServiceBuilder::new()
         .layer(config.base_uri_layer())
         .option_layer(config.auth_layer().map_err(|e| failed(&e))?)

@@ -468,38 +468,104 @@ async fn unreachable_api_server_is_transient() {
 async fn requests_and_watches_share_one_connection() {
     use futures::StreamExt;
     let sim = start_sim(small_delays()).await;
-    let (_, _, kube) = cluster(&sim, "h2").await;
-    kube.apply(&namespace()).await.unwrap();
     let before = sim.open_connections();
-    let mut watches = Vec::new();
-    for kind in ["ConfigMap", "Secret", "Service", "ServiceAccount"] {
-        watches.push(Box::pin(kube.watch("v1", kind, "").unwrap()));
-    }
-    let lists = (0..40).map(|_| kube.list("v1", "ConfigMap", Some(NS), ""));
-    futures::future::try_join_all(lists).await.unwrap();
-    kube.apply(&config_map("seen", true, "v")).await.unwrap();
-    let config_maps = &mut watches[0];
-    let seen = tokio::time::timeout(Duration::from_secs(10), async {
-        while let Some(event) = config_maps.next().await {
-            // Listed, if the watch had not listed yet when the write came; else watched.
-            if let cloud_clients::WatchEvent::Apply(o) | cloud_clients::WatchEvent::InitApply(o) =
-                event.unwrap()
-            {
-                if o["metadata"]["name"] == "seen" {
-                    return o;
+    // A client fresh from its credentials, whose first requests all go out at once: its
+    // cluster's watches and a pass's lists, as when a worker first meets a cluster.
+    let (_, _, kube) = cluster(&sim, "h2").await;
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let watches: Vec<_> = ["ConfigMap", "Secret", "Service", "ServiceAccount"]
+        .into_iter()
+        .map(|kind| {
+            let mut watch = Box::pin(kube.watch("v1", kind, "").unwrap());
+            let seen = seen_tx.clone();
+            tokio::spawn(async move {
+                while let Some(event) = watch.next().await {
+                    // Listed, if the watch had not listed yet when the write came; else watched.
+                    if let Ok(
+                        cloud_clients::WatchEvent::Apply(o)
+                        | cloud_clients::WatchEvent::InitApply(o),
+                    ) = event
+                    {
+                        let _ = seen.send(o);
+                    }
                 }
+            })
+        })
+        .collect();
+    let lists = (0..40).map(|_| kube.list("v1", "ConfigMap", Some(NS), ""));
+    let (namespace, lists) = futures::future::join(
+        kube.apply(&namespace()),
+        futures::future::try_join_all(lists),
+    )
+    .await;
+    namespace.unwrap();
+    lists.unwrap();
+    kube.apply(&config_map("seen", true, "v")).await.unwrap();
+    let seen = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let o = seen.recv().await.expect("the watches ended");
+            if o["kind"] == "ConfigMap" && o["metadata"]["name"] == "seen" {
+                return o;
             }
         }
-        panic!("the watch ended");
     })
     .await
     .expect("the watch sees the write");
     assert_eq!(seen["data"]["key"], "v");
+    one_connection_settles(&sim, before).await;
+    watches.iter().for_each(|w| w.abort());
+    sim.shutdown().await;
+}
+
+/// A cluster's connection carries its watches between requests: it stays pooled however long
+/// no request used it, so the next request shares it rather than opening a second connection
+/// beside it (what hyper's pool does with a connection idle past its timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_carrying_watches_stays_pooled_while_no_request_uses_it() {
+    use futures::StreamExt;
+    let sim = start_sim(small_delays()).await;
+    let api = do_client(&sim, fast_retry());
+    let c = api.cluster_create(&cpu_cluster("idle")).await.unwrap();
+    let yaml = api.kubeconfig(&c.id).await.unwrap();
+    let before = sim.open_connections();
+    let idle_timeout = Duration::from_millis(200);
+    let kube = KubeClient::from_kubeconfig_yaml_with(
+        &yaml,
+        "di-worker",
+        cloud_clients::KubeClientOptions {
+            idle_timeout,
+            retry: fast_retry(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut watch = Box::pin(kube.watch("v1", "ConfigMap", "").unwrap());
+    let watching = tokio::spawn(async move { while watch.next().await.is_some() {} });
+    kube.list("v1", "ConfigMap", Some(NS), "").await.unwrap();
+    one_connection_settles(&sim, before).await;
+    tokio::time::sleep(idle_timeout * 5).await;
+    kube.list("v1", "ConfigMap", Some(NS), "").await.unwrap();
     assert_eq!(
         sim.open_connections(),
-        before.max(1),
-        "four watches and 40 lists at once on one connection"
+        before + 1,
+        "the watch's connection served the list"
     );
-    drop(watches);
+    watching.abort();
     sim.shutdown().await;
+}
+
+/// Waits until the simulator holds one connection more than `before`: the client's own (the
+/// connection on which it asked the server's protocol closes as its first client is dropped).
+async fn one_connection_settles(sim: &RegionSim, before: usize) {
+    let mut now = 0;
+    let settled = test_support::within(Duration::from_secs(5), async || {
+        now = sim.open_connections();
+        (now == before + 1).then_some(())
+    })
+    .await;
+    assert!(
+        settled.is_some(),
+        "{now} connections open, {before} before the client"
+    );
 }
