@@ -205,12 +205,20 @@ async fn an_autoscaled_dis_looks_read_its_metrics_and_no_lists() {
     .await;
 
     env.sim.reset_stats();
+    let written = replicas_row_version(&env, rec.id).await;
     let passes = w.stats().passes;
     eventually(Duration::from_secs(60), "20 looks", async || {
         (w.stats().passes >= passes + 20).then_some(())
     })
     .await;
     let looks = w.stats().passes - passes;
+    // Nothing served and nothing changed: the looks wrote nothing (the autoscaler's memory
+    // included), where each could have been a transaction.
+    assert_eq!(
+        replicas_row_version(&env, rec.id).await,
+        written,
+        "idle looks rewrote the deployment's replicas row"
+    );
     let (requests, listed) = (kube_requests(&env, ""), kube_requests(&env, "LIST "));
     let per_look = requests as f64 / looks as f64;
     println!("{per_look:.2} Kubernetes requests per look ({requests} in {looks}), {listed} lists");
@@ -221,4 +229,14 @@ async fn an_autoscaled_dis_looks_read_its_metrics_and_no_lists() {
     );
     w.shutdown().await;
     env.sim.shutdown().await;
+}
+
+/// The transaction that last wrote DI `id`'s replicas row (Postgres's `xmin`): it changes with
+/// every write, even of the same values.
+async fn replicas_row_version(env: &Env, id: uuid::Uuid) -> String {
+    region_store::sqlx::query_scalar("SELECT xmin::text FROM deployment_replicas WHERE di_id = $1")
+        .bind(id)
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap()
 }
