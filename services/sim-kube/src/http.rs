@@ -287,14 +287,20 @@ fn dispatch(
                     },
                 );
             }
-            Ok(ok(&list(store, target.rt, ns, &labels, &fields)))
+            Ok(list_response(store, target.rt, ns, &labels, &fields))
         }
         (Method::GET, Some(name)) => {
-            let inner = store.lock();
-            inner
+            // The object as stored: no parse, no serialisation.
+            let text = store
+                .lock()
+                .objects
                 .get(&Key::new(target.rt, ns.unwrap_or(""), name))
-                .map(ok)
-                .ok_or_else(|| ApiError::not_found(rt, name))
+                .map(|o| o.text().to_owned())
+                .ok_or_else(|| ApiError::not_found(rt, name))?;
+            Ok(Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from(text))
+                .expect("response"))
         }
         (Method::POST, None) => {
             if rt.namespaced && ns.is_none() {
@@ -447,7 +453,6 @@ fn scale(
     let current = store
         .lock()
         .get(&Key::new(rti, ns, name))
-        .cloned()
         .ok_or_else(|| ApiError::not_found(&TYPES[rti], name))?;
     let mut wanted = scale_of(&current);
     match *method {
@@ -545,6 +550,46 @@ fn delete_options(q: &HashMap<String, String>, body: &Bytes) -> ApiResult<Delete
     Ok(opts)
 }
 
+/// A list response as the client reads it, its items as stored: matching them parses them (if
+/// they were not in use), writing them does not.
+fn list_response(
+    store: &Store,
+    rti: usize,
+    ns: Option<&str>,
+    labels: &LabelSelector,
+    fields: &FieldSelector,
+) -> Response {
+    let rt = &TYPES[rti];
+    let inner = store.lock();
+    let lo = Key::new(rti, ns.unwrap_or(""), "");
+    let mut body = format!(
+        "{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{{\"resourceVersion\":\"{}\"}},\"items\":[",
+        rt.kind,
+        rt.api_version(),
+        inner.rv
+    );
+    let mut first = true;
+    for (_, o) in inner
+        .objects
+        .range(lo..)
+        .take_while(|(k, _)| k.rt == rti && ns.is_none_or(|n| k.ns == n))
+    {
+        let value = o.value();
+        if labels.matches(&value) && fields.matches(&value) {
+            if !first {
+                body.push(',');
+            }
+            first = false;
+            body.push_str(o.text());
+        }
+    }
+    body.push_str("]}");
+    Response::builder()
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .expect("response")
+}
+
 /// A list response: items carry apiVersion/kind, metadata carries the store's
 /// current resourceVersion (the point to start a watch from).
 pub fn list(
@@ -559,7 +604,7 @@ pub fn list(
     let items: Vec<Value> = inner
         .list(rti, ns)
         .filter(|o| labels.matches(o) && fields.matches(o))
-        .cloned()
+        .map(Arc::unwrap_or_clone)
         .collect();
     json!({
         "kind": format!("{}List", rt.kind),

@@ -376,7 +376,12 @@ impl Cluster {
     /// Every stored object, shared rather than copied: for readers that look at the whole
     /// cluster on every change (the region's cloud controller).
     pub fn snapshot(&self) -> Vec<Arc<Value>> {
-        self.store().lock().objects.values().cloned().collect()
+        self.store()
+            .lock()
+            .objects
+            .values()
+            .map(|o| o.value())
+            .collect()
     }
 
     pub fn get(
@@ -390,7 +395,7 @@ impl Cluster {
         self.store()
             .lock()
             .get(&Key::new(rt, namespace.unwrap_or(""), name))
-            .cloned()
+            .map(Arc::unwrap_or_clone)
     }
 
     /// Objects of one kind, in one namespace or (None) in all.
@@ -398,7 +403,11 @@ impl Cluster {
         let Some(rt) = resources::by_kind(api_version, kind) else {
             return Vec::new();
         };
-        self.store().lock().list(rt, namespace).cloned().collect()
+        self.store()
+            .lock()
+            .list(rt, namespace)
+            .map(Arc::unwrap_or_clone)
+            .collect()
     }
 
     /// Merge-patches the status of an object directly, the way a component

@@ -369,7 +369,7 @@ fn finish_update(
 fn get_live(inner: &Inner, rti: usize, ns: Option<&str>, name: &str) -> ApiResult<Value> {
     inner
         .get(&Key::new(rti, ns.unwrap_or(""), name))
-        .cloned()
+        .map(std::sync::Arc::unwrap_or_clone)
         .ok_or_else(|| ApiError::not_found(&TYPES[rti], name))
 }
 
@@ -420,7 +420,9 @@ pub fn patch(
 ) -> ApiResult<Outcome> {
     let rt = &TYPES[rti];
     let mut inner = store.lock();
-    let live = inner.get(&Key::new(rti, ns.unwrap_or(""), name)).cloned();
+    let live = inner
+        .get(&Key::new(rti, ns.unwrap_or(""), name))
+        .map(std::sync::Arc::unwrap_or_clone);
     match kind {
         PatchKind::Apply => {
             let mut cfg = body;
@@ -642,7 +644,7 @@ pub fn mutate_status(
     f: impl FnOnce(&mut Value),
 ) -> Option<Value> {
     let mut inner = store.lock();
-    let old = inner.objects.get(key)?.clone();
+    let old = inner.get(key)?;
     let before = old.get("status").unwrap_or(&Value::Null);
     let mut status = before.clone();
     f(&mut status);
@@ -666,7 +668,7 @@ pub fn mutate(
 ) -> Option<Value> {
     let mut inner = store.lock();
     // The stored object is shared: one copy to edit, none to compare against.
-    let old = inner.objects.get(key)?.clone();
+    let old = inner.get(key)?;
     let mut new = old.as_ref().clone();
     f(&mut new);
     if new == *old {

@@ -108,9 +108,9 @@ pub(crate) fn serve(shared: &Shared, method: &Method, uri: &Uri) -> ApiResult<Re
         let inner = shared.store.lock();
         let pod = inner
             .get(&Key::new(rt, ns, name))
-            .cloned()
+            .map(Arc::unwrap_or_clone)
             .ok_or_else(|| ApiError::not_found(&TYPES[rt], name))?;
-        (pod, inner.objects.values().cloned().collect())
+        (pod, inner.objects.values().map(|o| o.value()).collect())
     };
     // The API server connects to the pod's IP: a pod that is not running has none to connect
     // to, and one that is not ready is not serving yet.

@@ -4,9 +4,13 @@
 //! Everything happens under one mutex. Operations are short and in-memory, and a
 //! single lock makes "read, decide, write" atomic for both HTTP requests and the
 //! built-in controllers, so neither can lose the other's update.
+//!
+//! Objects are kept as compact JSON, as etcd keeps them serialised, and parsed while they are in
+//! use ([`Stored`]): a parsed object takes about eight times its JSON's size, which made the
+//! objects of a region's thousands of settled clusters most of the simulator's memory.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -22,6 +26,9 @@ const HISTORY: usize = 20_000;
 /// objects and nothing more. Each kept change holds a version of an object, so without an age
 /// limit a busy cluster's history, not its objects, made up most of its memory.
 const HISTORY_AGE: Duration = Duration::from_secs(300);
+
+/// How often objects no one read or wrote since the last time drop their parsed form.
+const COOL_EVERY: Duration = Duration::from_secs(10);
 
 /// How many changes a watcher may fall behind before it must re-list (410 Gone). The buffer is
 /// allocated when the store is made, a slot per change, so it is a cost of every cluster.
@@ -67,42 +74,114 @@ impl EventType {
     }
 }
 
+/// One version of an object: its compact JSON, and its parsed form while someone uses it. A
+/// version is never changed; a write stores a new one.
+#[derive(Debug)]
+pub struct Stored {
+    text: Box<str>,
+    parsed: Mutex<Option<Arc<Value>>>,
+    /// Read or written since the store last cooled its objects.
+    used: AtomicBool,
+    /// The last cooling that looked at it (a version is both an object and a kept change).
+    cooled_by: AtomicU64,
+}
+
+impl Stored {
+    pub fn new(object: Value) -> Stored {
+        Stored {
+            text: serde_json::to_string(&object)
+                .expect("JSON values serialise")
+                .into_boxed_str(),
+            parsed: Mutex::new(Some(Arc::new(object))),
+            used: AtomicBool::new(true),
+            cooled_by: AtomicU64::new(0),
+        }
+    }
+
+    /// The object, parsed again if it was cooled.
+    pub fn value(&self) -> Arc<Value> {
+        self.used.store(true, Ordering::Relaxed);
+        let mut parsed = self.parsed.lock().unwrap_or_else(|e| e.into_inner());
+        parsed
+            .get_or_insert_with(|| {
+                Arc::new(serde_json::from_str(&self.text).expect("stored JSON parses"))
+            })
+            .clone()
+    }
+
+    /// The object as compact JSON.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Drops the parsed form unless it was used since the last cooling before `cooling`.
+    fn cool(&self, cooling: u64) {
+        if self.cooled_by.swap(cooling, Ordering::Relaxed) == cooling {
+            return;
+        }
+        if !self.used.swap(false, Ordering::Relaxed) {
+            *self.parsed.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct Change {
     pub rv: u64,
     pub rt: usize,
     pub kind: EventType,
-    pub object: Arc<Value>,
+    pub object: Arc<Stored>,
     /// The previous state, so watches with selectors can turn a MODIFIED that
     /// leaves the selection into a DELETED (as the real server does).
-    pub old: Option<Arc<Value>>,
+    pub old: Option<Arc<Stored>>,
 }
 
 pub struct Inner {
     /// Shared, immutable objects in a copy-on-write map: a write replaces an object's `Arc`
     /// (copying the map only while a controller's snapshot still holds it), so a snapshot of
     /// the whole store costs one reference count.
-    pub objects: Arc<BTreeMap<Key, Arc<Value>>>,
+    pub objects: Arc<BTreeMap<Key, Arc<Stored>>>,
     pub rv: u64,
     /// Recent changes, oldest first, with when they were made.
     history: VecDeque<(Instant, Arc<Change>)>,
     /// Highest resourceVersion no longer in `history`.
     compacted: u64,
+    /// When objects last dropped the parsed forms no one used, and how many times they did.
+    cooled_at: Instant,
+    coolings: u64,
 }
 
 impl Inner {
-    pub fn get(&self, key: &Key) -> Option<&Value> {
-        self.objects.get(key).map(Arc::as_ref)
+    pub fn get(&self, key: &Key) -> Option<Arc<Value>> {
+        self.objects.get(key).map(|s| s.value())
     }
 
     /// Objects of one type, optionally in one namespace, in (namespace, name) order.
-    pub fn list(&self, rt: usize, ns: Option<&str>) -> impl Iterator<Item = &Value> + '_ {
+    pub fn list(&self, rt: usize, ns: Option<&str>) -> impl Iterator<Item = Arc<Value>> + '_ {
         let lo = Key::new(rt, ns.unwrap_or(""), "");
         let ns_owned = ns.map(String::from);
         self.objects
             .range(lo..)
             .take_while(move |(k, _)| k.rt == rt && ns_owned.as_ref().is_none_or(|n| &k.ns == n))
-            .map(|(_, v)| v.as_ref())
+            .map(|(_, v)| v.value())
+    }
+
+    /// Every [`COOL_EVERY`], drops the parsed forms of objects (and of kept changes) that no
+    /// one used since the last time.
+    fn cool(&mut self, now: Instant) {
+        if now.duration_since(self.cooled_at) < COOL_EVERY {
+            return;
+        }
+        self.cooled_at = now;
+        self.coolings += 1;
+        let cooling = self.coolings;
+        self.objects.values().for_each(|s| s.cool(cooling));
+        for (_, c) in &self.history {
+            c.object.cool(cooling);
+            if let Some(old) = &c.old {
+                old.cool(cooling);
+            }
+        }
     }
 
     /// Changes after `rv`, or None when some of them are no longer kept.
@@ -162,6 +241,8 @@ impl Store {
                 rv: 1,
                 history: VecDeque::new(),
                 compacted: 0,
+                cooled_at: Instant::now(),
+                coolings: 0,
             }),
             changes,
             versions,
@@ -206,10 +287,14 @@ impl Store {
         inner.compacted = inner.rv;
     }
 
-    /// Forgets changes older than the history keeps (see [`HISTORY_AGE`]); a cluster's
-    /// controller loop calls it as time passes, so a quiet cluster lets go of its history.
+    /// Forgets changes older than the history keeps (see [`HISTORY_AGE`]) and parsed objects no
+    /// one uses; a cluster's controller loop calls it as time passes, so a quiet cluster holds
+    /// its objects as JSON and nothing more.
     pub fn prune_history(&self) {
-        self.lock().prune(Instant::now());
+        let now = Instant::now();
+        let mut inner = self.lock();
+        inner.prune(now);
+        inner.cool(now);
     }
 
     fn record(&self, inner: &mut Inner, change: Change) {
@@ -229,8 +314,9 @@ impl Store {
         let rv = inner.rv;
         obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
         let key = Key::of(rt, &obj);
-        let obj = Arc::new(obj);
-        let old = Arc::make_mut(&mut inner.objects).insert(key, obj.clone());
+        let stored = Arc::new(Stored::new(obj));
+        let obj = stored.value();
+        let old = Arc::make_mut(&mut inner.objects).insert(key, stored.clone());
         let kind = if old.is_some() {
             EventType::Modified
         } else {
@@ -242,7 +328,7 @@ impl Store {
                 rv,
                 rt,
                 kind,
-                object: obj.clone(),
+                object: stored,
                 old,
             },
         );
@@ -251,7 +337,11 @@ impl Store {
 
     /// Removes an object for good and emits DELETED carrying a fresh resourceVersion.
     pub fn remove(&self, inner: &mut Inner, key: &Key) -> Option<Value> {
-        let mut obj = Arc::unwrap_or_clone(Arc::make_mut(&mut inner.objects).remove(key)?);
+        let mut obj = Arc::make_mut(&mut inner.objects)
+            .remove(key)?
+            .value()
+            .as_ref()
+            .clone();
         inner.rv += 1;
         let rv = inner.rv;
         obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
@@ -261,7 +351,7 @@ impl Store {
                 rv,
                 rt: key.rt,
                 kind: EventType::Deleted,
-                object: Arc::new(obj.clone()),
+                object: Arc::new(Stored::new(obj.clone())),
                 old: None,
             },
         );
@@ -273,7 +363,7 @@ impl Store {
         self.lock()
             .objects
             .values()
-            .map(|v| v.as_ref().clone())
+            .map(|v| v.value().as_ref().clone())
             .collect()
     }
 }
@@ -321,5 +411,51 @@ mod tests {
             "resuming from the newest version still works"
         );
         assert_eq!(inner.objects.len(), 3, "objects stay");
+    }
+
+    fn parsed(inner: &Inner) -> usize {
+        inner
+            .objects
+            .values()
+            .filter(|o| o.parsed.lock().unwrap().is_some())
+            .count()
+    }
+
+    #[test]
+    fn objects_no_one_uses_are_kept_as_json_only() {
+        let store = Store::new();
+        let rt = crate::resources::index_of("ConfigMap");
+        let mut inner = store.lock();
+        for name in ["a", "b"] {
+            let obj =
+                json!({"metadata": {"name": name, "namespace": "default"}, "data": {"k": name}});
+            store.commit(&mut inner, rt, obj);
+        }
+        let t0 = Instant::now();
+        inner.cool(t0 + COOL_EVERY);
+        assert_eq!(
+            parsed(&inner),
+            2,
+            "written since the last cooling: still parsed"
+        );
+        // "a" is read; "b" is not.
+        let a = inner.get(&Key::new(rt, "default", "a")).unwrap();
+        inner.cool(t0 + COOL_EVERY * 2);
+        assert_eq!(parsed(&inner), 1);
+        inner.cool(t0 + COOL_EVERY * 3);
+        assert_eq!(parsed(&inner), 0);
+        // Read again, each is the object it was.
+        let b = inner.get(&Key::new(rt, "default", "b")).unwrap();
+        assert_eq!(b["data"]["k"], "b");
+        assert_eq!(*inner.get(&Key::new(rt, "default", "a")).unwrap(), *a);
+        let stored = inner.objects.get(&Key::new(rt, "default", "b")).unwrap();
+        assert_eq!(serde_json::from_str::<Value>(stored.text()).unwrap(), *b);
+        // Changes kept for watches are cooled too.
+        inner.cool(t0 + COOL_EVERY * 4);
+        inner.cool(t0 + COOL_EVERY * 5);
+        assert!(inner
+            .history
+            .iter()
+            .all(|(_, c)| c.object.parsed.lock().unwrap().is_none()));
     }
 }

@@ -14,7 +14,7 @@ use tokio::sync::{broadcast, mpsc};
 use crate::error::ApiError;
 use crate::resources::TYPES;
 use crate::selector::{FieldSelector, LabelSelector};
-use crate::store::{meta_str, Change, EventType, Store};
+use crate::store::{meta_str, Change, EventType, Store, Stored};
 
 /// How often an idle watch gets a BOOKMARK (keeps resume points fresh): about once a minute,
 /// as kube-apiserver's watch cache sends them. Clients may not count on more: a worker watching
@@ -41,26 +41,25 @@ impl WatchRequest {
             && self.fields.matches(obj)
     }
 
-    /// The event a subscriber sees for a change, after selector filtering.
-    fn translate(&self, c: &Change) -> Option<(&'static str, Value)> {
+    /// The event line a subscriber sees for a change, after selector filtering.
+    fn translate(&self, c: &Change) -> Option<Bytes> {
         if c.rt != self.rt {
             return None;
         }
-        let now = self.matches(&c.object);
-        match c.kind {
-            EventType::Added | EventType::Deleted => {
-                now.then(|| (c.kind.as_str(), c.object.as_ref().clone()))
-            }
+        let now = self.matches(&c.object.value());
+        let kind = match c.kind {
+            EventType::Added | EventType::Deleted => now.then(|| c.kind.as_str()),
             EventType::Modified => {
-                let before = c.old.as_ref().is_some_and(|o| self.matches(o));
+                let before = c.old.as_ref().is_some_and(|o| self.matches(&o.value()));
                 match (before, now) {
-                    (true, true) => Some(("MODIFIED", c.object.as_ref().clone())),
-                    (false, true) => Some(("ADDED", c.object.as_ref().clone())),
-                    (true, false) => Some(("DELETED", c.object.as_ref().clone())),
+                    (true, true) => Some("MODIFIED"),
+                    (false, true) => Some("ADDED"),
+                    (true, false) => Some("DELETED"),
                     (false, false) => None,
                 }
             }
-        }
+        }?;
+        Some(stored_line(kind, &c.object))
     }
 
     fn bookmark(&self, rv: u64, initial_end: bool) -> Bytes {
@@ -76,10 +75,18 @@ impl WatchRequest {
     }
 }
 
+/// An event line for a stored object, from its JSON as stored.
+fn stored_line(kind: &str, obj: &Stored) -> Bytes {
+    event_line(kind, obj.text())
+}
+
+/// `{"type":…,"object":…}` and a newline; the type first, as the API server writes it.
+fn event_line(kind: &str, object: &str) -> Bytes {
+    Bytes::from(format!("{{\"type\":\"{kind}\",\"object\":{object}}}\n"))
+}
+
 fn line(kind: &str, obj: &Value) -> Bytes {
-    let mut s = serde_json::to_vec(&json!({"type": kind, "object": obj})).expect("json");
-    s.push(b'\n');
-    Bytes::from(s)
+    event_line(kind, &serde_json::to_string(obj).expect("json"))
 }
 
 fn gone(msg: &str) -> Bytes {
@@ -102,8 +109,8 @@ pub fn serve(
         let rv = req.resource_version.as_deref().unwrap_or("");
         if rv.is_empty() || rv == "0" || req.send_initial_events {
             for obj in inner.list(req.rt, req.ns.as_deref()) {
-                if req.matches(obj) {
-                    first.push(line("ADDED", obj));
+                if req.matches(&obj) {
+                    first.push(line("ADDED", &obj));
                 }
             }
             if req.send_initial_events {
@@ -115,11 +122,7 @@ pub fn serve(
                 .map_err(|_| ApiError::bad_request(format!("invalid resource version: {rv}")))?;
             match inner.changes_since(from) {
                 Some(past) => {
-                    for c in past {
-                        if let Some((kind, obj)) = req.translate(&c) {
-                            first.push(line(kind, &obj));
-                        }
-                    }
+                    first.extend(past.iter().filter_map(|c| req.translate(c)));
                 }
                 None => first.push(gone(&format!(
                     "too old resource version: {from} ({})",
@@ -157,7 +160,7 @@ pub fn serve(
                     Ok(c) => {
                         last_rv = last_rv.max(c.rv);
                         match req.translate(&c) {
-                            Some((kind, obj)) => line(kind, &obj),
+                            Some(line) => line,
                             None => continue,
                         }
                     }

@@ -22,9 +22,10 @@ use crate::Shared;
 
 pub use scheduler::complete_node;
 
-/// Objects as of the start of a pass.
+/// Objects as of the start of a pass, parsed (most are already: the objects of a cluster whose
+/// controllers are busy are in use).
 pub(crate) struct Snapshot {
-    objects: Arc<BTreeMap<Key, Arc<Value>>>,
+    objects: BTreeMap<Key, Arc<Value>>,
 }
 
 impl Snapshot {
@@ -114,8 +115,12 @@ pub(crate) async fn run(shared: Arc<Shared>) {
 }
 
 fn snapshot(shared: &Shared) -> Snapshot {
+    let objects = shared.store.lock().objects.clone();
     Snapshot {
-        objects: shared.store.lock().objects.clone(),
+        objects: objects
+            .iter()
+            .map(|(k, v)| (k.clone(), v.value()))
+            .collect(),
     }
 }
 
@@ -139,7 +144,8 @@ fn pass(shared: &Shared, timers: &mut Timers) {
         .objects
         .values()
         .filter_map(|o| {
-            o.pointer("/metadata/uid")
+            o.value()
+                .pointer("/metadata/uid")
                 .and_then(Value::as_str)
                 .map(String::from)
         })
