@@ -1,5 +1,11 @@
 //! `region-sim`: runs one simulated DigitalOcean region until interrupted.
 
+/// mimalloc rather than the system's allocator: the simulated clusters parse and drop their
+/// objects as they are used (sim-kube's store keeps them as JSON otherwise), and mimalloc gives
+/// freed memory back to the system where glibc's malloc kept it.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
