@@ -175,16 +175,18 @@ def seen(result, di, now):
     return False
 
 
-async def poll_until_active(conn, pending, creating, poll, deadline):
-    """Lists every DI (200 a page) every `poll` seconds, as a dashboard would, and marks each
+async def poll_until_active(conn, pending, creating, poll, deadline, first_page=1):
+    """Lists the DIs (200 a page) every `poll` seconds, as a dashboard would, and marks each
     pending one active (or failed) at the first listing that shows it so. One listing serves every
-    DI: a GET per DI this often would load the machine more than the system under test."""
+    DI: a GET per DI this often would load the machine more than the system under test. The list
+    is oldest first, so it starts at `first_page`, where the batch's DIs begin: listing the DIs
+    made before it, every poll, would cost more with every batch while a region fills."""
     while creating() or pending:
         if time.monotonic() > deadline:
             for di_id, result in pending.items():
                 result["error"] = f"{di_id}: not active within the timeout (last status {result.get('status')})"
             return
-        page = 1
+        page = first_page
         while pending:
             try:
                 status, data = await conn.request(
@@ -240,7 +242,7 @@ async def run_creates(base, token, start, count, prefix, poll_ms, timeout_s, vpc
     watch = asyncio.create_task(
         poll_until_active(
             poller, pending, lambda: not all(t.done() for t in tasks),
-            poll_ms / 1000.0, started + timeout_s,
+            poll_ms / 1000.0, started + timeout_s, start // 200 + 1,
         )
     )
     await asyncio.gather(*tasks)
@@ -382,6 +384,16 @@ def cpu_lines(before_path, after_path):
     return line
 
 
+def cpu_per(before_path, after_path, count):
+    """CPU milliseconds per item (a create of a batch) of every group and of the rest of the
+    machine, on one line: where a batch's time went."""
+    before, after = load(before_path), load(after_path)
+    hz, count = os.sysconf("SC_CLK_TCK"), int(count)
+    used = {n: (v - before["groups"].get(n, 0)) for n, v in after["groups"].items()}
+    used["other"] = max(after["machine"] - before["machine"] - sum(used.values()), 0)
+    print(", ".join(f"{n} {v / hz / count * 1000:.1f}" for n, v in used.items()))
+
+
 def metric_delta(before_path, after_path):
     before, after = load(before_path), load(after_path)
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
@@ -513,6 +525,7 @@ def main():
         "report-creates": report_creates,
         "report-resync": report_resync,
         "report-cpu": lambda before, after: print(cpu_lines(before, after)),
+        "cpu-per": cpu_per,
     }
     if command not in commands:
         sys.exit(f"unknown command {command}")
