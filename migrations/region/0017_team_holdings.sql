@@ -11,6 +11,11 @@
 -- `team_holdings` under the team's lock; what a team holds is its row there plus the changes not
 -- yet folded.
 
+-- Creating the trigger waits for every open write on dedicated_inferences, and every write
+-- queues behind it meanwhile: give up (the service retries at its next start) rather than stall
+-- the region's writes.
+SET LOCAL lock_timeout = '5s';
+
 -- The DIs themselves are counted under the empty slug.
 CREATE TABLE team_holdings (
     team_id          uuid NOT NULL,
@@ -27,8 +32,13 @@ CREATE TABLE team_holding_changes (
 CREATE INDEX team_holding_changes_team ON team_holding_changes (team_id);
 
 -- What one DI holds. A deployment holds `scale` replicas, or `autoscaling.max_replicas` when it
--- autoscales (the most the autoscaler may start), of its size's nodes. Spec versions are never
--- changed or deleted, so this gives the same answer for a row's old values at any later time.
+-- autoscales (the most the autoscaler may start), of its size's nodes. Specs stored before
+-- max_replicas was validated may hold anything there: a fraction counts as the next whole
+-- number, a value that is not a number as `scale`, and no value above a million, so that no
+-- stored spec can make this (and with it every write to the DI, or this migration) fail. Spec
+-- versions are never changed or deleted, so this gives the same answer for a row's old values at
+-- any later time; a migration that rewrites a stored version's `scale` or `workload_config`
+-- must recount `team_holdings`.
 CREATE FUNCTION di_holdings(di uuid, counted boolean, current_version integer, pending_version integer)
 RETURNS TABLE (accelerator_slug text, held bigint)
 LANGUAGE sql STABLE AS $$
@@ -36,8 +46,8 @@ LANGUAGE sql STABLE AS $$
     UNION ALL
     SELECT accelerator_slug, max(replicas)::bigint FROM (
         SELECT m.version, g.accelerator_slug,
-               sum(CASE WHEN jsonb_typeof(m.workload_config -> 'autoscaling') = 'object'
-                        THEN greatest(g.scale, coalesce((m.workload_config #>> '{autoscaling,max_replicas}')::numeric, g.scale))
+               sum(CASE WHEN jsonb_typeof(m.workload_config #> '{autoscaling,max_replicas}') = 'number'
+                        THEN greatest(g.scale, least(ceil((m.workload_config #>> '{autoscaling,max_replicas}')::numeric), 1000000))
                         ELSE g.scale END) AS replicas
         FROM model_deployments m
         JOIN accelerator_groups g

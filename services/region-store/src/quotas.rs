@@ -70,7 +70,8 @@ impl Held {
         let mut held = Held::default();
         for (size, n) in rows {
             if size.is_empty() {
-                held.dedicated_inferences = u32::try_from(n).unwrap_or(0);
+                // Below zero only if the kept figures drifted: refuse rather than admit.
+                held.dedicated_inferences = u32::try_from(n).unwrap_or(u32::MAX);
             } else if n != 0 {
                 held.replicas.insert(size, n);
             }

@@ -419,7 +419,7 @@ async fn what_a_team_holds_is_kept_as_its_dis_change(pool: PgPool) {
 }
 
 /// A team's GPUs per size (and its DIs under the empty size), counted over all of its DIs the
-/// way quota checks counted them before migration 0017.
+/// way quota checks counted them before migration 0017 (with its reading of `max_replicas`).
 async fn counted_from_scratch(pool: &PgPool, team: Uuid) -> Vec<(String, i64)> {
     let mut rows: Vec<(String, i64)> = sqlx::query_as(
         "WITH counting AS (
@@ -431,8 +431,8 @@ async fn counted_from_scratch(pool: &PgPool, team: Uuid) -> Vec<(String, i64)> {
              SELECT id, pending_version FROM counting WHERE pending_version IS NOT NULL),
          per_version AS (
              SELECT v.id, v.version, g.accelerator_slug,
-                    sum(CASE WHEN jsonb_typeof(m.workload_config -> 'autoscaling') = 'object'
-                             THEN greatest(g.scale, coalesce((m.workload_config #>> '{autoscaling,max_replicas}')::numeric, g.scale))
+                    sum(CASE WHEN jsonb_typeof(m.workload_config #> '{autoscaling,max_replicas}') = 'number'
+                             THEN greatest(g.scale, least(ceil((m.workload_config #>> '{autoscaling,max_replicas}')::numeric), 1000000))
                              ELSE g.scale END) AS replicas
              FROM versions v
              JOIN model_deployments m ON m.di_id = v.id AND m.version = v.version
@@ -469,21 +469,29 @@ async fn the_upgrade_counts_what_teams_hold_already(pool: PgPool) {
     for migration in before {
         sqlx::raw_sql(&migration.sql).execute(&pool).await.unwrap();
     }
-    let teams = [Uuid::new_v4(), Uuid::new_v4()];
+    let teams = [Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4()];
     // (team, status, current spec, pending spec, gone): a spec is (size, scale, max_replicas).
+    use serde_json::json;
     let dis = [
         (0, "active", Some((H1, 2, None)), None, false),
         (
             0,
             "updating",
             Some((H1, 4, None)),
-            Some((H8, 1, Some(3))),
+            Some((H8, 1, Some(json!(3)))),
             false,
         ),
         (0, "deleting", Some((H8, 2, None)), None, false),
         (0, "deleting", Some((H8, 2, None)), None, true),
-        (1, "new", None, Some((H1, 1, Some(5))), false),
+        (1, "new", None, Some((H1, 1, Some(json!(5)))), false),
         (1, "error", Some((H8, 1, None)), Some((H8, 2, None)), false),
+        // Stored before max_replicas was validated: anything. A fraction holds the next whole
+        // number, what is not a number holds `scale`, and nothing holds above a million; none
+        // of them stops the upgrade.
+        (2, "active", Some((H1, 1, Some(json!("auto")))), None, false),
+        (2, "active", Some((H1, 1, Some(json!(2.5)))), None, false),
+        (2, "active", Some((H1, 1, Some(json!(1e19)))), None, false),
+        (2, "active", Some((H1, 2, Some(json!(null)))), None, false),
     ];
     for (team, status, current, pending, gone) in dis {
         let id = Uuid::new_v4();
@@ -495,8 +503,8 @@ async fn the_upgrade_counts_what_teams_hold_already(pool: PgPool) {
         .bind(id)
         .bind(teams[team])
         .bind(status)
-        .bind(current.map(|_| 1))
-        .bind(pending.map(|_| 2))
+        .bind(current.as_ref().map(|_| 1))
+        .bind(pending.as_ref().map(|_| 2))
         .bind(gone)
         .execute(&pool)
         .await
@@ -506,10 +514,8 @@ async fn the_upgrade_counts_what_teams_hold_already(pool: PgPool) {
                 continue;
             };
             let config = match max_replicas {
-                Some(max) => {
-                    serde_json::json!({"autoscaling": {"min_replicas": 0, "max_replicas": max}})
-                }
-                None => serde_json::json!({}),
+                Some(max) => json!({"autoscaling": {"min_replicas": 0, "max_replicas": max}}),
+                None => json!({}),
             };
             sqlx::query(
                 "WITH v AS (INSERT INTO spec_versions (di_id, version, id, name, enable_public_endpoint, vpc_uuid)
@@ -544,10 +550,16 @@ async fn the_upgrade_counts_what_teams_hold_already(pool: PgPool) {
             (H1.to_string(), 5),
             (H8.to_string(), 16),
         ],
+        vec![(String::new(), 4), (H1.to_string(), 1 + 3 + 1_000_000 + 2)],
     ];
     for (team, expected) in teams.into_iter().zip(expected) {
-        let counted = counted_from_scratch(&pool, team).await;
-        assert_eq!(counted, expected);
+        assert_eq!(counted_from_scratch(&pool, team).await, expected);
+        let figure = |size: &str| {
+            expected
+                .iter()
+                .find(|(s, _)| s == size)
+                .map_or(0, |(_, n)| *n as u32)
+        };
         let report = store.quota_use(team).await.unwrap();
         assert_eq!(
             (
@@ -555,7 +567,7 @@ async fn the_upgrade_counts_what_teams_hold_already(pool: PgPool) {
                 size_use(&report, H1).1,
                 size_use(&report, H8).1
             ),
-            (2, expected[1].1 as u32, expected[2].1 as u32)
+            (figure(""), figure(H1), figure(H8))
         );
     }
 }
