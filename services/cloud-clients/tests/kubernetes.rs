@@ -544,6 +544,8 @@ async fn a_connection_carrying_watches_stays_pooled_while_no_request_uses_it() {
     let watching = tokio::spawn(async move { while watch.next().await.is_some() {} });
     kube.list("v1", "ConfigMap", Some(NS), "").await.unwrap();
     one_connection_settles(&sim, before).await;
+    // Real time: hyper's pool evicts on its own timer (`TokioTimer`), which a paused clock
+    // does not drive.
     tokio::time::sleep(idle_timeout * 5).await;
     kube.list("v1", "ConfigMap", Some(NS), "").await.unwrap();
     assert_eq!(

@@ -23,10 +23,15 @@ use crate::watch::{self, WatchRequest};
 use crate::Shared;
 
 pub fn json_response(code: StatusCode, v: &Value) -> Response {
+    json_text_response(code, serde_json::to_string(v).expect("json"))
+}
+
+/// A response of JSON already written (a stored object, a list of them).
+fn json_text_response(code: StatusCode, json: String) -> Response {
     Response::builder()
         .status(code)
         .header("content-type", "application/json")
-        .body(Body::from(serde_json::to_vec(v).expect("json")))
+        .body(Body::from(json))
         .expect("response")
 }
 
@@ -297,10 +302,7 @@ fn dispatch(
                 .get(&Key::new(target.rt, ns.unwrap_or(""), name))
                 .map(|o| o.text().to_owned())
                 .ok_or_else(|| ApiError::not_found(rt, name))?;
-            Ok(Response::builder()
-                .header("content-type", "application/json")
-                .body(Body::from(text))
-                .expect("response"))
+            Ok(json_text_response(StatusCode::OK, text))
         }
         (Method::POST, None) => {
             if rt.namespaced && ns.is_none() {
@@ -561,7 +563,6 @@ fn list_response(
 ) -> Response {
     let rt = &TYPES[rti];
     let inner = store.lock();
-    let lo = Key::new(rti, ns.unwrap_or(""), "");
     let mut body = format!(
         "{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{{\"resourceVersion\":\"{}\"}},\"items\":[",
         rt.kind,
@@ -569,11 +570,7 @@ fn list_response(
         inner.rv
     );
     let mut first = true;
-    for (_, o) in inner
-        .objects
-        .range(lo..)
-        .take_while(|(k, _)| k.rt == rti && ns.is_none_or(|n| k.ns == n))
-    {
+    for o in inner.stored(rti, ns) {
         let value = o.value();
         if labels.matches(&value) && fields.matches(&value) {
             if !first {
@@ -584,10 +581,7 @@ fn list_response(
         }
     }
     body.push_str("]}");
-    Response::builder()
-        .header("content-type", "application/json")
-        .body(Body::from(body))
-        .expect("response")
+    json_text_response(StatusCode::OK, body)
 }
 
 /// A list response: items carry apiVersion/kind, metadata carries the store's

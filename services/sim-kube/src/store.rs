@@ -158,12 +158,17 @@ impl Inner {
 
     /// Objects of one type, optionally in one namespace, in (namespace, name) order.
     pub fn list(&self, rt: usize, ns: Option<&str>) -> impl Iterator<Item = Arc<Value>> + '_ {
+        self.stored(rt, ns).map(|s| s.value())
+    }
+
+    /// The same objects as stored.
+    pub fn stored(&self, rt: usize, ns: Option<&str>) -> impl Iterator<Item = &Stored> + '_ {
         let lo = Key::new(rt, ns.unwrap_or(""), "");
         let ns_owned = ns.map(String::from);
         self.objects
             .range(lo..)
             .take_while(move |(k, _)| k.rt == rt && ns_owned.as_ref().is_none_or(|n| &k.ns == n))
-            .map(|(_, v)| v.value())
+            .map(|(_, v)| v.as_ref())
     }
 
     /// Every [`COOL_EVERY`], drops the parsed forms of objects (and of kept changes) that no
