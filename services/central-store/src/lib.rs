@@ -609,7 +609,8 @@ impl CentralStore {
     /// One page of the team's live DIs (public JSON bodies), oldest first, with the total. From
     /// memory when the team's list is cached (see [`read_cache`]); otherwise one query reads
     /// the team's whole list to cache it, or, for a team above the cache's size per team (250
-    /// live DIs), the page alone.
+    /// live DIs), one query the page alone: its cost grows with the page's offset in the
+    /// team's list index, not with the team's bodies.
     pub async fn dedicated_inference_list(
         &self,
         team_id: Uuid,
@@ -638,11 +639,20 @@ impl CentralStore {
                 .collect();
             return Ok((bodies, i64::try_from(total).unwrap_or(i64::MAX)));
         }
-        let rows: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT body::text, count(*) OVER () FROM dedicated_inferences
-             WHERE team_id = $1 AND state = 'live' AND body IS NOT NULL
-               AND ($2::text IS NULL OR region = $2) AND ($3::text IS NULL OR name = $3)
-             ORDER BY created_at, id LIMIT $4 OFFSET $5",
+        // The total and the page's ids from `team_list_members` (migration 0007), whose index
+        // holds the order and the filters; bodies are read for the page's rows alone. One
+        // round trip, and a row with no body when the page is past the end.
+        let rows: Vec<(i64, Option<String>)> = sqlx::query_as(
+            "SELECT listed.total, page.body FROM
+                 (SELECT count(*) AS total FROM team_list_members
+                  WHERE team_id = $1 AND ($2::text IS NULL OR region = $2) AND ($3::text IS NULL OR name = $3)) listed
+             LEFT JOIN LATERAL (
+                 SELECT d.body::text AS body, m.created_at, m.id
+                 FROM (SELECT id, created_at FROM team_list_members
+                       WHERE team_id = $1 AND ($2::text IS NULL OR region = $2) AND ($3::text IS NULL OR name = $3)
+                       ORDER BY created_at, id LIMIT $4 OFFSET $5) m
+                 JOIN dedicated_inferences d ON d.id = m.id AND d.body IS NOT NULL) page ON true
+             ORDER BY page.created_at, page.id",
         )
         .bind(team_id)
         .bind(region)
@@ -651,44 +661,52 @@ impl CentralStore {
         .bind((page - 1).saturating_mul(per_page))
         .fetch_all(&self.pool)
         .await?;
-        let total = match rows.first() {
-            Some((_, total)) => *total,
-            None => sqlx::query_scalar(
-                "SELECT count(*) FROM dedicated_inferences WHERE team_id = $1 AND state = 'live' AND body IS NOT NULL
-                   AND ($2::text IS NULL OR region = $2) AND ($3::text IS NULL OR name = $3)",
-            )
-            .bind(team_id)
-            .bind(region)
-            .bind(name)
-            .fetch_one(&self.pool)
-            .await?,
-        };
-        Ok((rows.into_iter().map(|(body, _)| body).collect(), total))
+        let total = rows.first().map_or(0, |(total, _)| *total);
+        Ok((
+            rows.into_iter().filter_map(|(_, body)| body).collect(),
+            total,
+        ))
     }
 
-    /// The team's whole list, read to be cached (for a team too large, only that it is).
+    /// The team's whole list, read to be cached; for a team too large, only that it is, found
+    /// from the list's index without reading a body.
     async fn team_list(&self, team_id: Uuid) -> Result<Arc<read_cache::TeamList>> {
         let ticket = self.cache.ticket();
-        let entries: Vec<read_cache::ListEntry> = sqlx::query_as(
-            "SELECT region, name, body::text AS body FROM dedicated_inferences
-             WHERE team_id = $1 AND state = 'live' AND body IS NOT NULL
-             ORDER BY created_at, id LIMIT $2",
+        let too_many = read_cache::MAX_CACHED_LIST as i64 + 1;
+        #[derive(sqlx::FromRow)]
+        struct Row {
+            listed: i64,
+            region: Option<String>,
+            name: Option<String>,
+            body: Option<String>,
+        }
+        let rows: Vec<Row> = sqlx::query_as(
+            "WITH m AS (SELECT id, created_at FROM team_list_members WHERE team_id = $1
+                        ORDER BY created_at, id LIMIT $2)
+             SELECT n.listed, page.region, page.name, page.body
+             FROM (SELECT count(*) AS listed FROM m) n
+             LEFT JOIN LATERAL (
+                 SELECT d.region, d.name, d.body::text AS body, m.created_at, m.id
+                 FROM m JOIN dedicated_inferences d ON d.id = m.id AND d.body IS NOT NULL
+                 WHERE n.listed < $2) page ON true
+             ORDER BY page.created_at, page.id",
         )
         .bind(team_id)
-        .bind(read_cache::MAX_CACHED_LIST as i64 + 1)
+        .bind(too_many)
         .fetch_all(&self.pool)
         .await?;
-        let list = Arc::new(if entries.len() > read_cache::MAX_CACHED_LIST {
-            read_cache::TeamList {
-                entries: Vec::new(),
-                too_large: true,
-            }
-        } else {
-            read_cache::TeamList {
-                entries,
-                too_large: false,
-            }
-        });
+        let too_large = rows.first().is_some_and(|row| row.listed >= too_many);
+        let entries = rows
+            .into_iter()
+            .filter_map(|row| {
+                Some(read_cache::ListEntry {
+                    region: row.region?,
+                    name: row.name?,
+                    body: row.body?,
+                })
+            })
+            .collect();
+        let list = Arc::new(read_cache::TeamList { entries, too_large });
         self.cache.fill_list(ticket, team_id, list.clone());
         Ok(list)
     }

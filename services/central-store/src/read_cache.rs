@@ -94,7 +94,7 @@ pub(crate) struct TeamList {
     pub(crate) too_large: bool,
 }
 
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug)]
 pub(crate) struct ListEntry {
     pub(crate) region: String,
     pub(crate) name: String,

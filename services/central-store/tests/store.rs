@@ -447,19 +447,14 @@ async fn read_cache_is_coherent_across_replicas(pool: PgPool) {
     };
     assert_eq!(status(&b).await, "new");
 
-    // A write that sends no notification (triggers off for that transaction) is invisible to a
+    // A write that sends no notification (its trigger off for that write) is invisible to a
     // replica that has the row cached: proof that B answers from memory.
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::query("SET LOCAL session_replication_role = replica")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    sqlx::query("UPDATE dedicated_inferences SET status = 'unnotified' WHERE id = $1")
-        .bind(id)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    write_unnotified(
+        &pool,
+        "UPDATE dedicated_inferences SET status = 'unnotified' WHERE id = $1",
+        id,
+    )
+    .await;
     assert_eq!(
         status(&b).await,
         "new",
@@ -728,6 +723,29 @@ async fn a_create_confirmed_after_its_di_is_gone_keeps_no_response(pool: PgPool)
     ));
 }
 
+/// Runs `statement` (on the DI `id`) with every trigger but the replicas' notification, which
+/// it does not send.
+async fn write_unnotified(pool: &PgPool, statement: &str, id: Uuid) {
+    let mut tx = pool.begin().await.unwrap();
+    let notify = |on: &str| {
+        format!("ALTER TABLE dedicated_inferences {on} TRIGGER dedicated_inferences_notify")
+    };
+    sqlx::query(&notify("DISABLE"))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query(statement)
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query(&notify("ENABLE"))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
 /// A team's list served from memory agrees with the database page for page (filters, pages past
 /// the end), follows the other replica's creates and deletes once Postgres delivers the commit's
 /// notification and this replica's own writes at once, and a team too large to cache is paged
@@ -799,17 +817,12 @@ async fn team_lists_are_served_from_memory_and_stay_coherent(pool: PgPool) {
     );
 
     // A write that sends no notification is invisible to B: proof that it lists from memory.
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::query("SET LOCAL session_replication_role = replica")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    sqlx::query("UPDATE dedicated_inferences SET state = 'gone' WHERE id = $1")
-        .bind(ids[0])
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    write_unnotified(
+        &pool,
+        "UPDATE dedicated_inferences SET state = 'gone' WHERE id = $1",
+        ids[0],
+    )
+    .await;
     assert_eq!(
         names(&b, None, None, 1, 20).await.1,
         7,
@@ -862,4 +875,227 @@ async fn team_lists_are_served_from_memory_and_stay_coherent(pool: PgPool) {
     for w in watchers {
         w.abort();
     }
+}
+
+/// What a team's list shows, read straight from `dedicated_inferences` as the first version
+/// did: the oracle for the pages served from `team_list_members`.
+async fn listed_from_rows(
+    pool: &PgPool,
+    team: Uuid,
+    region: Option<&str>,
+    name: Option<&str>,
+    page: i64,
+    per_page: i64,
+) -> (Vec<String>, i64) {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT body::text, count(*) OVER () FROM dedicated_inferences
+         WHERE team_id = $1 AND state = 'live' AND body IS NOT NULL
+           AND ($2::text IS NULL OR region = $2) AND ($3::text IS NULL OR name = $3)
+         ORDER BY created_at, id",
+    )
+    .bind(team)
+    .bind(region)
+    .bind(name)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let total = rows.len() as i64;
+    let page = rows
+        .into_iter()
+        .skip(((page - 1) * per_page) as usize)
+        .take(per_page as usize)
+        .map(|(body, _)| body)
+        .collect();
+    (page, total)
+}
+
+/// A team growing past and shrinking below the size cached per team, through every change its
+/// DIs go through (creates pending and confirmed, aborted, renamed, new views, deleted), is
+/// listed by every page and filter as its rows say, by a caching replica and an uncached one.
+#[sqlx::test(migrator = "central_store::MIGRATOR")]
+async fn a_large_teams_pages_follow_its_rows_through_every_change(pool: PgPool) {
+    let cached = CentralStore::new(pool.clone());
+    let uncached = CentralStore::new(pool.clone());
+    let watchers = caching(&[&cached]).await;
+    let (team, other_team) = (Uuid::new_v4(), Uuid::new_v4());
+    // 245 listed DIs, oldest first, over two regions; another team's beside them.
+    for t in [team, other_team] {
+        sqlx::query(
+            "INSERT INTO dedicated_inferences (id, team_id, region, name, state, status, body, created_at)
+             SELECT gen_random_uuid(), $1, CASE WHEN n % 3 = 0 THEN 'nyc2' ELSE 'atl1' END, 'seed-' || n,
+                    'live', 'active', jsonb_build_object('name', 'seed-' || n, 'seq', 0),
+                    now() - interval '1 day' + n * interval '1 second'
+             FROM generate_series(1, 245) n",
+        )
+        .bind(t)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let mut listed: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT id, name FROM dedicated_inferences WHERE team_id = $1 ORDER BY created_at",
+    )
+    .bind(team)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut pending: Vec<(Uuid, String)> = Vec::new();
+    let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = |n: usize| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n as u64) as usize
+    };
+    let (mut seq, mut crossed) = (1, [false, false]);
+    for step in 0..240 {
+        seq += 1;
+        let body = |id: Uuid, name: &str, seq: i64| json!({"id": id, "name": name, "seq": seq});
+        match next(10) {
+            // A create reserves its name and shows nowhere until the region confirms it.
+            0..=2 => {
+                let (id, name) = (Uuid::new_v4(), format!("new-{step}"));
+                cached
+                    .create_begin(&new_create(id, team, &name, None))
+                    .await
+                    .unwrap();
+                pending.push((id, name));
+            }
+            3..=5 if !pending.is_empty() => {
+                let (id, name) = pending.swap_remove(next(pending.len()));
+                if next(4) == 0 {
+                    cached.create_abort(id).await.unwrap();
+                } else {
+                    let view = body(id, &name, seq);
+                    cached
+                        .create_confirm(&update(id, team, &name, "new", &view, seq), 202, b"r")
+                        .await
+                        .unwrap();
+                    listed.push((id, name));
+                }
+            }
+            6 if !listed.is_empty() => {
+                let (id, name) = listed.remove(next(listed.len()));
+                let view = body(id, &name, seq);
+                cached
+                    .read_model_apply(&ReadModelUpdate {
+                        gone: true,
+                        ..update(id, team, &name, "deleting", &view, seq)
+                    })
+                    .await
+                    .unwrap();
+            }
+            7 if !listed.is_empty() => {
+                let i = next(listed.len());
+                let name = format!("renamed-{step}");
+                cached.rename(listed[i].0, team, &name).await.unwrap();
+                listed[i].1 = name;
+            }
+            _ if !listed.is_empty() => {
+                let (id, name) = listed[next(listed.len())].clone();
+                let view = body(id, &name, seq);
+                cached
+                    .read_model_apply(&update(id, team, &name, "active", &view, seq))
+                    .await
+                    .unwrap();
+            }
+            _ => continue,
+        }
+        crossed[usize::from(listed.len() > 250)] = true;
+        let named = listed[next(listed.len())].1.clone();
+        for (region, name) in [
+            (None, None),
+            (Some("nyc2"), None),
+            (None, Some(named.as_str())),
+            (Some("nyc2"), Some(named.as_str())),
+        ] {
+            for (page, per_page) in [(1, 20), (1 + next(40) as i64, 7), (13, 20), (200, 2)] {
+                let expected = listed_from_rows(&pool, team, region, name, page, per_page).await;
+                for store in [&cached, &uncached] {
+                    let got = store
+                        .dedicated_inference_list(team, region, name, page, per_page)
+                        .await
+                        .unwrap();
+                    assert_eq!(
+                        got, expected,
+                        "step {step}: {region:?} {name:?} page {page} of {per_page}"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            listed_from_rows(&pool, team, None, None, 1, 1).await.1,
+            listed.len() as i64,
+            "the walk and the rows agree"
+        );
+    }
+    assert_eq!(
+        crossed,
+        [true, true],
+        "the team was listed from memory and not"
+    );
+    for w in watchers {
+        w.abort();
+    }
+}
+
+/// Central upgraded to kept list members starts from the lists as they are: live DIs with a
+/// view, not pending creates, DIs gone, or a live row without a view.
+#[sqlx::test(migrations = false)]
+async fn the_upgrade_lists_every_team_as_before(pool: PgPool) {
+    let (before, from) = central_store::MIGRATOR
+        .iter()
+        .partition::<Vec<_>, _>(|m| m.version < 7);
+    for migration in before {
+        sqlx::raw_sql(&migration.sql).execute(&pool).await.unwrap();
+    }
+    let teams = [Uuid::new_v4(), Uuid::new_v4()];
+    for (n, (state, with_body)) in [
+        ("live", true),
+        ("pending", false),
+        ("gone", true),
+        ("live", false),
+        ("live", true),
+        ("live", true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        sqlx::query(
+            "INSERT INTO dedicated_inferences (id, team_id, region, name, state, status, body, created_at)
+             VALUES (gen_random_uuid(), $1, $2, $3, $4, 'active',
+                     CASE WHEN $5 THEN jsonb_build_object('name', $3::text) END,
+                     now() + $6 * interval '1 second')",
+        )
+        .bind(teams[n % 2])
+        .bind(if n < 3 { "atl1" } else { "nyc2" })
+        .bind(format!("di-{n}"))
+        .bind(state)
+        .bind(with_body)
+        .bind(n as f64)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    for migration in from {
+        sqlx::raw_sql(&migration.sql).execute(&pool).await.unwrap();
+    }
+    let store = CentralStore::new(pool.clone());
+    for team in teams {
+        for region in [None, Some("nyc2")] {
+            let got = store
+                .dedicated_inference_list(team, region, None, 1, 20)
+                .await
+                .unwrap();
+            assert_eq!(
+                got,
+                listed_from_rows(&pool, team, region, None, 1, 20).await
+            );
+        }
+    }
+    let all = store
+        .dedicated_inference_list(teams[0], None, None, 1, 20)
+        .await
+        .unwrap();
+    assert_eq!(all.1, 2, "di-0 and di-4 of the first team");
 }
