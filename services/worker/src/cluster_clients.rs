@@ -71,10 +71,12 @@ pub enum Error {
 /// Clients by DigitalOcean cluster id.
 pub struct ClusterClients {
     cache: Mutex<HashMap<String, Entry>>,
-    /// Serialises credential fetches, so that when a cluster's credentials come due, the passes
-    /// of its many DIs make one request for new ones rather than one each. Fetches are rare
-    /// (once per cluster per few days), so one lock for all clusters costs nothing.
-    fetching: tokio::sync::Mutex<()>,
+    /// One lock per cluster that serialises its credential fetches, so that when a cluster's
+    /// credentials come due, the passes of its many DIs make one request for new ones rather
+    /// than one each. Per cluster: a fetch also asks the new client's API server its version,
+    /// and a worker starting on a full region fetches for thousands of clusters at once; one
+    /// lock for all made them wait in line, each behind any cluster slow to answer.
+    fetching: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     field_manager: String,
     options: KubeClientOptions,
     /// The clock credentials expire by (the system's outside tests).
@@ -89,7 +91,7 @@ impl ClusterClients {
     pub fn new(field_manager: &str, options: KubeClientOptions, clock: Clock) -> Self {
         ClusterClients {
             cache: Mutex::new(HashMap::new()),
-            fetching: tokio::sync::Mutex::new(()),
+            fetching: Mutex::new(HashMap::new()),
             field_manager: field_manager.to_string(),
             options,
             wakes: Arc::new(Wakes::default()),
@@ -145,7 +147,11 @@ impl ClusterClients {
         if let Some(k) = self.fresh(id) {
             return Ok(k);
         }
-        let _one = self.fetching.lock().await;
+        let lock = {
+            let mut fetching = self.fetching.lock().expect("fetching");
+            fetching.entry(id.to_string()).or_default().clone()
+        };
+        let _one = lock.lock().await;
         // Another pass may have renewed them while this one waited.
         if let Some(k) = self.fresh(id) {
             return Ok(k);
@@ -210,12 +216,74 @@ impl ClusterClients {
     /// Forgets cluster `id`'s client (the cluster is gone, or no longer trusted).
     pub fn forget(&self, id: &str) {
         self.cache.lock().expect("cluster clients").remove(id);
+        // A fetch holding the lock keeps its own handle; the next one makes a new lock.
+        self.fetching.lock().expect("fetching").remove(id);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A DigitalOcean API whose credentials for cluster `stuck` name an API server that takes
+    /// connections and never answers, and for any other cluster one that answers `/version`.
+    async fn clouds_and_clusters() -> (DoClient, tokio::sync::mpsc::Receiver<()>) {
+        use axum::{extract::Path, routing::get, Json, Router};
+        let listen = || async { tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap() };
+        let (mute, api) = (listen().await, listen().await);
+        let (accepted, accepted_rx) = tokio::sync::mpsc::channel(16);
+        let mute_url = format!("http://{}", mute.local_addr().unwrap());
+        let api_url = format!("http://{}", api.local_addr().unwrap());
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = mute.accept().await {
+                held.push(conn);
+                let _ = accepted.send(()).await;
+            }
+        });
+        let cloud = DoClient::new(&api_url, "do-token").unwrap();
+        let credentials = move |Path(id): Path<String>| {
+            let server = if id == "stuck" { &mute_url } else { &api_url };
+            let body = serde_json::json!({"server": server, "certificate_authority_data": "",
+                                         "token": "t", "expires_at": null});
+            async move { Json(body) }
+        };
+        let app = Router::new()
+            .route("/v2/kubernetes/clusters/{id}/credentials", get(credentials))
+            .route(
+                "/version",
+                get(|| async { Json(serde_json::json!({"major": "1"})) }),
+            );
+        tokio::spawn(async move { axum::serve(api, app).await });
+        (cloud, accepted_rx)
+    }
+
+    /// A cluster whose API server does not answer holds up only its own client: another
+    /// cluster's is made meanwhile.
+    #[tokio::test]
+    async fn a_cluster_slow_to_answer_keeps_no_other_waiting() {
+        let (cloud, mut accepted) = clouds_and_clusters().await;
+        let options = KubeClientOptions {
+            read_timeout: Duration::from_secs(600),
+            ..KubeClientOptions::default()
+        };
+        let clients = Arc::new(ClusterClients::new("test", options, Clock::system()));
+        let stuck = tokio::spawn({
+            let (clients, cloud) = (clients.clone(), cloud.clone());
+            async move { clients.get(&cloud, "stuck").await.map(|_| ()) }
+        });
+        accepted
+            .recv()
+            .await
+            .expect("the stuck cluster's server reached");
+        let other = tokio::time::timeout(Duration::from_secs(60), clients.get(&cloud, "other"));
+        assert!(
+            matches!(other.await, Ok(Ok(_))),
+            "the other cluster's client waited"
+        );
+        assert!(!stuck.is_finished());
+        stuck.abort();
+    }
 
     #[test]
     fn credentials_are_renewed_two_thirds_into_their_life() {

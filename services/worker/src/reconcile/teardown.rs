@@ -4,8 +4,10 @@ use std::sync::atomic::Ordering;
 
 use api_types::lifecycle::Status;
 use api_types::regional::Record;
+use std::collections::HashMap;
+
 use cloud_clients::digitalocean::{Cluster, ClusterState, NodePool};
-use cloud_clients::Deleted;
+use cloud_clients::{Deleted, DoClient};
 use region_store::{ClusterRelease, LedgerEntry, StoreError};
 use uuid::Uuid;
 
@@ -18,13 +20,13 @@ impl Reconciler {
     pub(super) async fn teardown(&self, rec: &Record) -> Result<Pass> {
         let id = rec.id;
         let s = &self.settings;
-        let clusters = self.cloud.cluster_list().await?;
+        let mut clusters = Clusters::new(&self.cloud);
         let entries = self.store.ledger_entries(id).await?;
         for e in entries.iter().rev() {
             let waiting = match e.kind.as_str() {
-                LEDGER_NAMESPACE => self.delete_namespace(id, e, &clusters).await?,
-                LEDGER_NODE_POOL => self.delete_node_pool(id, e, &clusters).await?,
-                LEDGER_CLUSTER => self.release_cluster(id, e, &clusters).await?,
+                LEDGER_NAMESPACE => self.delete_namespace(id, e, &mut clusters).await?,
+                LEDGER_NODE_POOL => self.delete_node_pool(id, e, &mut clusters).await?,
+                LEDGER_CLUSTER => self.release_cluster(id, e, &mut clusters).await?,
                 other => {
                     tracing::warn!(di = %id, kind = other, "unknown ledger entry; forgetting it");
                     self.store.ledger_remove(id, &e.kind, &e.name).await?;
@@ -50,10 +52,13 @@ impl Reconciler {
         &self,
         id: Uuid,
         e: &LedgerEntry,
-        clusters: &[Cluster],
+        clusters: &mut Clusters<'_>,
     ) -> Result<Option<Waiting>> {
-        let cluster = recorded_cluster(clusters, &e.scope);
-        let Some(c) = cluster.filter(|c| c.status.state == ClusterState::Running) else {
+        let cluster = clusters.recorded(&e.scope).await?;
+        let Some(c) = cluster
+            .as_ref()
+            .filter(|c| c.status.state == ClusterState::Running)
+        else {
             if cluster.is_some_and(|c| c.status.state == ClusterState::Provisioning) {
                 return Ok(Some(Waiting::ClusterUnreachable));
             }
@@ -79,9 +84,9 @@ impl Reconciler {
         &self,
         id: Uuid,
         e: &LedgerEntry,
-        clusters: &[Cluster],
+        clusters: &mut Clusters<'_>,
     ) -> Result<Option<Waiting>> {
-        if let Some(c) = recorded_cluster(clusters, &e.scope) {
+        if let Some(c) = clusters.recorded(&e.scope).await? {
             let pools = self.pools_of(&c.id).await?;
             if let Some(p) = pools.iter().find(|p| p.name == e.name) {
                 self.delete_pool(&c.id, &p.id).await?;
@@ -97,13 +102,17 @@ impl Reconciler {
         &self,
         id: Uuid,
         e: &LedgerEntry,
-        clusters: &[Cluster],
+        clusters: &mut Clusters<'_>,
     ) -> Result<Option<Waiting>> {
         // By id once known. A cluster of the same name made later (by another DI, after this
         // one was deleted) is not it.
         let found = match &e.external_id {
-            Some(cluster_id) => clusters.iter().find(|c| c.id == *cluster_id),
-            None => clusters.iter().find(|c| c.name == e.name && !is_going(c)),
+            Some(cluster_id) => clusters.by_id(cluster_id).await?,
+            None => clusters
+                .all()
+                .await?
+                .iter()
+                .find(|c| c.name == e.name && !is_going(c)),
         };
         let Some(c) = found else {
             self.store.ledger_remove(id, &e.kind, &e.name).await?;
@@ -166,11 +175,57 @@ fn is_going(c: &Cluster) -> bool {
     )
 }
 
-/// The cluster a namespace or node-pool entry names in its scope: by id, or (entries recorded
-/// before ids were used) by name, preferring one that is not going.
-fn recorded_cluster<'a>(clusters: &'a [Cluster], scope: &str) -> Option<&'a Cluster> {
-    clusters.iter().find(|c| c.id == scope).or_else(|| {
+/// The region's clusters as one teardown pass needs them: each read by id when first asked
+/// for, the whole list only for entries recorded by name. A pass used to list every cluster
+/// of the region, which made deleting the DIs of a full region quadratic.
+struct Clusters<'a> {
+    cloud: &'a DoClient,
+    by_id: HashMap<String, Option<Cluster>>,
+    listed: Option<Vec<Cluster>>,
+}
+
+impl<'a> Clusters<'a> {
+    fn new(cloud: &'a DoClient) -> Self {
+        Clusters {
+            cloud,
+            by_id: HashMap::new(),
+            listed: None,
+        }
+    }
+
+    /// The cluster with id `id`, if it still exists.
+    async fn by_id(&mut self, id: &str) -> Result<Option<&Cluster>> {
+        if !self.by_id.contains_key(id) {
+            let found = match self.cloud.cluster_get(id).await {
+                Ok(c) => Some(c),
+                Err(err) if err.is_not_found() => None,
+                Err(err) => return Err(err.into()),
+            };
+            self.by_id.insert(id.to_string(), found);
+        }
+        Ok(self.by_id[id].as_ref())
+    }
+
+    /// Every cluster of the region.
+    async fn all(&mut self) -> Result<&[Cluster]> {
+        if self.listed.is_none() {
+            self.listed = Some(self.cloud.cluster_list().await?);
+        }
+        Ok(self.listed.as_deref().unwrap_or_default())
+    }
+
+    /// The cluster a namespace or node-pool entry names in its scope: by id (DigitalOcean's
+    /// cluster ids are UUIDs, the project's cluster names are not), or, for entries recorded
+    /// before ids were used, by name, preferring one that is not going.
+    async fn recorded(&mut self, scope: &str) -> Result<Option<Cluster>> {
+        if Uuid::parse_str(scope).is_ok() {
+            return Ok(self.by_id(scope).await?.cloned());
+        }
+        let clusters = self.all().await?;
         let named = || clusters.iter().filter(|c| c.name == scope);
-        named().find(|c| !is_going(c)).or_else(|| named().next())
-    })
+        Ok(named()
+            .find(|c| !is_going(c))
+            .or_else(|| named().next())
+            .cloned())
+    }
 }
