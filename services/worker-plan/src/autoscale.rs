@@ -51,6 +51,13 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// How stale the recorded time of the last request may grow before a look writes it (see
+    /// [`Memory::news_since`]): a tenth of the idle time to zero, at most a minute, so that a
+    /// takeover scales to zero at most that much early.
+    pub fn memory_slack(&self) -> Duration {
+        (self.scale_to_zero_after / 10).min(Duration::from_secs(60))
+    }
+
     /// The policy of a deployment that declares `autoscaling`; `None` keeps its fixed scale.
     pub fn of(md: &ModelDeployment) -> Option<Policy> {
         let w = md.workload();
@@ -296,6 +303,32 @@ pub struct Memory {
 }
 
 impl Memory {
+    /// Whether this memory (after a look) says something the `recorded` one does not that a
+    /// worker taking the deployment over would need, so that it is worth a write. The count and
+    /// its timers are. The servers' counters (`last`, `window_since`) are not: they move at
+    /// every look under load, and a takeover from an older baseline judges a longer window (or,
+    /// past [`MAX_WINDOW_MS`], starts a new one) and still counts every request since as use.
+    /// The time of the last request is, once it moved `slack` past the recorded one: a
+    /// takeover that finds the servers replaced cannot see their requests, and counts the idle
+    /// time from the recorded time.
+    pub fn news_since(&self, recorded: &Memory, slack: Duration) -> bool {
+        let decided = |m: &Memory| {
+            (
+                m.version,
+                m.wanted,
+                m.changed_at,
+                m.calm_since,
+                m.up_refused_until,
+            )
+        };
+        let slack_ms = i64::try_from(slack.as_millis()).unwrap_or(i64::MAX);
+        decided(self) != decided(recorded)
+            || self
+                .last_request_at
+                .saturating_sub(recorded.last_request_at)
+                >= slack_ms
+    }
+
     /// A deployment's memory as its spec `version` starts: `scale` replicas, as if just used.
     pub fn start(version: i32, scale: u32, now: i64) -> Memory {
         Memory {
@@ -681,6 +714,77 @@ mod tests {
             held: Some(held),
             unread: Vec::new(),
         }
+    }
+
+    /// Under steady load within the SLO, each look moves only the servers' counters and the time
+    /// of the last request: nothing worth a write until that time has moved the policy's slack;
+    /// a takeover from the recorded memory decides the same count; a new count is news at once.
+    #[test]
+    fn looks_under_steady_load_are_news_only_once_the_slack_passed() {
+        let p = policy(1, 4);
+        let slack = p.memory_slack();
+        assert_eq!(slack, Duration::from_secs(6), "a tenth of a minute to zero");
+        let mut m = Memory::start(1, 2, 0);
+        let servers = |n: f64| {
+            look(
+                &[
+                    ("a", server(n * 10.0, 0.2, 2.0, 0.0)),
+                    ("b", server(n * 10.0, 0.2, 2.0, 0.0)),
+                ],
+                0.0,
+            )
+        };
+        for second in 0..=1 {
+            m = decide(
+                &p,
+                &m,
+                &servers(second as f64),
+                second * S,
+                Duration::from_secs(600),
+            )
+            .memory;
+        }
+        let recorded = m.clone();
+        let mut news_at = None;
+        for second in 2..=10 {
+            let now = second * S;
+            let o = decide(
+                &p,
+                &m,
+                &servers(second as f64),
+                now,
+                Duration::from_secs(600),
+            );
+            assert_eq!((o.decision.is_none(), o.memory.wanted), (true, 2));
+            assert_ne!(o.memory.last, m.last, "the counters moved");
+            let taken_over = decide(
+                &p,
+                &recorded,
+                &servers(second as f64),
+                now,
+                Duration::from_secs(600),
+            );
+            assert_eq!(taken_over.memory.wanted, o.memory.wanted);
+            assert_eq!(
+                taken_over.memory.last_request_at, now,
+                "a takeover sees the use"
+            );
+            if news_at.is_none() && o.memory.news_since(&recorded, slack) {
+                news_at = Some(second);
+            }
+            m = o.memory;
+        }
+        assert_eq!(news_at, Some(7), "six seconds after the recorded look");
+        let scaled = Memory {
+            wanted: 3,
+            ..recorded.clone()
+        };
+        assert!(scaled.news_since(&recorded, slack));
+        let calm = Memory {
+            calm_since: Some(5 * S),
+            ..recorded.clone()
+        };
+        assert!(calm.news_since(&recorded, slack));
     }
 
     #[test]

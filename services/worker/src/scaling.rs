@@ -5,8 +5,9 @@
 //! `autoscaling` keep their spec's scale. The counts then flow through the same converge as a
 //! customer's scale change: node pools, then the vLLM Deployment, without dropping a request.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use api_types::regional::StoredSpec;
 use cloud_clients::KubeClient;
@@ -24,6 +25,9 @@ pub struct Scaled {
     pub wanted: u32,
     /// The autoscaler's memory to keep (`None`: not autoscaled, or not steady).
     pub memory: Option<Memory>,
+    /// Whether `memory` says what the recorded memory does not and a takeover would need
+    /// ([`Memory::news_since`]); when not, it is kept in [`Recall`] only.
+    pub memory_news: bool,
     pub decision: Option<Decision>,
     /// Requests in flight on each ready model server, when this pass read them.
     pub in_flight: BTreeMap<String, f64>,
@@ -128,6 +132,69 @@ async fn look(kube: &KubeClient, ns: &str, observed: &[Value], model_id: &Uuid) 
     }
 }
 
+/// The memory recorded for deployment `model_id`, if any and readable.
+fn recorded_memory(recorded: &[DeploymentReplicas], model_id: Uuid) -> Option<Memory> {
+    let value = recorded
+        .iter()
+        .find(|r| r.model_id == model_id)?
+        .autoscaler
+        .clone()?;
+    serde_json::from_value(value).ok()
+}
+
+/// The newest memory of each autoscaled deployment this worker looked at, where a look changed
+/// only what is not worth a write ([`Memory::news_since`]): under load every look moves the
+/// servers' counters, and writing them made each look a transaction (about 100 a second at
+/// 1,000 autoscaled DIs). Each entry names the recorded memory it grew from and is used only
+/// while that is still what the database holds: once another worker has written the
+/// deployment's memory, this one starts from the record again.
+#[derive(Default)]
+pub struct Recall(Mutex<RecallInner>);
+
+#[derive(Default)]
+struct RecallInner {
+    /// Deployment (model id) → (the recorded memory, the newest, when last used).
+    newest: HashMap<Uuid, (Option<serde_json::Value>, Memory, Instant)>,
+    swept: Option<Instant>,
+}
+
+/// Entries no look used for this long are dropped: their DIs are gone, or another worker
+/// looks at them.
+const RECALL_UNUSED: Duration = Duration::from_secs(30 * 60);
+
+impl Recall {
+    /// The newest memory of `model_id`, if it grew from what `recorded` holds for it.
+    fn newest(&self, model_id: Uuid, recorded: &[DeploymentReplicas]) -> Option<Memory> {
+        let held = recorded
+            .iter()
+            .find(|r| r.model_id == model_id)
+            .and_then(|r| r.autoscaler.as_ref());
+        let mut inner = self.0.lock().expect("recall");
+        let (from, memory, used) = inner.newest.get_mut(&model_id)?;
+        if from.as_ref() != held {
+            return None;
+        }
+        *used = Instant::now();
+        Some(memory.clone())
+    }
+
+    /// Keeps `newest` as grown from `recorded`, the memory the database holds now.
+    pub fn keep(&self, model_id: Uuid, recorded: Option<serde_json::Value>, newest: Memory) {
+        let now = Instant::now();
+        let mut inner = self.0.lock().expect("recall");
+        if inner
+            .swept
+            .is_none_or(|t| now.duration_since(t) >= RECALL_UNUSED)
+        {
+            inner.swept = Some(now);
+            inner
+                .newest
+                .retain(|_, (_, _, used)| now.duration_since(*used) < RECALL_UNUSED);
+        }
+        inner.newest.insert(model_id, (recorded, newest, now));
+    }
+}
+
 /// Each deployment's count for this pass. `steady`: the DI is active with nothing to roll
 /// out. An autoscaled deployment keeps its count across a customer's change (a PATCH that
 /// raises `max_replicas` under load must not shrink it back to `scale`), clamped to the new
@@ -141,6 +208,7 @@ pub async fn decide_all(
     steady: bool,
     observed: &[Value],
     recorded: &[DeploymentReplicas],
+    recall: &Recall,
     now_ms: i64,
     scale_down_window: Duration,
 ) -> Vec<Scaled> {
@@ -158,20 +226,21 @@ pub async fn decide_all(
                 model_id,
                 wanted: scale,
                 memory: None,
+                memory_news: false,
                 decision: None,
                 in_flight: BTreeMap::new(),
             });
             continue;
         };
-        let remembered = recorded
-            .iter()
-            .find(|r| r.model_id == model_id)
-            .and_then(|r| r.autoscaler.clone())
-            .and_then(|v| {
-                serde_json::from_value::<Memory>(v)
-                    .map_err(|e| tracing::warn!(model = %model_id, error = %e, "autoscaler memory unreadable; starting again"))
-                    .ok()
-            });
+        let remembered = recall.newest(model_id, recorded).or_else(|| {
+            recorded_memory(recorded, model_id).or_else(|| {
+                let unreadable = recorded.iter().any(|r| r.model_id == model_id && r.autoscaler.is_some());
+                if unreadable {
+                    tracing::warn!(model = %model_id, "autoscaler memory unreadable; starting again");
+                }
+                None
+            })
+        });
         let carried = remembered.as_ref().map_or(scale, |m| m.wanted);
         if !steady {
             let wanted = carried.clamp(policy.min.max(1), policy.max.max(1));
@@ -180,6 +249,7 @@ pub async fn decide_all(
                 wanted,
                 // Kept with its old version: the first steady look starts from this count.
                 memory: remembered.map(|m| Memory { wanted, ..m }),
+                memory_news: true,
                 decision: None,
                 in_flight: BTreeMap::new(),
             });
@@ -199,11 +269,14 @@ pub async fn decide_all(
         };
         let seen = look(kube, ns, observed, &model_id).await;
         let outcome = autoscale::decide(&policy, &memory, &seen, now_ms, scale_down_window);
+        let memory_news = recorded_memory(recorded, model_id)
+            .is_none_or(|r| outcome.memory.news_since(&r, policy.memory_slack()));
         out.push(Scaled {
             model_id,
             wanted: outcome.memory.wanted,
             decision: outcome.decision,
             memory: Some(outcome.memory),
+            memory_news,
             in_flight: in_flight(&seen),
         });
     }
@@ -306,6 +379,7 @@ pub fn after_refusal(
                 model_id: x.model_id,
                 wanted: back,
                 in_flight: x.in_flight.clone(),
+                memory_news: true,
                 memory: Some(Memory {
                     wanted: back,
                     changed_at: now_ms,

@@ -231,6 +231,83 @@ async fn an_autoscaled_dis_looks_read_its_metrics_and_no_lists() {
     env.sim.shutdown().await;
 }
 
+/// Under steady load an autoscaled DI's looks move its servers' counters at every look: they
+/// are kept in the worker, and the database is written only when the count or its timers
+/// change, or when the recorded time of the last request is a tenth of the idle time to zero
+/// stale (here 2 s; a minute at most). Each look under load was a transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn looks_under_steady_load_write_only_what_a_takeover_needs() {
+    let env = env_with(None).await;
+    // The serving model on, so that the servers' metrics count the requests they serve.
+    env.sim.set_model_timing(region_sim::ModelTiming {
+        serving: region_sim::ServingConfig {
+            time_scale: 1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let mut config = env.config();
+    config.settings.autoscale_interval = Duration::from_millis(300);
+    config.settings.cache_margin = Duration::from_millis(100);
+    let w = Worker::start(config).await.unwrap();
+    let serving = env.create_active(1).await.remove(0);
+    let rec = &serving.record;
+    let mut spec = env.spec(1, rec.spec.as_ref().unwrap().model_deployments[0].model_id);
+    spec.model_deployments[0].workload_config = json!({"autoscaling":
+        {"min_replicas": 1, "max_replicas": 2, "scale_to_zero_after_seconds": 20}});
+    env.patch(rec.id, &spec).await;
+    env.wait_active(rec.id, 2).await;
+    let load = tokio::spawn({
+        let (client, url, token) = (
+            serving.client.clone(),
+            serving.url.clone(),
+            serving.token.clone(),
+        );
+        async move {
+            loop {
+                chat(&client, &url, &token).await;
+            }
+        }
+    });
+    // The first looks under load decide something (the load's start); then it is steady.
+    let passes = w.stats().passes;
+    eventually(
+        Duration::from_secs(30),
+        "a few looks under load",
+        async || (w.stats().passes >= passes + 5).then_some(()),
+    )
+    .await;
+    // Each write seen, by the time of the last request it recorded.
+    let recorded = async || -> (String, i64) {
+        region_store::sqlx::query_as(
+            "SELECT xmin::text, (autoscaler->>'last_request_at')::bigint FROM deployment_replicas WHERE di_id = $1",
+        )
+        .bind(rec.id)
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap()
+    };
+    let passes = w.stats().passes;
+    let mut writes = vec![recorded().await];
+    while w.stats().passes < passes + 30 {
+        let now = recorded().await;
+        if now.0 != writes.last().unwrap().0 {
+            writes.push(now);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    load.abort();
+    let apart: Vec<i64> = writes.windows(2).map(|w| w[1].1 - w[0].1).collect();
+    // 30 looks 300 ms apart: about 9 s, so a write every 2 s or so, each of the new time.
+    assert!(
+        (1..=6).contains(&apart.len()) && apart.iter().all(|ms| *ms >= 2000),
+        "30 looks under load wrote the replicas row {} times, recording times {apart:?} ms apart",
+        apart.len()
+    );
+    w.shutdown().await;
+    env.sim.shutdown().await;
+}
+
 /// The transaction that last wrote DI `id`'s replicas row (Postgres's `xmin`): it changes with
 /// every write, even of the same values.
 async fn replicas_row_version(env: &Env, id: uuid::Uuid) -> String {

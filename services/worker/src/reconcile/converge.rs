@@ -236,6 +236,7 @@ impl Reconciler {
             c.resync,
             observed,
             &c.inputs.replicas,
+            &self.recall,
             c.inputs.now_ms,
             self.settings.scale_down_window,
         )

@@ -200,6 +200,8 @@ pub struct Clients {
     /// Cluster ids by name, so that a pass reads its one cluster instead of listing them all.
     cluster_ids: Mutex<HashMap<String, String>>,
     kube_writes_total: AtomicU64,
+    /// The autoscaler's newest memory of the deployments this worker looks at.
+    recall: crate::scaling::Recall,
     /// See [`Reconciler::rendering`].
     rendering: String,
 }
@@ -225,6 +227,7 @@ impl Reconciler {
                 ),
                 cluster_ids: Mutex::new(HashMap::new()),
                 kube_writes_total: AtomicU64::new(0),
+                recall: crate::scaling::Recall::default(),
                 rendering: plan::fleet::rendering_id(
                     &settings.images,
                     &settings.gateway_class,

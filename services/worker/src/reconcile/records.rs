@@ -45,7 +45,8 @@ impl Reconciler {
     }
 
     /// Records each deployment's ready model servers, wanted replicas and autoscaler memory,
-    /// with an event per scaling decision; nothing when nothing changed.
+    /// with an event per scaling decision; nothing when nothing changed but memory without news
+    /// (kept in the worker's [`scaling::Recall`] instead).
     pub(super) async fn record_replicas(
         &self,
         id: Uuid,
@@ -53,19 +54,33 @@ impl Reconciler {
         observed: &[Value],
         recorded: &[DeploymentReplicas],
     ) -> Result<()> {
-        let mut rows: Vec<DeploymentReplicas> = scaled
-            .iter()
-            .map(|x| DeploymentReplicas {
-                model_id: x.model_id,
-                ready: scaling::ready_servers(observed, &x.model_id).len() as u32,
-                wanted: x.wanted,
-                autoscaler: x
-                    .memory
-                    .as_ref()
-                    .map(|m| serde_json::to_value(m).expect("memory serialises")),
-            })
-            .collect();
-        rows.sort_by_key(|r| r.model_id);
+        let recorded_memory = |model_id: Uuid| {
+            recorded
+                .iter()
+                .find(|r| r.model_id == model_id)
+                .and_then(|r| r.autoscaler.clone())
+        };
+        // `newest`: every memory as this pass leaves it; otherwise the recorded one where this
+        // pass's has no news.
+        let rows = |newest: bool| {
+            let mut rows: Vec<DeploymentReplicas> = scaled
+                .iter()
+                .map(|x| DeploymentReplicas {
+                    model_id: x.model_id,
+                    ready: scaling::ready_servers(observed, &x.model_id).len() as u32,
+                    wanted: x.wanted,
+                    autoscaler: match &x.memory {
+                        Some(m) if newest || x.memory_news => {
+                            Some(serde_json::to_value(m).expect("memory serialises"))
+                        }
+                        Some(_) => recorded_memory(x.model_id),
+                        None => None,
+                    },
+                })
+                .collect();
+            rows.sort_by_key(|r| r.model_id);
+            rows
+        };
         let events: Vec<(&str, String)> = scaled
             .iter()
             .filter_map(|x| {
@@ -74,8 +89,18 @@ impl Reconciler {
                 Some((d.reason, format!("model {}: {}", x.model_id, d.message)))
             })
             .collect();
-        if rows.as_slice() != recorded || !events.is_empty() {
+        let kept = rows(false);
+        let written = kept.as_slice() != recorded || !events.is_empty();
+        let rows = if written { rows(true) } else { kept };
+        if written {
             self.store.replicas_record(id, &rows, &events).await?;
+        }
+        for x in scaled {
+            if let Some(memory) = &x.memory {
+                let held = rows.iter().find(|r| r.model_id == x.model_id);
+                let held = held.and_then(|r| r.autoscaler.clone());
+                self.recall.keep(x.model_id, held, memory.clone());
+            }
         }
         Ok(())
     }
