@@ -748,22 +748,19 @@ mod tests {
         let mut news_at = None;
         for second in 2..=10 {
             let now = second * S;
-            let o = decide(
-                &p,
-                &m,
-                &servers(second as f64),
-                now,
-                Duration::from_secs(600),
-            );
+            let look_from = |m: &Memory| {
+                decide(
+                    &p,
+                    m,
+                    &servers(second as f64),
+                    now,
+                    Duration::from_secs(600),
+                )
+            };
+            let o = look_from(&m);
             assert_eq!((o.decision.is_none(), o.memory.wanted), (true, 2));
             assert_ne!(o.memory.last, m.last, "the counters moved");
-            let taken_over = decide(
-                &p,
-                &recorded,
-                &servers(second as f64),
-                now,
-                Duration::from_secs(600),
-            );
+            let taken_over = look_from(&recorded);
             assert_eq!(taken_over.memory.wanted, o.memory.wanted);
             assert_eq!(
                 taken_over.memory.last_request_at, now,

@@ -1035,14 +1035,7 @@ async fn a_model_the_hub_refuses_is_an_error_with_the_hubs_words() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scale_down_keeps_the_busy_model_server_and_its_stream() {
     let env = env_with(None).await;
-    // The serving model on, so that a server's metrics show the requests it runs.
-    env.sim.set_model_timing(region_sim::ModelTiming {
-        serving: region_sim::ServingConfig {
-            time_scale: 1.0,
-            ..Default::default()
-        },
-        ..Default::default()
-    });
+    env.serving_model_on();
     let w = env.worker().await;
     let (rec, token) = env.create(2).await;
     let active = env.wait_active(rec.id, 1).await;

@@ -238,14 +238,7 @@ async fn an_autoscaled_dis_looks_read_its_metrics_and_no_lists() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn looks_under_steady_load_write_only_what_a_takeover_needs() {
     let env = env_with(None).await;
-    // The serving model on, so that the servers' metrics count the requests they serve.
-    env.sim.set_model_timing(region_sim::ModelTiming {
-        serving: region_sim::ServingConfig {
-            time_scale: 1.0,
-            ..Default::default()
-        },
-        ..Default::default()
-    });
+    env.serving_model_on();
     let mut config = env.config();
     config.settings.autoscale_interval = Duration::from_millis(300);
     config.settings.cache_margin = Duration::from_millis(100);

@@ -391,6 +391,18 @@ impl Env {
         .unwrap();
     }
 
+    /// Turns the simulated serving model on (real time), so that a model server's metrics show
+    /// the requests it runs and serves.
+    pub fn serving_model_on(&self) {
+        self.sim.set_model_timing(region_sim::ModelTiming {
+            serving: region_sim::ServingConfig {
+                time_scale: 1.0,
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+    }
+
     pub async fn wait_gone(&self, id: Uuid) {
         self.wait_for(id, "gone", Duration::from_secs(60), |r| r.gone)
             .await;
