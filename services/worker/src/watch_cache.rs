@@ -18,6 +18,7 @@
 //! passed without another failure or until it delivers an event: until then resyncs list.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -100,6 +101,8 @@ struct KindState {
     owners: HashMap<Key, Uuid>,
     /// What a LIST in progress has returned so far.
     listing: Option<ByDi>,
+    /// Per DI, how many changes a pass would act on this kind has seen (those that wake it).
+    changes: HashMap<Uuid, u64>,
 }
 
 impl KindState {
@@ -119,6 +122,9 @@ struct KindCache {
 /// The watches of one cluster, for as long as its client is used: dropping the cache stops
 /// them.
 pub struct ClusterCache {
+    /// Unique among the caches of this process: change counts of different caches (a cluster's
+    /// client renewed, its watches started again) are never compared.
+    id: u64,
     kinds: Vec<Arc<KindCache>>,
     tasks: Vec<tokio::task::AbortHandle>,
 }
@@ -147,7 +153,24 @@ impl ClusterCache {
             .iter()
             .map(|k| tokio::spawn(watch(k.clone(), kube.clone(), wakes.clone())).abort_handle())
             .collect();
-        ClusterCache { kinds, tasks }
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        ClusterCache { id, kinds, tasks }
+    }
+
+    /// Where DI `di`'s objects stand: this cache and how many changes a pass would act on it
+    /// has seen of them; equal answers mean the objects are as they were, but for versions and
+    /// heartbeats. `None` while any kind is not synced (then [`ClusterCache::objects`] is too).
+    pub fn changes(&self, di: Uuid) -> Option<(u64, u64)> {
+        let mut sum = 0;
+        for k in &self.kinds {
+            let state = k.state.lock().expect("watch cache");
+            if !state.trusted() {
+                return None;
+            }
+            sum += state.changes.get(&di).copied().unwrap_or(0);
+        }
+        Some((self.id, sum))
     }
 
     /// DI `di`'s objects in namespace `ns` (and its cluster-scoped ones, nodes), kind by kind in
@@ -219,7 +242,7 @@ impl KindCache {
                 let listed = state.listing.take().unwrap_or_default();
                 if state.listed_before {
                     for di in differing(&state.by_di, &listed) {
-                        wakes.wake(di);
+                        changed(&mut state.changes, di, wakes);
                     }
                 }
                 state.owners = listed
@@ -234,14 +257,14 @@ impl KindCache {
                 if let Some((key, di, o)) = self.entry(o) {
                     if let Some(left) = state.owners.get(&key).copied().filter(|o| Some(*o) != di) {
                         remove(state, left, &key);
-                        wakes.wake(left);
+                        changed(&mut state.changes, left, wakes);
                     }
                     if let Some(di) = di {
                         state.owners.insert(key.clone(), di);
                         let objects = state.by_di.entry(di).or_default();
                         let old = objects.insert(key.clone(), o);
                         if old.is_none_or(|old| meaningful_change(&old, &objects[&key])) {
-                            wakes.wake(di);
+                            changed(&mut state.changes, di, wakes);
                         }
                     }
                 }
@@ -250,7 +273,7 @@ impl KindCache {
                 if let Some((key, _, _)) = self.entry(o) {
                     if let Some(di) = state.owners.get(&key).copied() {
                         remove(state, di, &key);
-                        wakes.wake(di);
+                        changed(&mut state.changes, di, wakes);
                     }
                 }
             }
@@ -281,6 +304,12 @@ impl KindCache {
         };
         Some(((ns, name), di, o.to_string().into()))
     }
+}
+
+/// Counts a change to DI `di`'s objects that a pass would act on, and wakes its pass.
+fn changed(changes: &mut HashMap<Uuid, u64>, di: Uuid, wakes: &Wakes) {
+    *changes.entry(di).or_default() += 1;
+    wakes.wake(di);
 }
 
 /// Forgets the object `key` kept under DI `di`.
@@ -367,6 +396,7 @@ mod tests {
         let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
         let wakes = Wakes::default();
         let cache = ClusterCache {
+            id: 7,
             kinds: vec![Arc::new(kind(Owner::Namespace))],
             tasks: Vec::new(),
         };
@@ -384,16 +414,20 @@ mod tests {
         assert_eq!(cache.objects(a, &names::namespace(&a)), None, "listing");
         k.handle(WatchEvent::InitDone, &wakes);
         assert!(wakes.take().is_empty(), "the first LIST wakes nobody");
+        assert_eq!(cache.changes(a), Some((7, 0)));
         let of_a = cache.objects(a, &names::namespace(&a)).unwrap();
         assert_eq!(of_a.len(), 1);
         assert_eq!(of_a[0]["metadata"]["name"], "p1");
         assert!(of_a[0]["metadata"].get("managedFields").is_none());
 
         // A heartbeat wakes nobody; a pod that stopped being ready wakes its DI only.
+        // Each wake counts as a change of the DI's objects.
         k.handle(WatchEvent::Apply(pod(a, "p1", "3", "Running")), &wakes);
         assert!(wakes.take().is_empty());
+        assert_eq!(cache.changes(a), Some((7, 0)));
         k.handle(WatchEvent::Apply(pod(a, "p1", "4", "Failed")), &wakes);
         assert_eq!(wakes.take(), vec![a]);
+        assert_eq!(cache.changes(a), Some((7, 1)));
         k.handle(WatchEvent::Delete(pod(b, "p2", "5", "Running")), &wakes);
         assert_eq!(wakes.take(), vec![b]);
         assert_eq!(cache.objects(b, &names::namespace(&b)), Some(vec![]));
@@ -409,10 +443,15 @@ mod tests {
         k.handle(WatchEvent::InitApply(pod(b, "p3", "6", "Running")), &wakes);
         k.handle(WatchEvent::InitDone, &wakes);
         assert_eq!(wakes.take(), vec![b]);
+        assert_eq!(
+            (cache.changes(a), cache.changes(b)),
+            (Some((7, 1)), Some((7, 2)))
+        );
 
         // A failed watch is not read until it delivers again (or a while has passed).
         k.state.lock().unwrap().failed_at = Some(Instant::now());
         assert_eq!(cache.objects(a, &names::namespace(&a)), None);
+        assert_eq!(cache.changes(a), None);
         k.handle(WatchEvent::Apply(pod(a, "p1", "10", "Failed")), &wakes);
         assert!(cache.objects(a, &names::namespace(&a)).is_some());
     }
@@ -422,6 +461,7 @@ mod tests {
         let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
         let wakes = Wakes::default();
         let cache = ClusterCache {
+            id: 7,
             kinds: vec![Arc::new(kind(Owner::Label))],
             tasks: Vec::new(),
         };
@@ -451,6 +491,7 @@ mod tests {
         let di = Uuid::new_v4();
         let wakes = Wakes::default();
         let cache = ClusterCache {
+            id: 7,
             kinds: vec![Arc::new(kind(Owner::Label))],
             tasks: Vec::new(),
         };

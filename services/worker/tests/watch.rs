@@ -30,7 +30,8 @@ fn kube_requests(env: &Env, kind: &str) -> u64 {
 }
 
 /// Resyncs every half second over three converged DIs: dozens of passes, and no list beyond
-/// what the watches themselves need (each pass listed every kind, 16 lists, before the caches).
+/// what the watches themselves need (each pass listed every kind, 16 lists, before the caches),
+/// and, as nothing changes, no read at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resyncs_of_converged_dis_read_the_watch_cache() {
     let env = env_with(None).await;
@@ -55,14 +56,33 @@ async fn resyncs_of_converged_dis_read_the_watch_cache() {
     .await;
     let resyncs = w.stats().passes - passes;
     let listed = kube_requests(&env, "LIST ");
+    // Nothing changed since each DI's last full pass: its resyncs end before reading anything
+    // (each read its namespace, and parsed and rendered its objects).
+    let read = kube_requests(&env, "GET ");
     assert!(
-        listed < 16,
-        "{listed} lists in {resyncs} resyncs: {:?}",
+        listed < 16 && read < 6,
+        "{listed} lists and {read} reads in {resyncs} resyncs: {:?}",
         env.sim.stats().requests.get("kube")
     );
     for d in &dis {
         assert_eq!(chat(&d.client, &d.url, &d.token).await, 200);
     }
+    // A change of a pass's inputs (a new token) is applied by the next pass.
+    let value = common::tokens::mint("di_");
+    let token = api_types::regional::NewToken {
+        id: uuid::Uuid::new_v4(),
+        name: "new".into(),
+        sha256_hex: common::tokens::sha256_hex(&value),
+    };
+    let d = &dis[0];
+    env.store
+        .token_create(d.record.id, env.team, &token)
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(30), "the new token works", async || {
+        (chat(&d.client, &d.url, &value).await == 200).then_some(())
+    })
+    .await;
     w.shutdown().await;
     env.sim.shutdown().await;
 }

@@ -17,7 +17,7 @@ use super::ledger::Ledger;
 use super::{Pass, ReconcileError, Reconciler, Result};
 use crate::plan::step::{self, Begin, Verdict, Written};
 use crate::plan::{self, names, AccessTokenHash, Assessment, ClusterWait, ManifestInput, Waiting};
-use crate::scaling;
+use crate::{metrics, scaling};
 
 /// What a converge pass has learned by the time it reaches the cloud, handed from step to step.
 pub(super) struct Converging<'a> {
@@ -81,6 +81,11 @@ impl Reconciler {
             since_last_pass,
             s.cache_margin,
         );
+        let judged = self.judged(&c, &at, cached);
+        if judged.is_some_and(|j| self.converged.on(rec.id, j)) {
+            metrics::observed("unchanged");
+            return Ok(Pass::new(c.status, s.resync));
+        }
         let observed = match self
             .observe(&at, rec.id, &names::namespace(&rec.id), cached)
             .await
@@ -93,6 +98,7 @@ impl Reconciler {
         };
         let (models, scaled) = self.scale(&c, &at.kube, &observed).await?;
         let mut desired = self.desired(&c, &models, &observed)?;
+        let restarts_held = !plan::fleet::restarts(&desired, &observed).is_empty();
         *platform_update = self.fleet_hold(&c, &mut desired, &observed).await?;
         let pools = self
             .node_pools(&mut c, &at, &models, &desired, &observed, &scaled)
@@ -127,6 +133,16 @@ impl Reconciler {
                 rec.private_endpoint_fqdn.as_deref(),
             ),
         });
+        let clean = writes == 0
+            && pools_held.is_empty()
+            && !restarts_held
+            && matches!(
+                verdict,
+                Verdict::Settled {
+                    endpoints_moved: false
+                }
+            );
+        self.converged.record(rec.id, judged.filter(|_| clean));
         let settled = self
             .fleet_settle(&c, &desired, &observed, &verdict, &assessment, &pass)
             .await?;

@@ -127,6 +127,15 @@ impl Reconciler {
     /// `cached` and the cache is synced (see [`crate::watch_cache`] for when a pass may), else
     /// listed. The first pass to reach a cluster starts its watches, so that changes behind the
     /// worker's back wake the DIs of the cluster from then on.
+    /// Where DI `id`'s objects stand in its cluster's watch cache (see
+    /// [`crate::watch_cache::ClusterCache::changes`]); `None` without a synced cache.
+    pub(super) fn cache_changes(&self, at: &Reached, id: Uuid) -> Option<(u64, u64)> {
+        if !self.settings.watch_caches {
+            return None;
+        }
+        self.kube.cache(&at.cluster_id, watched)?.changes(id)
+    }
+
     pub(super) async fn observe(
         &self,
         at: &Reached,

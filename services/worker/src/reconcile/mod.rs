@@ -14,6 +14,7 @@ mod ledger;
 mod node_pools;
 mod records;
 mod teardown;
+mod unchanged;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -202,6 +203,8 @@ pub struct Clients {
     kube_writes_total: AtomicU64,
     /// The autoscaler's newest memory of the deployments this worker looks at.
     recall: crate::scaling::Recall,
+    /// How each DI's last full pass ended, so that a resync that nothing changed is skipped.
+    converged: unchanged::Converged,
     /// See [`Reconciler::rendering`].
     rendering: String,
 }
@@ -228,6 +231,7 @@ impl Reconciler {
                 cluster_ids: Mutex::new(HashMap::new()),
                 kube_writes_total: AtomicU64::new(0),
                 recall: crate::scaling::Recall::default(),
+                converged: unchanged::Converged::default(),
                 rendering: plan::fleet::rendering_id(
                     &settings.images,
                     &settings.gateway_class,

@@ -20,6 +20,7 @@ impl Reconciler {
     pub(super) async fn teardown(&self, rec: &Record) -> Result<Pass> {
         let id = rec.id;
         let s = &self.settings;
+        self.converged.record(id, None);
         let mut clusters = Clusters::new(&self.cloud);
         let entries = self.store.ledger_entries(id).await?;
         for e in entries.iter().rev() {
