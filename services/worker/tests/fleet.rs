@@ -302,16 +302,7 @@ async fn a_canary_that_cannot_serve_halts_the_rollout_and_goes_back() {
     // A customer's token change is no spec change: its pass applies the token and keeps the
     // running templates, whether or not the DI took a slot.
     for d in &dis {
-        let value = common::tokens::mint("di_");
-        let token = api_types::regional::NewToken {
-            id: uuid::Uuid::new_v4(),
-            name: "while-halted".into(),
-            sha256_hex: common::tokens::sha256_hex(&value),
-        };
-        env.store
-            .token_create(d.record.id, env.team, &token)
-            .await
-            .unwrap();
+        let value = env.token_create(d.record.id, "while-halted").await;
         eventually(Duration::from_secs(30), "the new token works", async || {
             (chat(&d.client, &d.url, &value).await == 200).then_some(())
         })

@@ -68,17 +68,8 @@ async fn resyncs_of_converged_dis_read_the_watch_cache() {
         assert_eq!(chat(&d.client, &d.url, &d.token).await, 200);
     }
     // A change of a pass's inputs (a new token) is applied by the next pass.
-    let value = common::tokens::mint("di_");
-    let token = api_types::regional::NewToken {
-        id: uuid::Uuid::new_v4(),
-        name: "new".into(),
-        sha256_hex: common::tokens::sha256_hex(&value),
-    };
     let d = &dis[0];
-    env.store
-        .token_create(d.record.id, env.team, &token)
-        .await
-        .unwrap();
+    let value = env.token_create(d.record.id, "new").await;
     eventually(Duration::from_secs(30), "the new token works", async || {
         (chat(&d.client, &d.url, &value).await == 200).then_some(())
     })

@@ -391,6 +391,21 @@ impl Env {
         .unwrap();
     }
 
+    /// A new access token of DI `id`, created as a customer does; its value.
+    pub async fn token_create(&self, id: Uuid, name: &str) -> String {
+        let value = common::tokens::mint("di_");
+        let token = NewToken {
+            id: Uuid::new_v4(),
+            name: name.into(),
+            sha256_hex: common::tokens::sha256_hex(&value),
+        };
+        self.store
+            .token_create(id, self.team, &token)
+            .await
+            .unwrap();
+        value
+    }
+
     /// Turns the simulated serving model on (real time), so that a model server's metrics show
     /// the requests it runs and serves.
     pub fn serving_model_on(&self) {
