@@ -247,7 +247,7 @@ impl CentralStore {
     }
 
     pub async fn migrate(&self) -> std::result::Result<(), sqlx::migrate::MigrateError> {
-        MIGRATOR.run(&self.pool).await
+        common::db::migrate(&MIGRATOR, &self.pool).await
     }
 
     // -----------------------------------------------------------------------------------------

@@ -172,7 +172,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Migrate { database_url } => {
             let _telemetry = common::telemetry::init("central");
             let pool = sqlx::PgPool::connect(&database_url).await?;
-            central_store::MIGRATOR.run(&pool).await?;
+            common::db::migrate(&central_store::MIGRATOR, &pool).await?;
             tracing::info!("migrations applied");
         }
         Command::Openapi => {

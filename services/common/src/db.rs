@@ -1,7 +1,8 @@
 //! What the stores and services share about Postgres: which errors mean "the database is
 //! unavailable for now" (decided here once, so that every store classes them alike and every
-//! service answers them with `503` and `Retry-After`), and how a service's connection pool is
-//! set up so that it recovers by itself from a restart or failover.
+//! service answers them with `503` and `Retry-After`), how a service's connection pool is set
+//! up so that it recovers by itself from a restart or failover, and how migrations are applied
+//! so that two versions can run on one database.
 
 use std::time::Duration;
 
@@ -75,6 +76,23 @@ pub fn pool_options(max_connections: u32, acquire_timeout: Duration) -> PgPoolOp
                 Ok(conn.ping().await.is_ok())
             })
         })
+}
+
+/// Applies the migrations `migrator` knows. A database that a newer version migrated further is
+/// accepted, where sqlx refuses by default: every migration keeps the previous version working
+/// (they add, and drop only what no released version reads), and a replica of the previous
+/// version that restarts during a rolling upgrade, or a rollback, must start on it. The
+/// migrations this version knows are still checked against their checksums.
+pub async fn migrate(
+    migrator: &'static sqlx::migrate::Migrator,
+    pool: &sqlx::PgPool,
+) -> Result<(), sqlx::migrate::MigrateError> {
+    let tolerant = sqlx::migrate::Migrator {
+        migrations: std::borrow::Cow::Borrowed(&migrator.migrations),
+        ignore_missing: true,
+        ..sqlx::migrate::Migrator::DEFAULT
+    };
+    tolerant.run(pool).await
 }
 
 #[cfg(test)]

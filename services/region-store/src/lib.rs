@@ -226,7 +226,7 @@ impl Store {
     }
 
     pub async fn migrate(&self) -> std::result::Result<(), sqlx::migrate::MigrateError> {
-        MIGRATOR.run(&self.pool).await
+        common::db::migrate(&MIGRATOR, &self.pool).await
     }
 
     /// The provider secret `kind` of DI `id`, unsealed.

@@ -48,7 +48,7 @@ async fn main() -> anyhow::Result<()> {
         Some("migrate") => {
             let args = Migrate::parse_from(std::env::args().skip(1));
             let pool = sqlx::PgPool::connect(&args.database_url).await?;
-            region_store::MIGRATOR.run(&pool).await?;
+            common::db::migrate(&region_store::MIGRATOR, &pool).await?;
             tracing::info!("migrations applied");
             return Ok(());
         }
