@@ -56,16 +56,14 @@ impl Reconciler {
         clusters: &mut Clusters<'_>,
     ) -> Result<Option<Waiting>> {
         let cluster = clusters.recorded(&e.scope).await?;
-        let Some(c) = cluster
-            .as_ref()
-            .filter(|c| c.status.state == ClusterState::Running)
-        else {
-            if cluster.is_some_and(|c| c.status.state == ClusterState::Provisioning) {
-                return Ok(Some(Waiting::ClusterUnreachable));
-            }
+        let c = match cluster.as_ref().map(|c| namespace_step(c.status.state)) {
+            Some(NamespaceStep::Delete) => cluster.as_ref().expect("a cluster"),
+            Some(NamespaceStep::Wait) => return Ok(Some(Waiting::ClusterUnreachable)),
             // The cluster is gone or going: so is the namespace.
-            self.store.ledger_remove(id, &e.kind, &e.name).await?;
-            return Ok(None);
+            Some(NamespaceStep::Gone) | None => {
+                self.store.ledger_remove(id, &e.kind, &e.name).await?;
+                return Ok(None);
+            }
         };
         let kube = self.kube_for(&c.id).await?;
         let deleted = kube.delete("v1", "Namespace", None, &e.name).await?;
@@ -115,7 +113,8 @@ impl Reconciler {
                 .iter()
                 .find(|c| c.name == e.name && !is_going(c)),
         };
-        let Some(c) = found else {
+        // A deleted cluster may still be shown (DigitalOcean documents the state): it is gone.
+        let Some(c) = found.filter(|c| c.status.state != ClusterState::Deleted) else {
             self.store.ledger_remove(id, &e.kind, &e.name).await?;
             return Ok(None);
         };
@@ -169,6 +168,33 @@ impl Reconciler {
     }
 }
 
+/// What a teardown does about a namespace in a cluster in `state`.
+#[derive(Debug, PartialEq, Eq)]
+enum NamespaceStep {
+    /// Delete it through the cluster's API.
+    Delete,
+    /// Wait: the cluster's API is not up yet.
+    Wait,
+    /// Nothing: the cluster, and the namespace with it, is gone or going.
+    Gone,
+}
+
+/// A namespace holds the DI's secrets (its Hugging Face token among them) and its load
+/// balancers' Services: it is deleted in every state of a cluster that stays, degraded or
+/// upgrading or failed included (their API servers answer in most cases; when not, the pass
+/// fails and is retried), never dropped from the ledger while the cluster lives.
+fn namespace_step(state: ClusterState) -> NamespaceStep {
+    match state {
+        ClusterState::Provisioning => NamespaceStep::Wait,
+        ClusterState::Deleting | ClusterState::Deleted => NamespaceStep::Gone,
+        ClusterState::Running
+        | ClusterState::Degraded
+        | ClusterState::Upgrading
+        | ClusterState::Error
+        | ClusterState::Unknown => NamespaceStep::Delete,
+    }
+}
+
 fn is_going(c: &Cluster) -> bool {
     matches!(
         c.status.state,
@@ -217,16 +243,36 @@ impl<'a> Clusters<'a> {
 
     /// The cluster a namespace or node-pool entry names in its scope: by id (DigitalOcean's
     /// cluster ids are UUIDs, the project's cluster names are not), or, for entries recorded
-    /// before ids were used, by name, preferring one that is not going.
+    /// before ids were used, by name, preferring one that is not going (or by an id that is not
+    /// a UUID, should a cloud use such ids).
     async fn recorded(&mut self, scope: &str) -> Result<Option<Cluster>> {
         if Uuid::parse_str(scope).is_ok() {
             return Ok(self.by_id(scope).await?.cloned());
         }
         let clusters = self.all().await?;
-        let named = || clusters.iter().filter(|c| c.name == scope);
+        let named = || clusters.iter().filter(|c| c.name == scope || c.id == scope);
         Ok(named()
             .find(|c| !is_going(c))
             .or_else(|| named().next())
             .cloned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_namespace_is_deleted_in_every_cluster_that_stays() {
+        use ClusterState::*;
+        let step = |s| namespace_step(s);
+        for s in [Running, Degraded, Upgrading, Error, Unknown] {
+            assert_eq!(step(s), NamespaceStep::Delete, "{s:?}");
+        }
+        assert_eq!(step(Provisioning), NamespaceStep::Wait);
+        assert_eq!(
+            (step(Deleting), step(Deleted)),
+            (NamespaceStep::Gone, NamespaceStep::Gone)
+        );
     }
 }
