@@ -302,9 +302,10 @@ async fn looks_under_steady_load_write_only_what_a_takeover_needs() {
     }
     load.abort();
     let apart: Vec<i64> = writes.windows(2).map(|w| w[1].1 - w[0].1).collect();
-    // 30 looks 300 ms apart: about 9 s, so a write every 2 s or so, each of the new time.
+    // 30 looks at least 300 ms apart: a write once the recorded time is 2 s stale, each of the
+    // new time (every look wrote, before).
     assert!(
-        (1..=6).contains(&apart.len()) && apart.iter().all(|ms| *ms >= 2000),
+        !apart.is_empty() && apart.iter().all(|ms| *ms >= 2000),
         "30 looks under load wrote the replicas row {} times, recording times {apart:?} ms apart",
         apart.len()
     );

@@ -48,7 +48,11 @@ fn error_policy(_: Arc<ConfigMap>, _: &Error, _: Arc<Ctx>) -> Action {
     Action::requeue(Duration::from_millis(100))
 }
 
-#[tokio::test(start_paused = true)]
+// On real time. On tokio's paused clock this machine's later runs saw kube-runtime's Controller
+// never reconcile (its watchers, alone, delivered at once; the same code had passed hours
+// before; the cause is not found), the waits running out in virtual time. The settle check
+// needs only seconds: a controller that re-triggers itself reconciles hundreds of times in them.
+#[tokio::test]
 async fn controller_reconciles_and_settles() {
     let (cluster, client) = start().await;
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
@@ -99,7 +103,7 @@ async fn controller_reconciles_and_settles() {
     // controller is not re-triggered forever.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let runs = ctx.runs.load(Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(ctx.runs.load(Ordering::SeqCst), runs, "controller settled");
     assert!(secrets.get_opt("other").await.unwrap().is_none());
     handle.abort();
