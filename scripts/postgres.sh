@@ -1,6 +1,7 @@
 # Sourced by scripts/run and scripts/test: start_postgres DATA_DIR PORT starts a local Postgres
 # (initialising DATA_DIR on first use, trust auth on 127.0.0.1 only) and exports DATABASE_URL.
-# Works as root by running the server as the `postgres` user.
+# Works as root by running the server as the `postgres` user. PG_EXTRA_OPTS adds server options
+# (for profiling, e.g. "-c shared_preload_libraries=pg_stat_statements").
 
 pg_bin() {
     local name=$1
@@ -28,7 +29,7 @@ start_postgres() {
             || { cat "$dir/initdb.log" >&2; return 1; }
     fi
     as_pg_owner "$pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 start \
-        -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c max_connections=500 -c fsync=off -c synchronous_commit=off -c full_page_writes=off" \
+        -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c max_connections=500 -c fsync=off -c synchronous_commit=off -c full_page_writes=off ${PG_EXTRA_OPTS:-}" \
         >/dev/null || { cat "$dir/server.log" >&2; return 1; }
     export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
     PG_DIR=$dir

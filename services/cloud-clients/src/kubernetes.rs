@@ -261,6 +261,17 @@ pub struct Applied {
     pub object: Value,
 }
 
+/// What the caller of [`KubeClient::apply_observed`] saw of the object before applying it.
+#[derive(Debug, Clone, Copy)]
+pub enum Before<'a> {
+    /// Nothing: it is read first.
+    Unknown,
+    /// A list that would have shown it did not (its kind, its labels, its namespace).
+    Absent,
+    /// This copy, just listed.
+    Listed(&'a Value),
+}
+
 /// The outcome of [`KubeClient::delete`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Deleted {
@@ -491,16 +502,18 @@ impl KubeClient {
     /// Server-side apply of `obj` under this client's field manager, with `force` (we own what
     /// we render). Fields this manager applied before and `obj` omits are removed.
     pub async fn apply(&self, obj: &Value) -> Result<Applied, KubeError> {
-        self.apply_observed(obj, None).await
+        self.apply_observed(obj, Before::Unknown).await
     }
 
-    /// As [`KubeClient::apply`], given `observed`: the object as the caller just listed it. When
-    /// that copy is already up to date, nothing is sent at all (a steady-state pass then costs
-    /// only its lists); otherwise the object is read afresh and applied as usual.
+    /// As [`KubeClient::apply`], given what the caller just saw of the object (`before`). When
+    /// the listed copy is already up to date, nothing is sent at all (a steady-state pass then
+    /// costs only its lists); when the list showed it absent, it is applied without reading it
+    /// first; otherwise it is read afresh, so that an apply that changes nothing is known as
+    /// such.
     pub async fn apply_observed(
         &self,
         obj: &Value,
-        observed: Option<&Value>,
+        before: Before<'_>,
     ) -> Result<Applied, KubeError> {
         let field = |p: &str| {
             obj.pointer(p)
@@ -514,19 +527,23 @@ impl KubeClient {
             .ok_or_else(|| KubeError::InvalidObject(format!("{kind} without metadata.name")))?;
         let (api, _) = self.api(api_version, kind, field("/metadata/namespace"), false)?;
         let obj = &with_applied_hash(obj);
-        if let Some(b) = observed.filter(|b| up_to_date(b, obj)) {
-            tracing::debug!(kind, name, "up to date (as listed)");
-            return Ok(Applied {
-                changed: false,
-                object: b.clone(),
-            });
-        }
-        let before =
-            self.noted(retry(&self.retry, "kubernetes get", || get_opt(&api, name)).await)?;
-        let before = before
-            .map(|b| serde_json::to_value(&b))
-            .transpose()
-            .map_err(|e| KubeError::InvalidObject(format!("response: {e}")))?;
+        let before = match before {
+            Before::Listed(b) if up_to_date(b, obj) => {
+                tracing::debug!(kind, name, "up to date (as listed)");
+                return Ok(Applied {
+                    changed: false,
+                    object: b.clone(),
+                });
+            }
+            // Not listed: created, or taken over from whoever made it without our labels;
+            // either way the apply changes it.
+            Before::Absent => None,
+            Before::Listed(_) | Before::Unknown => self
+                .noted(retry(&self.retry, "kubernetes get", || get_opt(&api, name)).await)?
+                .map(|b| serde_json::to_value(&b))
+                .transpose()
+                .map_err(|e| KubeError::InvalidObject(format!("response: {e}")))?,
+        };
         // Nothing to write when the object is what we applied last time and nobody has changed
         // any of it since: a steady-state resync then costs reads only.
         if let Some(b) = before.as_ref().filter(|b| up_to_date(b, obj)) {

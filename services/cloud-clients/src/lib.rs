@@ -19,5 +19,7 @@ pub mod retry;
 
 pub use digitalocean::{DoClient, DoClientOptions, DoError};
 pub use hugging_face::{HubClient, HubClientOptions, HubError};
-pub use kubernetes::{Applied, Deleted, KubeClient, KubeClientOptions, KubeError, WatchEvent};
+pub use kubernetes::{
+    Applied, Before, Deleted, KubeClient, KubeClientOptions, KubeError, WatchEvent,
+};
 pub use retry::RetryConfig;

@@ -107,11 +107,16 @@ impl Reconciler {
             Ok(done) => done,
             Err(wait) => return Ok(pass.wait(wait, s.poll)),
         };
-        let writes = pool_writes
-            + self
-                .apply_objects(&mut c.ledger, &at, &desired, &observed)
-                .await?;
-        let assessment = plan::assess(&rec.id, &desired, &observed);
+        let objects = self
+            .apply_objects(&mut c.ledger, &at, &desired, &observed)
+            .await?;
+        let writes = pool_writes + objects.changed + objects.deleted;
+        let unseen = step::unseen_writes(
+            c.pending.is_some(),
+            objects.changed,
+            pool_writes + objects.deleted,
+        );
+        let assessment = plan::assess(&rec.id, &desired, &objects.over(&observed));
         self.record_accelerators(
             rec.id,
             spec,
@@ -125,7 +130,7 @@ impl Reconciler {
         let verdict = step::verdict(Written {
             status: c.status,
             pending: c.pending,
-            writes,
+            writes: unseen,
             assessment: &assessment,
             load_failure: load_failure.as_ref(),
             recorded: (

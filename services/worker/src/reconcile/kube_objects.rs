@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
 use base64::Engine;
-use cloud_clients::{Deleted, KubeClient, KubeError};
+use cloud_clients::{Before, Deleted, KubeClient, KubeError};
 use region_store::NewCa;
 use serde_json::Value;
 use uuid::Uuid;
@@ -35,6 +35,45 @@ const RENDERED_KINDS: &[(&str, &str)] = &[
     ("gateway.envoyproxy.io/v1alpha1", "SecurityPolicy"),
     ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"),
 ];
+
+/// What [`Reconciler::apply_objects`] did.
+#[derive(Debug, Default)]
+pub(super) struct ObjectsWritten {
+    /// Applies that changed an object.
+    pub(super) changed: u64,
+    /// Objects deleted (pruned).
+    pub(super) deleted: u64,
+    /// Every object applied, as the server answered (or as listed, when up to date).
+    pub(super) objects: Vec<Value>,
+}
+
+impl ObjectsWritten {
+    /// `observed` with the applied objects in place of their listed copies: the DI's objects as
+    /// they stand after the writes, pods and nodes as listed.
+    pub(super) fn over(&self, observed: &[Value]) -> Vec<Value> {
+        let same = |a: &Value, b: &Value| {
+            a["kind"] == b["kind"]
+                && a["apiVersion"] == b["apiVersion"]
+                && a.pointer("/metadata/namespace") == b.pointer("/metadata/namespace")
+                && a.pointer("/metadata/name") == b.pointer("/metadata/name")
+        };
+        let mut out: Vec<Value> = observed
+            .iter()
+            .filter(|o| !self.objects.iter().any(|a| same(a, o)))
+            .cloned()
+            .collect();
+        out.extend(self.objects.iter().cloned());
+        out
+    }
+}
+
+/// Whether `o` is of a kind [`Reconciler::observe`] lists: absent from its list, it does not
+/// exist with the DI's labels.
+fn is_rendered_kind(o: &Value) -> bool {
+    RENDERED_KINDS
+        .iter()
+        .any(|(api_version, kind)| o["apiVersion"] == *api_version && o["kind"] == *kind)
+}
 
 fn label_selector(di_id: Uuid) -> String {
     format!(
@@ -194,15 +233,15 @@ impl Reconciler {
     }
 
     /// Applies the DI's objects wave by wave and prunes what the spec no longer asks for (the
-    /// namespace is recorded in the ledger before it is created): how many writes changed
-    /// something. Objects the last list shows up to date cost no request.
+    /// namespace is recorded in the ledger before it is created). Objects the last list shows
+    /// up to date cost no request.
     pub(super) async fn apply_objects(
         &self,
         ledger: &mut Ledger<'_>,
         at: &Reached,
         desired: &[Value],
         observed: &[Value],
-    ) -> Result<u64> {
+    ) -> Result<ObjectsWritten> {
         let id = ledger.id;
         let ns = names::namespace(&id);
         ledger
@@ -214,17 +253,25 @@ impl Reconciler {
             .cloned()
             .collect();
         let writes = plan::step::object_writes(&id, desired, &rendered);
-        let mut changed = 0;
+        let mut done = ObjectsWritten::default();
         for wave in writes.waves {
-            let applies = wave
-                .iter()
-                .map(|a| at.kube.apply_observed(a.object, a.listed));
-            let applied = futures::future::try_join_all(applies).await?;
-            changed += applied.iter().filter(|a| a.changed).count() as u64;
+            let applies = wave.iter().map(|a| {
+                let before = match a.listed {
+                    Some(listed) => Before::Listed(listed),
+                    None if is_rendered_kind(a.object) => Before::Absent,
+                    None => Before::Unknown,
+                };
+                at.kube.apply_observed(a.object, before)
+            });
+            for applied in futures::future::try_join_all(applies).await? {
+                done.changed += u64::from(applied.changed);
+                done.objects.push(applied.object);
+            }
         }
         // Counted once every wave has gone through, as before the waves were planned apart: a
         // pass that fails halfway is run again and counts its writes then.
-        self.kube_writes_total.fetch_add(changed, Ordering::SeqCst);
+        self.kube_writes_total
+            .fetch_add(done.changed, Ordering::SeqCst);
         for key in writes.prune {
             let (namespace, name) = (key.namespace.as_deref(), &key.name);
             let deleted = at
@@ -233,10 +280,10 @@ impl Reconciler {
                 .await?;
             if deleted != Deleted::AlreadyGone {
                 self.kube_writes_total.fetch_add(1, Ordering::SeqCst);
-                changed += 1;
+                done.deleted += 1;
             }
         }
-        Ok(changed)
+        Ok(done)
     }
 
     /// Writes the DI's access-token Secret (what the gateway checks) on its own. A missing
