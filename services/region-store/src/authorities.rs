@@ -22,7 +22,7 @@ pub struct NewCa {
 
 /// The DI's CAs still in use: those not expired, and the newest in any case (so that a DI whose
 /// renewal has not run yet still has one).
-const IN_USE: &str = "di_id = $1 AND (not_after > now()
+pub(crate) const IN_USE: &str = "di_id = $1 AND (not_after > now()
      OR not_after = (SELECT max(not_after) FROM certificate_authorities WHERE di_id = $1))";
 
 impl Store {
@@ -89,17 +89,28 @@ impl Store {
         .await?;
         rows.into_iter()
             .map(|(cert_pem, key_sealed, not_after)| {
-                let key = self
-                    .sealer
-                    .open(&key_sealed, ca_aad(id).as_bytes())
-                    .map_err(|_| StoreError::Seal)?;
-                Ok(NewCa {
-                    cert_pem,
-                    key_pem: String::from_utf8(key).map_err(|_| StoreError::Seal)?,
-                    not_after,
-                })
+                self.open_ca(id, cert_pem, &key_sealed, not_after)
             })
             .collect()
+    }
+
+    /// DI `id`'s CA, its key unsealed.
+    pub(crate) fn open_ca(
+        &self,
+        id: Uuid,
+        cert_pem: String,
+        key_sealed: &[u8],
+        not_after: DateTime<Utc>,
+    ) -> Result<NewCa> {
+        let key = self
+            .sealer
+            .open(key_sealed, ca_aad(id).as_bytes())
+            .map_err(|_| StoreError::Seal)?;
+        Ok(NewCa {
+            cert_pem,
+            key_pem: String::from_utf8(key).map_err(|_| StoreError::Seal)?,
+            not_after,
+        })
     }
 
     /// Up to `limit` live DIs (not being deleted) whose newest CA expires within `renew_before`.

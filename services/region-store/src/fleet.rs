@@ -70,7 +70,7 @@ pub enum SlotState {
 }
 
 impl SlotState {
-    fn parse(s: &str) -> Result<Self> {
+    pub(crate) fn parse(s: &str) -> Result<Self> {
         Ok(match s {
             "rolling" => SlotState::Rolling,
             "done" => SlotState::Done,

@@ -94,7 +94,7 @@ impl Classify for StoreError {
 pub type Result<T> = std::result::Result<T, StoreError>;
 
 /// An accelerator as a worker observed it on a real node.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
 pub struct ObservedAccelerator {
     pub name: String,
     pub slug: String,
@@ -243,15 +243,16 @@ impl Store {
         .bind(kind)
         .fetch_optional(&mut *conn)
         .await?;
-        sealed
-            .map(|s| {
-                let plain = self
-                    .sealer
-                    .open(&s, secret_aad(id, kind).as_bytes())
-                    .map_err(|_| StoreError::Seal)?;
-                String::from_utf8(plain).map_err(|_| StoreError::Seal)
-            })
-            .transpose()
+        sealed.map(|s| self.open_secret(id, kind, &s)).transpose()
+    }
+
+    /// DI `id`'s secret of `kind`, unsealed.
+    pub(crate) fn open_secret(&self, id: Uuid, kind: &str, sealed: &[u8]) -> Result<String> {
+        let plain = self
+            .sealer
+            .open(sealed, secret_aad(id, kind).as_bytes())
+            .map_err(|_| StoreError::Seal)?;
+        String::from_utf8(plain).map_err(|_| StoreError::Seal)
     }
 
     pub(crate) async fn hugging_face_token_on(

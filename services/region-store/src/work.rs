@@ -4,9 +4,13 @@
 use std::time::Duration;
 
 use sqlx::postgres::PgConnection;
+use sqlx::types::Json;
 use uuid::Uuid;
 
-use crate::{NewCa, ObservedAccelerator, Result, Store};
+use crate::{
+    NewCa, ObservedAccelerator, Result, Store, StoreError, HF_TOKEN, PROBE_TOKEN,
+    RETIRED_PROBE_TOKEN,
+};
 
 /// A lease on one DI: only the holder of `lease_token` may renew or release it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,7 +79,7 @@ pub struct ClaimOptions {
 }
 
 /// One external resource recorded for a DI.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
 pub struct LedgerEntry {
     pub seq: i64,
     pub kind: String,
@@ -443,60 +447,86 @@ impl Store {
     /// Everything a converging pass reads besides the DI, over one connection: each separate
     /// checkout would cost a round trip of its own for the pool's release ping.
     pub async fn pass_inputs(&self, di_id: Uuid) -> Result<PassInputs> {
-        let mut conn = self.pool.acquire().await?;
-        let ledger = ledger_entries_on(&mut conn, di_id).await?;
-        let accelerators: Vec<(String, String, String, String)> = sqlx::query_as(
-            "SELECT name, slug, role, status FROM accelerators WHERE di_id = $1 ORDER BY name",
-        )
+        // One statement: a pass starts with this read, and every resync of a converged DI makes
+        // it, so its round trips are a good part of what a resync costs Postgres.
+        let row: PassInputsRow = sqlx::query_as(&format!(
+            "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms,
+                (SELECT (extract(epoch FROM clock_timestamp() - checked_at) * 1000)::bigint
+                 FROM work_items WHERE di_id = $1) AS since_last_pass_ms,
+                (SELECT coalesce(json_agg(json_build_object('model_id', model_id, 'ready', ready,
+                     'wanted', wanted, 'autoscaler', autoscaler) ORDER BY model_id), '[]')
+                 FROM deployment_replicas WHERE di_id = $1) AS replicas,
+                (SELECT coalesce(json_agg(json_build_object('seq', seq, 'kind', kind, 'name', name,
+                     'scope', scope, 'external_id', external_id, 'retiring', retiring) ORDER BY seq), '[]')
+                 FROM teardown_ledger WHERE di_id = $1) AS ledger,
+                (SELECT coalesce(json_agg(json_build_object('name', name, 'slug', slug, 'role', role,
+                     'status', status) ORDER BY name), '[]')
+                 FROM accelerators WHERE di_id = $1) AS accelerators,
+                (SELECT coalesce(json_agg(json_build_object('cert_pem', cert_pem,
+                     'key_sealed', encode(key_sealed, 'hex'),
+                     'not_after_us', (extract(epoch FROM not_after) * 1000000)::bigint) ORDER BY not_after), '[]')
+                 FROM certificate_authorities WHERE {IN_USE}) AS cas,
+                (SELECT coalesce(json_agg(json_build_array(id, encode(token_hash, 'hex')) ORDER BY id), '[]')
+                 FROM access_tokens WHERE di_id = $1 AND revoked_at IS NULL) AS token_hashes,
+                (SELECT coalesce(json_object_agg(kind, encode(sealed, 'hex')), '{{}}')
+                 FROM provider_secrets WHERE di_id = $1 AND kind = ANY($2)) AS secrets,
+                (SELECT json_build_object('rendering', rendering, 'canary', canary, 'state', state,
+                     'previous', previous, 'started_ms', (extract(epoch FROM started_at) * 1000)::bigint)
+                 FROM fleet_slots WHERE di_id = $1) AS fleet_slot",
+            IN_USE = crate::authorities::IN_USE
+        ))
         .bind(di_id)
-        .fetch_all(&mut *conn)
+        .bind([HF_TOKEN, PROBE_TOKEN, RETIRED_PROBE_TOKEN])
+        .fetch_one(&self.pool)
         .await?;
-        let cas = self.certificate_authorities_on(&mut conn, di_id).await?;
-        let token_hashes = crate::token_hashes_on(&mut conn, di_id).await?;
-        let hugging_face_token = self.hugging_face_token_on(&mut conn, di_id).await?;
-        let probe_token = self.probe_token_on(&mut conn, di_id).await?;
-        let retired_probe_token = self
-            .secret_on(&mut conn, di_id, crate::RETIRED_PROBE_TOKEN)
-            .await?;
-        // The replica rows and the database's clock in one round trip (an aggregate over no
-        // rows is still one row).
-        let (now_ms, since_last_pass_ms, replicas): (
-            i64,
-            Option<i64>,
-            sqlx::types::Json<Vec<ReplicasRow>>,
-        ) = sqlx::query_as(
-            "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint,
-                    (SELECT (extract(epoch FROM clock_timestamp() - checked_at) * 1000)::bigint
-                     FROM work_items WHERE di_id = $1),
-                    coalesce(json_agg(json_build_object('model_id', model_id, 'ready', ready,
-                        'wanted', wanted, 'autoscaler', autoscaler) ORDER BY model_id), '[]')
-             FROM deployment_replicas WHERE di_id = $1",
-        )
-        .bind(di_id)
-        .fetch_one(&mut *conn)
-        .await?;
-        let replicas = replicas.0.into_iter().map(Into::into).collect();
-        let fleet_slot = crate::fleet::fleet_slot_on(&mut conn, di_id).await?;
+        let secret = |kind: &str| -> Result<Option<String>> {
+            let Some(sealed) = row.secrets.0.get(kind) else {
+                return Ok(None);
+            };
+            let sealed = hex::decode(sealed).map_err(|_| StoreError::Seal)?;
+            self.open_secret(di_id, kind, &sealed).map(Some)
+        };
+        let probe_token = match secret(PROBE_TOKEN)? {
+            Some(token) => token,
+            // The DI's first pass: minted (once, whoever asks first).
+            None => self.probe_token(di_id).await?,
+        };
+        let cas = row
+            .cas
+            .0
+            .into_iter()
+            .map(|ca| {
+                let key_sealed = hex::decode(&ca.key_sealed).map_err(|_| StoreError::Seal)?;
+                let not_after = chrono::DateTime::from_timestamp_micros(ca.not_after_us)
+                    .ok_or(StoreError::Seal)?;
+                self.open_ca(di_id, ca.cert_pem, &key_sealed, not_after)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let fleet_slot = row
+            .fleet_slot
+            .map(|slot| -> Result<crate::FleetSlot> {
+                let slot = slot.0;
+                Ok(crate::FleetSlot {
+                    rendering: slot.rendering,
+                    canary: slot.canary,
+                    state: crate::fleet::SlotState::parse(&slot.state)?,
+                    previous: slot.previous,
+                    started_ms: slot.started_ms,
+                })
+            })
+            .transpose()?;
         Ok(PassInputs {
             fleet_slot,
-            replicas,
-            now_ms,
-            since_last_pass_ms,
-            ledger,
-            accelerators: accelerators
-                .into_iter()
-                .map(|(name, slug, role, status)| ObservedAccelerator {
-                    name,
-                    slug,
-                    role,
-                    status,
-                })
-                .collect(),
+            replicas: row.replicas.0.into_iter().map(Into::into).collect(),
+            now_ms: row.now_ms,
+            since_last_pass_ms: row.since_last_pass_ms,
+            ledger: row.ledger.0,
+            accelerators: row.accelerators.0,
             cas,
-            token_hashes,
-            hugging_face_token,
+            token_hashes: row.token_hashes.0,
+            hugging_face_token: secret(HF_TOKEN)?,
             probe_token,
-            retired_probe_token,
+            retired_probe_token: secret(RETIRED_PROBE_TOKEN)?,
         })
     }
 
@@ -684,6 +714,37 @@ async fn ledger_entries_on(conn: &mut PgConnection, di_id: Uuid) -> Result<Vec<L
             },
         )
         .collect())
+}
+
+/// What [`Store::pass_inputs`] reads, in one row.
+#[derive(sqlx::FromRow)]
+struct PassInputsRow {
+    now_ms: i64,
+    since_last_pass_ms: Option<i64>,
+    replicas: Json<Vec<ReplicasRow>>,
+    ledger: Json<Vec<LedgerEntry>>,
+    accelerators: Json<Vec<ObservedAccelerator>>,
+    cas: Json<Vec<CaRow>>,
+    token_hashes: Json<Vec<(Uuid, String)>>,
+    /// Sealed secrets (hex) by kind.
+    secrets: Json<std::collections::HashMap<String, String>>,
+    fleet_slot: Option<Json<FleetSlotRow>>,
+}
+
+#[derive(serde::Deserialize)]
+struct CaRow {
+    cert_pem: String,
+    key_sealed: String,
+    not_after_us: i64,
+}
+
+#[derive(serde::Deserialize)]
+struct FleetSlotRow {
+    rendering: String,
+    canary: bool,
+    state: String,
+    previous: serde_json::Value,
+    started_ms: i64,
 }
 
 /// A `deployment_replicas` row as `pass_inputs` reads it (JSON).

@@ -568,6 +568,110 @@ async fn tokens_and_accelerators(pool: PgPool) {
     );
 }
 
+/// A pass reads its inputs in one statement; they are what each separate read returns, with
+/// every kind of row present (and a DI with none of them reads as empty).
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn a_pass_reads_in_one_statement_what_each_read_returns(pool: PgPool) {
+    let store = store(pool.clone());
+    let team = Uuid::new_v4();
+    let bare = create_request(team, None);
+    store
+        .dedicated_inference_create(&bare, &ca())
+        .await
+        .unwrap();
+    let empty = store.pass_inputs(bare.id).await.unwrap();
+    assert!(empty.ledger.is_empty() && empty.accelerators.is_empty() && empty.replicas.is_empty());
+    assert_eq!(empty.hugging_face_token, None);
+    assert_eq!(empty.retired_probe_token, None);
+    assert_eq!(empty.fleet_slot, None);
+    assert_eq!(
+        empty.probe_token,
+        store.probe_token(bare.id).await.unwrap(),
+        "minted on first read"
+    );
+
+    let req = create_request(team, Some("hf_secret"));
+    let the_ca = ca();
+    store
+        .dedicated_inference_create(&req, &the_ca)
+        .await
+        .unwrap();
+    let id = req.id;
+    let token = NewToken {
+        id: Uuid::new_v4(),
+        name: "ci".into(),
+        sha256_hex: common::tokens::sha256_hex("di_value"),
+    };
+    store.token_create(id, team, &token).await.unwrap();
+    store.probe_token(id).await.unwrap();
+    store.probe_token_rotate(id).await.unwrap();
+    store
+        .accelerators_replace(
+            id,
+            &[ObservedAccelerator {
+                name: "node-a".into(),
+                slug: "gpu-h100x1-80gb".into(),
+                role: "prefill_decode".into(),
+                status: "active".into(),
+            }],
+        )
+        .await
+        .unwrap();
+    for (kind, name) in [("cluster", "c-1"), ("node_pool", "p-1")] {
+        store
+            .ledger_record(id, kind, name, "scope-1", Some("ext-1"))
+            .await
+            .unwrap();
+    }
+    let replicas = region_store::DeploymentReplicas {
+        model_id: Uuid::new_v4(),
+        ready: 1,
+        wanted: 2,
+        autoscaler: Some(serde_json::json!({"since": 5})),
+    };
+    store
+        .replicas_record(id, std::slice::from_ref(&replicas), &[])
+        .await
+        .unwrap();
+    sqlx::query("UPDATE dedicated_inferences SET status = 'active' WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    store.fleet_register("r1").await.unwrap();
+    store
+        .fleet_take(id, "r1", BUDGET, &serde_json::json!({"was": 1}))
+        .await
+        .unwrap();
+
+    let inputs = store.pass_inputs(id).await.unwrap();
+    assert_eq!(inputs.ledger, store.ledger_entries(id).await.unwrap());
+    assert_eq!(inputs.ledger.len(), 2);
+    assert_eq!(inputs.accelerators.len(), 1);
+    assert_eq!(inputs.token_hashes, store.token_hashes(id).await.unwrap());
+    assert_eq!(inputs.token_hashes.len(), 2);
+    assert_eq!(inputs.hugging_face_token.as_deref(), Some("hf_secret"));
+    assert_eq!(inputs.probe_token, store.probe_token(id).await.unwrap());
+    assert_eq!(
+        inputs.retired_probe_token,
+        store.retired_probe_token(id).await.unwrap()
+    );
+    assert!(inputs.retired_probe_token.is_some());
+    assert_eq!(inputs.replicas, vec![replicas]);
+    assert_eq!(inputs.fleet_slot, store.fleet_slot(id).await.unwrap());
+    assert!(inputs.fleet_slot.is_some());
+    let certs: Vec<(&str, &str)> = inputs
+        .cas
+        .iter()
+        .map(|c| (c.cert_pem.as_str(), c.key_pem.as_str()))
+        .collect();
+    assert_eq!(certs, [(the_ca.cert_pem.as_str(), the_ca.key_pem.as_str())]);
+    assert_eq!(
+        inputs.cas[0].not_after.timestamp_micros(),
+        the_ca.not_after.timestamp_micros()
+    );
+}
+
 /// The feed loads each changed DI after it has read which DIs changed. A change of another DI
 /// committed in between must not be skipped, whatever the loaded records' positions say.
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
