@@ -266,37 +266,41 @@ impl Store {
         })
     }
 
-    /// In the transaction of a create or patch of DI `id`, before its change: takes the team's
-    /// lock and counts what the team holds, and DI `id` of it (`None` without quota settings:
-    /// nothing is limited).
+    /// In the transaction of a create or patch of DI `id`, before its change: what DI `id`
+    /// holds (`None` without quota settings: nothing is limited). No other transaction changes
+    /// that figure meanwhile: a create's DI is its own until commit, a patch holds the DI's row.
     pub(crate) async fn quota_before(
         &self,
         tx: &mut Transaction<'_, Postgres>,
         team_id: Uuid,
         id: Uuid,
-    ) -> Result<Option<(Held, Held)>> {
+    ) -> Result<Option<Held>> {
         if self.quotas.is_none() {
             return Ok(None);
         }
-        lock_team(tx, team_id).await?;
-        fold_changes(tx, team_id).await?;
-        let team = team_held(tx, team_id).await?;
-        let di = di_held(tx, team_id, id).await?;
-        Ok(Some((team, di)))
+        Ok(Some(di_held(tx, team_id, id).await?))
     }
 
-    /// After the change: refuses it if it raised a figure above its limit. Only DI `id` changed
-    /// (the lock kept the team's other creates and patches out), so only it is counted again.
+    /// After the change, as the transaction's last step before its outbox entry: takes the
+    /// team's lock, which it holds until commit, so that the team's creates and patches are
+    /// checked one at a time, each against what the others committed; counts what the team holds
+    /// and refuses the change if it raised a figure above its limit. Taken this late, the lock
+    /// covers a handful of statements rather than the whole create, so one team's concurrent
+    /// creates queue for less. Only DI `id` changed under it (its holdings reach
+    /// `team_holding_changes` at commit), so only it is counted again.
     pub(crate) async fn quota_check(
         &self,
         tx: &mut Transaction<'_, Postgres>,
         team_id: Uuid,
         id: Uuid,
-        before: Option<(Held, Held)>,
+        before: Option<Held>,
     ) -> Result<()> {
-        let (Some(quotas), Some((team, di))) = (&self.quotas, before) else {
+        let (Some(quotas), Some(di)) = (&self.quotas, before) else {
             return Ok(());
         };
+        lock_team(tx, team_id).await?;
+        fold_changes(tx, team_id).await?;
+        let team = team_held(tx, team_id).await?;
         let after = team.replacing(&di, &di_held(tx, team_id, id).await?);
         quotas.check(&overrides(tx, team_id).await?, &team, &after)
     }

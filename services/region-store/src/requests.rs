@@ -44,7 +44,6 @@ impl Store {
         let mut spec = req.spec.clone();
         spec.version = 1;
         insert_spec_version(&mut tx, req.id, &spec, &[]).await?;
-        self.quota_check(&mut tx, req.team_id, req.id, held).await?;
         sqlx::query(
             "INSERT INTO access_tokens (id, di_id, name, token_hash, is_managed) VALUES ($1, $2, $3, $4, true)",
         )
@@ -59,6 +58,8 @@ impl Store {
         }
         self.certificate_authority_insert(&mut tx, req.id, ca)
             .await?;
+        // Last: the team's lock is held from here to commit.
+        self.quota_check(&mut tx, req.team_id, req.id, held).await?;
         requested_change(
             &mut tx,
             req.id,
@@ -98,15 +99,16 @@ impl Store {
         requires_hugging_face_token: bool,
     ) -> Result<Record> {
         let mut tx = self.pool.begin().await?;
-        // The team's lock first, as a create takes it: before this DI's row lock.
+        if !self.first_application(&mut tx, id).await? {
+            return self.record(id, Some(team_id), true).await;
+        }
+        // Locks are taken in one order everywhere: the DI's row, then (in the quota check) its
+        // team's, then the outbox's.
+        let row = lock_live(&mut tx, id, Some(team_id)).await?;
         let held = match spec {
             Some(_) => self.quota_before(&mut tx, team_id, id).await?,
             None => None,
         };
-        if !self.first_application(&mut tx, id).await? {
-            return self.record(id, Some(team_id), true).await;
-        }
-        let row = lock_live(&mut tx, id, Some(team_id)).await?;
         if !row.status.accepts_changes() {
             return Err(StoreError::Conflict(
                 "the dedicated inference is being deleted".into(),

@@ -136,6 +136,53 @@ async fn concurrent_creates_of_one_team_cannot_overshoot(pool: PgPool) {
         .unwrap();
 }
 
+/// A patch locks its DI's row and then its team; a create, its new row and then its team: racing
+/// one another they neither deadlock nor, between them, overshoot a limit.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn concurrent_patches_and_creates_of_one_team_neither_deadlock_nor_overshoot(pool: PgPool) {
+    let store = store(pool);
+    for _ in 0..5 {
+        let team = Uuid::new_v4();
+        let mut patches = Vec::new();
+        for _ in 0..2 {
+            let di = create_one(&store, team, H1, 2, serde_json::json!({}))
+                .await
+                .unwrap();
+            let mut spec = create(team, vec![deployment(H1, 8, serde_json::json!({}))]).spec;
+            spec.version = 1;
+            let store = store.clone();
+            patches.push(tokio::spawn(async move {
+                store
+                    .dedicated_inference_patch(di.id, team, Some(&spec), None, false)
+                    .await
+            }));
+        }
+        let creating = {
+            let store = store.clone();
+            tokio::spawn(
+                async move { create_one(&store, team, H1, 8, serde_json::json!({})).await },
+            )
+        };
+        let mut results = Vec::new();
+        for task in patches.into_iter().chain([creating]) {
+            results.push(task.await.unwrap());
+        }
+        let accepted = results.iter().filter(|r| r.is_ok()).count();
+        for r in results {
+            if let Err(e) = r {
+                assert!(
+                    matches!(&e, StoreError::Unprocessable(m) if m.contains("GPUs")),
+                    "only a quota refusal, no deadlock or other failure: {e:?}"
+                );
+            }
+        }
+        // 4 held; +6, +6, +8 against 16 of the size: two patches, or the create alone.
+        assert!((1..=2).contains(&accepted), "{accepted}");
+        let (limit, used) = size_use(&store.quota_use(team).await.unwrap(), H1);
+        assert!(used <= limit, "{used} of {limit}");
+    }
+}
+
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
 async fn gpus_count_per_node_and_up_to_max_replicas(pool: PgPool) {
     let store = store(pool);
