@@ -24,7 +24,7 @@ pub use reseal::ResealReport;
 pub use quotas::{QuotaOverrides, Quotas};
 pub use work::{
     Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, HolderSession, LedgerEntry,
-    PassInputs, Stall, PROGRESS_IDLE,
+    PassInputs, Stall, PROGRESS_IDLE, WORKER_SILENT,
 };
 
 use api_types::lifecycle::{Event as Transition, Status};

@@ -55,6 +55,17 @@ pub(crate) const HOLDER_GONE: &str = "(w.holder_pid IS NOT NULL AND NOT EXISTS (
         SELECT 1 FROM pg_stat_get_activity(w.holder_pid) a
         WHERE a.backend_start IS NULL OR a.backend_start = w.holder_session_start))";
 
+/// A registered worker that has not said it works for this long counts as gone: its share of
+/// the clusters goes to the others, though its session lives (a process that hangs keeps its
+/// connections open). Several of its heartbeats (every 3 s), and well under a lease.
+pub const WORKER_SILENT: Duration = Duration::from_secs(20);
+
+/// Whether registered worker `k` lives: its session is open and it said it works within
+/// [`WORKER_SILENT`] (20 s).
+const WORKER_LIVES: &str = "(k.seen_at > now() - interval '20 seconds' AND EXISTS (
+        SELECT 1 FROM pg_stat_get_activity(k.pid) a
+        WHERE a.backend_start IS NULL OR a.backend_start = k.session_start))";
+
 /// Whether the lease of `work_items` row `w` is free: never taken, released, run out, or its
 /// holder's session is gone.
 fn lease_free() -> String {
@@ -171,6 +182,12 @@ impl Store {
     /// transiently, [`Store::work_release_to_retry`] has it tried again.
     /// `SKIP LOCKED` keeps concurrent claimers apart; an expired lease is free to take. The
     /// leases are known by no session of their holder: they are free when they run out.
+    ///
+    /// Only the DIs of `worker_id`'s share of the clusters are claimed: those whose VPC hashes
+    /// highest with `worker_id` among the registered workers whose sessions live
+    /// ([`Store::worker_register`]) and `worker_id` itself. A worker alone, or one that claims
+    /// before it has registered, counts itself in; when a worker joins or dies, only its share
+    /// moves, and a lease held meanwhile keeps any DI to one pass at a time.
     pub async fn work_claim(
         &self,
         worker_id: &str,
@@ -179,6 +196,43 @@ impl Store {
     ) -> Result<Vec<Claim>> {
         self.work_claim_in_session(worker_id, None, lease, limit)
             .await
+    }
+
+    /// Registers worker `worker_id` as living while `session` does (see
+    /// [`Store::work_claim`]: a worker claims only the DIs of its share of the clusters), and
+    /// forgets the workers whose sessions have ended.
+    pub async fn worker_register(&self, worker_id: &str, session: HolderSession) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(&format!("DELETE FROM workers k WHERE NOT {WORKER_LIVES}"))
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO workers (worker_id, pid, session_start) VALUES ($1, $2, $3)
+             ON CONFLICT (worker_id) DO UPDATE SET pid = $2, session_start = $3, seen_at = now()",
+        )
+        .bind(worker_id)
+        .bind(session.pid)
+        .bind(session.started)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Says that worker `worker_id`, registered with `session`, still works (see
+    /// [`WORKER_SILENT`]). False when its registration is gone or another session's (a worker
+    /// of the same name registered since): it must register again.
+    pub async fn worker_heartbeat(&self, worker_id: &str, session: HolderSession) -> Result<bool> {
+        let done = sqlx::query(
+            "UPDATE workers SET seen_at = now()
+             WHERE worker_id = $1 AND pid = $2 AND session_start = $3",
+        )
+        .bind(worker_id)
+        .bind(session.pid)
+        .bind(session.started)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
     }
 
     /// As [`Store::work_claim`], the leases held in the name of `session`: besides when they
@@ -194,7 +248,11 @@ impl Store {
         let free = lease_free();
         let claimed_at = std::time::Instant::now();
         let rows: Vec<(Uuid, Uuid, i64, bool, Option<String>)> = sqlx::query_as(&format!(
-            "WITH due AS (
+            "WITH live AS MATERIALIZED (
+                 SELECT k.worker_id FROM workers k
+                 WHERE k.worker_id <> $1 AND {WORKER_LIVES}
+                 UNION ALL SELECT $1
+             ), due AS (
                  SELECT w.di_id, coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id), 0) AS seq,
                         w.expires_at IS NOT NULL AS lease_expired
                  FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
@@ -202,6 +260,9 @@ impl Store {
                    AND {free}
                    AND (((d.status <> 'error' OR w.retrying) AND w.next_check_after <= now())
                         OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)
+                   AND $1 = (SELECT l.worker_id FROM live l
+                             ORDER BY hashtext(l.worker_id || '/' || d.vpc_uuid::text) DESC, l.worker_id
+                             LIMIT 1)
                  ORDER BY w.next_check_after
                  LIMIT $3
                  FOR UPDATE OF w SKIP LOCKED
@@ -783,4 +844,15 @@ async fn replicas_on(conn: &mut PgConnection, di_id: Uuid) -> Result<Vec<Deploym
             autoscaler,
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_counts_as_gone_after_the_silence_its_constant_says() {
+        let said = format!("interval '{} seconds'", WORKER_SILENT.as_secs());
+        assert!(WORKER_LIVES.contains(&said), "{WORKER_LIVES}");
+    }
 }

@@ -23,10 +23,11 @@ use cloud_clients::{DoClient, DoError, KubeClient, KubeClientOptions, KubeError}
 
 use crate::watch_cache::{ClusterCache, Wakes, Watched};
 
-/// A cluster's watches no pass has asked for this long are stopped: the cluster is gone (deleted
-/// by another worker) or no DI of it is looked at, while every live DI is resynced every few
-/// minutes.
-const CACHE_UNUSED: Duration = Duration::from_secs(15 * 60);
+/// A cluster no pass has used for this long is forgotten, its watches stopped and its connection
+/// closed: the cluster is gone (deleted by another worker) or its DIs are another worker's now
+/// (see `Store::work_claim`), while every live DI is resynced every few minutes. So a worker's
+/// connections follow the clusters it serves, not every cluster it ever reached.
+const CLUSTER_UNUSED: Duration = Duration::from_secs(15 * 60);
 
 /// When credentials that do not say when they expire are renewed.
 const RENEW_UNDATED: Duration = Duration::from_secs(3600);
@@ -46,10 +47,10 @@ struct Entry {
     renew_at: Instant,
     /// When the server stops accepting them, if it said.
     expires_at: Option<Instant>,
-    /// The cluster's watches through this client, once a pass asked for them, and when a pass
-    /// last did.
+    /// The cluster's watches through this client, once a pass asked for them.
     cache: Option<Arc<ClusterCache>>,
-    cache_asked: Instant,
+    /// When a pass last asked for the client or its watches.
+    used: Instant,
 }
 
 impl Entry {
@@ -116,7 +117,7 @@ impl ClusterClients {
         let mut cache = self.cache.lock().expect("cluster clients");
         self.stop_unused(&mut cache, now);
         let e = cache.get_mut(id)?;
-        e.cache_asked = now;
+        e.used = now;
         if !(e.renew_at > now && e.usable(now)) {
             return None;
         }
@@ -135,8 +136,10 @@ impl ClusterClients {
     /// refused. Asks nothing of anyone.
     pub fn fresh(&self, id: &str) -> Option<KubeClient> {
         let now = self.clock.instant();
-        let cache = self.cache.lock().expect("cluster clients");
-        let e = cache.get(id)?;
+        let mut cache = self.cache.lock().expect("cluster clients");
+        self.stop_unused(&mut cache, now);
+        let e = cache.get_mut(id)?;
+        e.used = now;
         (e.renew_at > now && e.usable(now)).then(|| e.kube.clone())
     }
 
@@ -173,18 +176,27 @@ impl ClusterClients {
         }
     }
 
-    /// Stops the watches no pass asked for in [`CACHE_UNUSED`] (looked for once a minute).
+    /// Forgets the clusters no pass used in [`CLUSTER_UNUSED`] (looked for once a minute).
     fn stop_unused(&self, cache: &mut HashMap<String, Entry>, now: Instant) {
         let mut swept = self.swept.lock().expect("swept");
         if now.saturating_duration_since(*swept) < Duration::from_secs(60) {
             return;
         }
         *swept = now;
-        for e in cache.values_mut() {
-            if e.cache.is_some() && now.saturating_duration_since(e.cache_asked) >= CACHE_UNUSED {
-                e.cache = None;
-            }
+        let unused: Vec<String> = cache
+            .iter()
+            .filter(|(_, e)| now.saturating_duration_since(e.used) >= CLUSTER_UNUSED)
+            .map(|(id, _)| id.clone())
+            .collect();
+        if unused.is_empty() {
+            return;
         }
+        let mut fetching = self.fetching.lock().expect("fetching");
+        for id in &unused {
+            cache.remove(id);
+            fetching.remove(id);
+        }
+        tracing::debug!(clusters = unused.len(), "forgot clusters no pass used");
     }
 
     async fn fetch(&self, cloud: &DoClient, id: &str) -> Result<KubeClient, Error> {
@@ -207,7 +219,7 @@ impl ClusterClients {
                 renew_at: now + renew,
                 expires_at: expires_in.map(|left| now + left),
                 cache: None,
-                cache_asked: now,
+                used: now,
             },
         );
         Ok(kube)
@@ -283,6 +295,24 @@ mod tests {
         );
         assert!(!stuck.is_finished());
         stuck.abort();
+    }
+
+    /// A cluster that passes keep using stays; one no pass used for [`CLUSTER_UNUSED`] (its DIs
+    /// moved to another worker) is forgotten with its connection.
+    #[tokio::test]
+    async fn a_cluster_no_pass_uses_is_forgotten_and_one_in_use_kept() {
+        let (cloud, _accepted) = clouds_and_clusters().await;
+        let clock = Clock::system();
+        let clients = ClusterClients::new("test", KubeClientOptions::default(), clock.clone());
+        clients.get(&cloud, "kept").await.unwrap();
+        clients.get(&cloud, "moved").await.unwrap();
+        for _ in 0..4 {
+            clock.advance(CLUSTER_UNUSED / 4 + Duration::from_secs(1));
+            assert!(clients.fresh("kept").is_some());
+        }
+        assert!(clients.fresh("moved").is_none(), "forgotten");
+        assert!(!clients.cache.lock().unwrap().contains_key("moved"));
+        assert!(clients.fresh("kept").is_some());
     }
 
     #[test]

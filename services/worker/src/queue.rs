@@ -15,6 +15,10 @@ use uuid::Uuid;
 
 use crate::metrics;
 
+/// How often a worker says it still works (see [`region_store::WORKER_SILENT`]).
+const HEARTBEAT: Duration = Duration::from_secs(3);
+const _: () = assert!(HEARTBEAT.as_secs() * 4 <= region_store::WORKER_SILENT.as_secs());
+
 /// The channel the outbox trigger notifies on every committed change a customer asked for.
 pub const CHANNEL: &str = "di_work";
 
@@ -124,8 +128,10 @@ impl Queue {
         KeepAlive { task }
     }
 
-    /// Keeps a database session of this worker's own open until `stop` turns true, and claims
-    /// in its name while it is open (see [`Queue::claim`]): when the worker dies, the session
+    /// Keeps a database session of this worker's own open until `stop` turns true, registers
+    /// the worker under it and says every [`HEARTBEAT`] that it still works (the others then
+    /// leave it its share of the clusters, see `Store::work_claim`), and claims in its name
+    /// while it is open (see [`Queue::claim`]): when the worker dies, the session
     /// ends with its connections and other workers take its DIs at once, whatever time their
     /// leases have left. Checked every few seconds; a session that fails is opened again (the
     /// leases claimed in the old one's name are then free to others, and the passes holding
@@ -141,6 +147,9 @@ impl Queue {
             let opened = async {
                 let mut conn = sqlx::PgConnection::connect(&database_url).await?;
                 let session = HolderSession::of(&mut conn).await?;
+                // Known to the others from now on: they leave this worker its share of the
+                // clusters (see `Store::work_claim`).
+                self.store.worker_register(&self.worker_id, session).await?;
                 Ok::<_, region_store::StoreError>((conn, session))
             }
             .await;
@@ -150,12 +159,28 @@ impl Queue {
                     tracing::debug!(pid = session.pid, "worker session open");
                     loop {
                         tokio::select! {
-                            _ = tokio::time::sleep(Duration::from_secs(3)) => {}
+                            _ = tokio::time::sleep(HEARTBEAT) => {}
                             _ = stop.changed() => return,
                         }
                         if let Err(e) = conn.ping().await {
                             tracing::warn!(error = %e, "the worker's database session was lost; opening another");
                             break;
+                        }
+                        // Still working: the others leave this worker its share. A failure is
+                        // not the session's (that answered): the next heartbeat tries again.
+                        match self.store.worker_heartbeat(&self.worker_id, session).await {
+                            Ok(true) => {}
+                            Ok(false) => {
+                                tracing::warn!(
+                                    "the worker's registration was gone; registering again"
+                                );
+                                if let Err(e) =
+                                    self.store.worker_register(&self.worker_id, session).await
+                                {
+                                    tracing::warn!(error = %e, "registering the worker failed");
+                                }
+                            }
+                            Err(e) => tracing::warn!(error = %e, "the worker's heartbeat failed"),
                         }
                     }
                 }

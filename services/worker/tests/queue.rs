@@ -521,6 +521,120 @@ async fn a_dead_workers_leases_are_free_when_its_session_ends(pool: PgPool) {
     assert!(!s.work_renew(id, held[0].lease_token, long).await.unwrap());
 }
 
+/// Each worker claims only the DIs of its share of the clusters (VPCs): the live workers' shares
+/// cover every cluster once, and a worker that dies leaves its share to the others.
+#[sqlx::test(migrator = "region_store::MIGRATOR")]
+async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool) {
+    use std::collections::{HashMap, HashSet};
+    let s = store(pool.clone());
+    let mut vpc_of = HashMap::new();
+    for i in 0..40u128 {
+        let id = create(&s, Uuid::new_v4()).await;
+        // Two DIs per VPC.
+        let vpc = Uuid::from_u128(1000 + i / 2);
+        sqlx::query("UPDATE dedicated_inferences SET vpc_uuid = $2 WHERE id = $1")
+            .bind(id)
+            .bind(vpc)
+            .execute(&pool)
+            .await
+            .unwrap();
+        vpc_of.insert(id, vpc);
+    }
+    let mut conns = Vec::new();
+    let mut sessions = Vec::new();
+    for name in ["a", "b"] {
+        let mut conn = pool.acquire().await.unwrap().detach();
+        let session = region_store::HolderSession::of(&mut conn).await.unwrap();
+        s.worker_register(name, session).await.unwrap();
+        conns.push(conn);
+        sessions.push(session);
+    }
+    let a = s
+        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
+        .await
+        .unwrap();
+    let b = s
+        .work_claim_in_session("b", Some(sessions[1]), LEASE, 100)
+        .await
+        .unwrap();
+    assert!(
+        !a.is_empty() && !b.is_empty(),
+        "{} and {}",
+        a.len(),
+        b.len()
+    );
+    assert_eq!(a.len() + b.len(), 40, "every DI is someone's");
+    let vpcs = |c: &[region_store::Claim]| -> HashSet<Uuid> {
+        c.iter().map(|c| vpc_of[&c.di_id]).collect()
+    };
+    assert!(vpcs(&a).is_disjoint(&vpcs(&b)), "a cluster is one worker's");
+    for c in &a {
+        s.work_release(c.di_id, c.lease_token, c.seq, Duration::ZERO)
+            .await
+            .unwrap();
+    }
+    // Nothing of b's share is a's while b lives, even with b's DIs due again.
+    for c in &b {
+        s.work_release(c.di_id, c.lease_token, c.seq, Duration::ZERO)
+            .await
+            .unwrap();
+    }
+    let again = s
+        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
+        .await
+        .unwrap();
+    assert_eq!(vpcs(&again), vpcs(&a));
+    let release_all = |claims: Vec<region_store::Claim>| {
+        let s = s.clone();
+        async move {
+            for c in claims {
+                s.work_release(c.di_id, c.lease_token, c.seq, Duration::ZERO)
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    release_all(again).await;
+    // A worker that stops saying it works (a hung process keeps its session open) loses its
+    // share until it says so again.
+    sqlx::query("UPDATE workers SET seen_at = now() - interval '1 minute' WHERE worker_id = 'b'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let hung = s
+        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
+        .await
+        .unwrap();
+    assert_eq!(hung.len(), 40, "b's share taken while b is silent");
+    release_all(hung).await;
+    assert!(s.worker_heartbeat("b", sessions[1]).await.unwrap());
+    let back = s
+        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
+        .await
+        .unwrap();
+    assert_eq!(vpcs(&back), vpcs(&a), "b's share is b's again");
+    release_all(back).await;
+    use sqlx::Connection;
+    conns.pop().unwrap().close().await.unwrap();
+    let all = test_support::eventually(Duration::from_secs(10), "b's share moved to a", || async {
+        let got = s
+            .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
+            .await
+            .unwrap();
+        if got.len() == 40 {
+            return Some(got);
+        }
+        for c in &got {
+            s.work_release(c.di_id, c.lease_token, c.seq, Duration::ZERO)
+                .await
+                .unwrap();
+        }
+        None
+    })
+    .await;
+    assert_eq!(vpcs(&all).len(), 20);
+}
+
 /// A renewal that the database refuses or that fails stops the pass at once (its lease may be
 /// someone else's now).
 #[sqlx::test(migrator = "region_store::MIGRATOR")]
