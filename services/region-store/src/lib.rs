@@ -22,6 +22,7 @@ pub use fleet::{FleetBudget, FleetSlot, Held, RolloutProgress, RolloutState, Slo
 pub use reseal::ResealReport;
 
 pub use quotas::{QuotaOverrides, Quotas};
+pub use work::{worker_deregister, worker_heartbeat, worker_register};
 pub use work::{
     Claim, ClaimOptions, ClusterRelease, DeploymentReplicas, HolderSession, LedgerEntry,
     PassInputs, Stall, PROGRESS_IDLE, WORKER_SILENT,

@@ -48,6 +48,70 @@ impl HolderSession {
     }
 }
 
+/// Registers worker `worker_id` as living while `session` does, over that session's own
+/// connection `conn` (see [`Store::work_claim`]: a worker claims only the DIs of its share of
+/// the clusters), and forgets the workers that are gone.
+pub async fn worker_register(
+    conn: &mut PgConnection,
+    worker_id: &str,
+    session: HolderSession,
+) -> Result<()> {
+    use sqlx::Connection;
+    let mut tx = conn.begin().await?;
+    sqlx::query(&format!("DELETE FROM workers k WHERE NOT {WORKER_LIVES}"))
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO workers (worker_id, pid, session_start) VALUES ($1, $2, $3)
+         ON CONFLICT (worker_id) DO UPDATE SET pid = $2, session_start = $3, seen_at = now()",
+    )
+    .bind(worker_id)
+    .bind(session.pid)
+    .bind(session.started)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Says over `conn` (the session's own connection: a pool busy with passes must not make a
+/// working worker look silent) that worker `worker_id`, registered with `session`, still works
+/// (see [`WORKER_SILENT`]). False when its registration is gone or another session's (a worker
+/// of the same name registered since): it must register again.
+pub async fn worker_heartbeat(
+    conn: &mut PgConnection,
+    worker_id: &str,
+    session: HolderSession,
+) -> Result<bool> {
+    let done = sqlx::query(
+        "UPDATE workers SET seen_at = now()
+         WHERE worker_id = $1 AND pid = $2 AND session_start = $3",
+    )
+    .bind(worker_id)
+    .bind(session.pid)
+    .bind(session.started)
+    .execute(&mut *conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Withdraws worker `worker_id`'s registration under `session` as it begins to stop: the others
+/// take its share at their next claim, while its session (and with it the leases of the passes
+/// it lets finish) lives on.
+pub async fn worker_deregister(
+    conn: &mut PgConnection,
+    worker_id: &str,
+    session: HolderSession,
+) -> Result<()> {
+    sqlx::query("DELETE FROM workers WHERE worker_id = $1 AND pid = $2 AND session_start = $3")
+        .bind(worker_id)
+        .bind(session.pid)
+        .bind(session.started)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
 /// Whether the session the lease of `work_items` row `w` was taken in has ended (its holder
 /// died). A session of another role may hide its start from this one: then its pid alone says
 /// it lives.
@@ -185,9 +249,11 @@ impl Store {
     ///
     /// Only the DIs of `worker_id`'s share of the clusters are claimed: those whose VPC hashes
     /// highest with `worker_id` among the registered workers whose sessions live
-    /// ([`Store::worker_register`]) and `worker_id` itself. A worker alone, or one that claims
+    /// ([`worker_register`]) and `worker_id` itself. A worker alone, or one that claims
     /// before it has registered, counts itself in; when a worker joins or dies, only its share
-    /// moves, and a lease held meanwhile keeps any DI to one pass at a time.
+    /// moves, and a lease held meanwhile keeps any DI to one pass at a time. A DI overdue by a
+    /// minute (its check, or a change a customer asked for) is anyone's: its owner is stuck or
+    /// has more work than it can do.
     pub async fn work_claim(
         &self,
         worker_id: &str,
@@ -196,43 +262,6 @@ impl Store {
     ) -> Result<Vec<Claim>> {
         self.work_claim_in_session(worker_id, None, lease, limit)
             .await
-    }
-
-    /// Registers worker `worker_id` as living while `session` does (see
-    /// [`Store::work_claim`]: a worker claims only the DIs of its share of the clusters), and
-    /// forgets the workers whose sessions have ended.
-    pub async fn worker_register(&self, worker_id: &str, session: HolderSession) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
-        sqlx::query(&format!("DELETE FROM workers k WHERE NOT {WORKER_LIVES}"))
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO workers (worker_id, pid, session_start) VALUES ($1, $2, $3)
-             ON CONFLICT (worker_id) DO UPDATE SET pid = $2, session_start = $3, seen_at = now()",
-        )
-        .bind(worker_id)
-        .bind(session.pid)
-        .bind(session.started)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    /// Says that worker `worker_id`, registered with `session`, still works (see
-    /// [`WORKER_SILENT`]). False when its registration is gone or another session's (a worker
-    /// of the same name registered since): it must register again.
-    pub async fn worker_heartbeat(&self, worker_id: &str, session: HolderSession) -> Result<bool> {
-        let done = sqlx::query(
-            "UPDATE workers SET seen_at = now()
-             WHERE worker_id = $1 AND pid = $2 AND session_start = $3",
-        )
-        .bind(worker_id)
-        .bind(session.pid)
-        .bind(session.started)
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected() == 1)
     }
 
     /// As [`Store::work_claim`], the leases held in the name of `session`: besides when they
@@ -260,9 +289,14 @@ impl Store {
                    AND {free}
                    AND (((d.status <> 'error' OR w.retrying) AND w.next_check_after <= now())
                         OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)
-                   AND $1 = (SELECT l.worker_id FROM live l
-                             ORDER BY hashtext(l.worker_id || '/' || d.vpc_uuid::text) DESC, l.worker_id
-                             LIMIT 1)
+                   AND ($1 = (SELECT l.worker_id FROM live l
+                              ORDER BY hashtext(l.worker_id || '/' || d.vpc_uuid::text) DESC, l.worker_id
+                              LIMIT 1)
+                        OR ((d.status <> 'error' OR w.retrying)
+                            AND isfinite(w.next_check_after)
+                            AND w.next_check_after <= now() - interval '60 seconds')
+                        OR EXISTS (SELECT 1 FROM outbox o WHERE o.di_id = w.di_id AND o.requested
+                                   AND o.seq > w.seen_seq AND o.created_at <= now() - interval '60 seconds'))
                  ORDER BY w.next_check_after
                  LIMIT $3
                  FOR UPDATE OF w SKIP LOCKED
@@ -745,8 +779,13 @@ impl Store {
     }
 }
 
-/// Serialises the users of one cluster name until commit (its own key space: the outbox lock
-/// is the one-argument form).
+/// Serialises the users of one cluster name until commit. The two-key form keeps it apart from
+/// the outbox's one-key lock; it shares class 7416 with the teams' quota locks (see
+/// `quotas::lock_team`), so a cluster name and a team id whose hashes collide (about one in
+/// 2^32) serialise each other too. Their transactions take them in opposite orders around a
+/// DI's row, so such a pair can deadlock; Postgres then fails one of them, which its caller
+/// retries. A class of its own would leave, during a rolling upgrade, replicas of two versions
+/// taking different locks for one team.
 async fn lock_cluster(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, name: &str) -> Result<()> {
     sqlx::query("SELECT pg_advisory_xact_lock(7416, hashtext($1))")
         .bind(name)

@@ -668,6 +668,14 @@ pub fn accelerators(di_id: &Uuid, observed: &[Value]) -> Vec<ObservedAccelerator
     out
 }
 
+/// Whether [`assess`] judges an object of this kind by its status, so that the server's answer
+/// to an apply of it says whether the change has taken effect. Other kinds (routes, pools,
+/// configuration, secrets) show that nowhere the assessment reads: a later pass sees them.
+pub fn judged_by_status(o: &Value) -> bool {
+    matches!(o["kind"].as_str(), Some("Deployment" | "SecurityPolicy"))
+        || (o["kind"] == "Service" && o["spec"]["type"] == "LoadBalancer")
+}
+
 /// Compares `desired` (the output of [`super::manifests::manifests`]) with `observed` (the
 /// Deployments, Pods and Services of the DI's namespace and the cluster's Nodes, in any order).
 /// Ready means every Deployment has all replicas of the desired template ready and no old ones,

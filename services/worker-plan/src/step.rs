@@ -159,17 +159,20 @@ fn listed<'a>(listed: &'a [Value], obj: &Value) -> Option<&'a Value> {
 }
 
 /// Of a pass's writes, how many only a later pass can see the effect of. A rollout (a create or
-/// an update) judges the objects it applied by the server's answers, which carry the state each
-/// object is in (a Deployment whose template just changed answers with its generation ahead of
-/// the one its controller observed: not ready), so it goes straight on to wait for readiness,
-/// or to probe, instead of leaving that to another pass. Node pools (their nodes come later)
-/// and deletions show in no answer. A resync waits on its repairs as before, so that a repair
-/// is reported (`Repairing`, then `Repaired`) and confirmed by a pass that read it back.
-pub fn unseen_writes(rollout: bool, object_applies: u64, pools_and_deletes: u64) -> u64 {
+/// an update) judges the objects it applied whose state the assessment reads from their status
+/// ([`crate::readiness::judged_by_status`]) by the server's answers, which carry that state (a
+/// Deployment whose template just changed answers with its generation ahead of the one its
+/// controller observed: not ready), so a pass that applied only those goes straight on to wait
+/// for readiness, or to probe, instead of leaving that to another pass. Other objects (a route,
+/// a configuration, the endpoint certificate: the probe could still meet the old one), node
+/// pools (their nodes come later) and deletions are seen by the next pass. A resync waits on
+/// all its repairs, so that a repair is reported (`Repairing`, then `Repaired`) and confirmed
+/// by a pass that read it back.
+pub fn unseen_writes(rollout: bool, judged_applies: u64, other_writes: u64) -> u64 {
     if rollout {
-        pools_and_deletes
+        other_writes
     } else {
-        object_applies + pools_and_deletes
+        judged_applies + other_writes
     }
 }
 

@@ -84,13 +84,23 @@ pub struct ClusterClients {
     clock: Clock,
     /// Where every cluster's watches report DIs whose objects changed.
     wakes: Arc<Wakes>,
-    /// When unused watches were last looked for.
+    /// When unused clusters were last looked for.
     swept: Mutex<Instant>,
+    /// A cluster no pass used for this long is forgotten: [`CLUSTER_UNUSED`], or three resyncs
+    /// if those are further apart (a cluster whose DIs all rest is used at every resync).
+    unused_after: Duration,
 }
 
 impl ClusterClients {
-    pub fn new(field_manager: &str, options: KubeClientOptions, clock: Clock) -> Self {
+    /// Clients for a worker that resyncs each DI every `resync`.
+    pub fn new(
+        field_manager: &str,
+        options: KubeClientOptions,
+        clock: Clock,
+        resync: Duration,
+    ) -> Self {
         ClusterClients {
+            unused_after: CLUSTER_UNUSED.max(resync.saturating_mul(3)),
             cache: Mutex::new(HashMap::new()),
             fetching: Mutex::new(HashMap::new()),
             field_manager: field_manager.to_string(),
@@ -176,7 +186,7 @@ impl ClusterClients {
         }
     }
 
-    /// Forgets the clusters no pass used in [`CLUSTER_UNUSED`] (looked for once a minute).
+    /// Forgets the clusters no pass used in `unused_after` (looked for once a minute).
     fn stop_unused(&self, cache: &mut HashMap<String, Entry>, now: Instant) {
         let mut swept = self.swept.lock().expect("swept");
         if now.saturating_duration_since(*swept) < Duration::from_secs(60) {
@@ -185,7 +195,7 @@ impl ClusterClients {
         *swept = now;
         let unused: Vec<String> = cache
             .iter()
-            .filter(|(_, e)| now.saturating_duration_since(e.used) >= CLUSTER_UNUSED)
+            .filter(|(_, e)| now.saturating_duration_since(e.used) >= self.unused_after)
             .map(|(id, _)| id.clone())
             .collect();
         if unused.is_empty() {
@@ -279,7 +289,12 @@ mod tests {
             read_timeout: Duration::from_secs(600),
             ..KubeClientOptions::default()
         };
-        let clients = Arc::new(ClusterClients::new("test", options, Clock::system()));
+        let clients = Arc::new(ClusterClients::new(
+            "test",
+            options,
+            Clock::system(),
+            Duration::from_secs(300),
+        ));
         let stuck = tokio::spawn({
             let (clients, cloud) = (clients.clone(), cloud.clone());
             async move { clients.get(&cloud, "stuck").await.map(|_| ()) }
@@ -303,7 +318,9 @@ mod tests {
     async fn a_cluster_no_pass_uses_is_forgotten_and_one_in_use_kept() {
         let (cloud, _accepted) = clouds_and_clusters().await;
         let clock = Clock::system();
-        let clients = ClusterClients::new("test", KubeClientOptions::default(), clock.clone());
+        let resync = Duration::from_secs(300);
+        let clients =
+            ClusterClients::new("test", KubeClientOptions::default(), clock.clone(), resync);
         clients.get(&cloud, "kept").await.unwrap();
         clients.get(&cloud, "moved").await.unwrap();
         for _ in 0..4 {

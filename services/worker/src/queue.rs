@@ -139,7 +139,12 @@ impl Queue {
     /// long (a stalled database) keeps the session: closing it would free this worker's leases
     /// under passes that are still running. Needs a direct connection to Postgres (or session
     /// pooling): a transaction pooler shares server sessions between clients.
-    pub async fn keep_session(&self, database_url: String, mut stop: watch::Receiver<bool>) {
+    pub async fn keep_session(
+        &self,
+        database_url: String,
+        mut draining: watch::Receiver<bool>,
+        mut stop: watch::Receiver<bool>,
+    ) {
         loop {
             if *stop.borrow() {
                 return;
@@ -149,7 +154,9 @@ impl Queue {
                 let session = HolderSession::of(&mut conn).await?;
                 // Known to the others from now on: they leave this worker its share of the
                 // clusters (see `Store::work_claim`).
-                self.store.worker_register(&self.worker_id, session).await?;
+                if !*draining.borrow() {
+                    region_store::worker_register(&mut conn, &self.worker_id, session).await?;
+                }
                 Ok::<_, region_store::StoreError>((conn, session))
             }
             .await;
@@ -157,31 +164,10 @@ impl Queue {
                 Ok((mut conn, session)) => {
                     *self.session.lock().expect("session") = Some(session);
                     tracing::debug!(pid = session.pid, "worker session open");
-                    loop {
-                        tokio::select! {
-                            _ = tokio::time::sleep(HEARTBEAT) => {}
-                            _ = stop.changed() => return,
-                        }
-                        if let Err(e) = conn.ping().await {
-                            tracing::warn!(error = %e, "the worker's database session was lost; opening another");
-                            break;
-                        }
-                        // Still working: the others leave this worker its share. A failure is
-                        // not the session's (that answered): the next heartbeat tries again.
-                        match self.store.worker_heartbeat(&self.worker_id, session).await {
-                            Ok(true) => {}
-                            Ok(false) => {
-                                tracing::warn!(
-                                    "the worker's registration was gone; registering again"
-                                );
-                                if let Err(e) =
-                                    self.store.worker_register(&self.worker_id, session).await
-                                {
-                                    tracing::warn!(error = %e, "registering the worker failed");
-                                }
-                            }
-                            Err(e) => tracing::warn!(error = %e, "the worker's heartbeat failed"),
-                        }
+                    self.hold_session(&mut conn, session, &mut draining, &mut stop)
+                        .await;
+                    if *stop.borrow() {
+                        return;
                     }
                 }
                 Err(e) => {
@@ -192,6 +178,59 @@ impl Queue {
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 _ = stop.changed() => return,
+            }
+        }
+    }
+
+    /// Says every [`HEARTBEAT`] over `conn`, the session's own connection, that this worker
+    /// still works, until `stop` or until the session is lost (returns then). Once `draining`
+    /// (the worker stops claiming and lets its passes finish), the registration is withdrawn
+    /// and the session only kept: the others take this worker's share at once, its leases
+    /// stay its own.
+    async fn hold_session(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        session: HolderSession,
+        draining: &mut watch::Receiver<bool>,
+        stop: &mut watch::Receiver<bool>,
+    ) {
+        let mut withdrawn = *draining.borrow();
+        loop {
+            // A claim loop whose stop was dropped is stopping too.
+            let mut drain = false;
+            tokio::select! {
+                _ = tokio::time::sleep(HEARTBEAT) => {}
+                _ = stop.changed() => return,
+                changed = draining.changed(), if !withdrawn => drain = changed.is_err() || *draining.borrow(),
+            }
+            if !withdrawn && drain {
+                withdrawn = true;
+                if let Err(e) =
+                    region_store::worker_deregister(conn, &self.worker_id, session).await
+                {
+                    tracing::warn!(error = %e, "withdrawing the worker's registration failed");
+                }
+                continue;
+            }
+            let said = if withdrawn {
+                conn.ping().await.map(|_| true).map_err(Into::into)
+            } else {
+                region_store::worker_heartbeat(conn, &self.worker_id, session).await
+            };
+            match said {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::warn!("the worker's registration was gone; registering again");
+                    if let Err(e) =
+                        region_store::worker_register(conn, &self.worker_id, session).await
+                    {
+                        tracing::warn!(error = %e, "registering the worker failed");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the worker's database session was lost; opening another");
+                    return;
+                }
             }
         }
     }

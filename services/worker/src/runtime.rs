@@ -221,7 +221,8 @@ impl Worker {
         let session = tokio::spawn({
             let queue = shared.queue.clone();
             let url = shared.config.database_url.clone();
-            async move { queue.keep_session(url, session_stop_rx).await }
+            let draining = stop_rx.clone();
+            async move { queue.keep_session(url, draining, session_stop_rx).await }
         });
         let sampler = tokio::spawn(sample_queue_depth(shared.clone(), stop_rx.clone()));
         let waker = tokio::spawn(wake_changed(shared.clone(), stop_rx.clone()));

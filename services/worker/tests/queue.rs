@@ -545,7 +545,9 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
     for name in ["a", "b"] {
         let mut conn = pool.acquire().await.unwrap().detach();
         let session = region_store::HolderSession::of(&mut conn).await.unwrap();
-        s.worker_register(name, session).await.unwrap();
+        region_store::worker_register(&mut conn, name, session)
+            .await
+            .unwrap();
         conns.push(conn);
         sessions.push(session);
     }
@@ -607,13 +609,41 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
         .unwrap();
     assert_eq!(hung.len(), 40, "b's share taken while b is silent");
     release_all(hung).await;
-    assert!(s.worker_heartbeat("b", sessions[1]).await.unwrap());
+    assert!(
+        region_store::worker_heartbeat(&mut conns[1], "b", sessions[1])
+            .await
+            .unwrap()
+    );
     let back = s
         .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
         .await
         .unwrap();
     assert_eq!(vpcs(&back), vpcs(&a), "b's share is b's again");
     release_all(back).await;
+    // A DI of b's overdue by a minute (b stuck, or with more than it can do) is anyone's.
+    let late = b[0].di_id;
+    age(&pool, late, Duration::from_secs(61)).await;
+    let with_late = s
+        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
+        .await
+        .unwrap();
+    assert!(with_late.iter().any(|c| c.di_id == late));
+    assert_eq!(with_late.len(), a.len() + 1);
+    release_all(with_late).await;
+    // A worker that begins to stop withdraws: its share is the others' at once, while its
+    // session (and the leases of the passes it lets finish) lives on.
+    region_store::worker_deregister(&mut conns[1], "b", sessions[1])
+        .await
+        .unwrap();
+    let drained = s
+        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
+        .await
+        .unwrap();
+    assert_eq!(drained.len(), 40, "b's share taken while b drains");
+    release_all(drained).await;
+    region_store::worker_register(&mut conns[1], "b", sessions[1])
+        .await
+        .unwrap();
     use sqlx::Connection;
     conns.pop().unwrap().close().await.unwrap();
     let all = test_support::eventually(Duration::from_secs(10), "b's share moved to a", || async {

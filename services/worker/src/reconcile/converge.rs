@@ -108,13 +108,13 @@ impl Reconciler {
             Err(wait) => return Ok(pass.wait(wait, s.poll)),
         };
         let objects = self
-            .apply_objects(&mut c.ledger, &at, &desired, &observed)
+            .apply_objects(&mut c.ledger, &at, &desired, &observed, !cached)
             .await?;
         let writes = pool_writes + objects.changed + objects.deleted;
         let unseen = step::unseen_writes(
             c.pending.is_some(),
-            objects.changed,
-            pool_writes + objects.deleted,
+            objects.changed_judged,
+            objects.changed - objects.changed_judged + pool_writes + objects.deleted,
         );
         let assessment = plan::assess(&rec.id, &desired, &objects.over(&observed));
         self.record_accelerators(

@@ -41,6 +41,9 @@ const RENDERED_KINDS: &[(&str, &str)] = &[
 pub(super) struct ObjectsWritten {
     /// Applies that changed an object.
     pub(super) changed: u64,
+    /// Of those, applies of objects the assessment judges by their status (see
+    /// [`plan::readiness::judged_by_status`]).
+    pub(super) changed_judged: u64,
     /// Objects deleted (pruned).
     pub(super) deleted: u64,
     /// Every object applied, as the server answered (or as listed, when up to date).
@@ -234,13 +237,15 @@ impl Reconciler {
 
     /// Applies the DI's objects wave by wave and prunes what the spec no longer asks for (the
     /// namespace is recorded in the ledger before it is created). Objects the last list shows
-    /// up to date cost no request.
+    /// up to date cost no request; when `observed` was listed by this pass (not read from the
+    /// watch cache, which may lag), one it did not show is applied without reading it first.
     pub(super) async fn apply_objects(
         &self,
         ledger: &mut Ledger<'_>,
         at: &Reached,
         desired: &[Value],
         observed: &[Value],
+        listed_now: bool,
     ) -> Result<ObjectsWritten> {
         let id = ledger.id;
         let ns = names::namespace(&id);
@@ -258,13 +263,17 @@ impl Reconciler {
             let applies = wave.iter().map(|a| {
                 let before = match a.listed {
                     Some(listed) => Before::Listed(listed),
-                    None if is_rendered_kind(a.object) => Before::Absent,
+                    None if listed_now && is_rendered_kind(a.object) => Before::Absent,
                     None => Before::Unknown,
                 };
                 at.kube.apply_observed(a.object, before)
             });
             for applied in futures::future::try_join_all(applies).await? {
-                done.changed += u64::from(applied.changed);
+                if applied.changed {
+                    done.changed += 1;
+                    done.changed_judged +=
+                        u64::from(plan::readiness::judged_by_status(&applied.object));
+                }
                 done.objects.push(applied.object);
             }
         }

@@ -227,6 +227,7 @@ impl Reconciler {
                     &settings.field_manager,
                     KubeClientOptions::default(),
                     settings.clock.clone(),
+                    settings.resync,
                 ),
                 cluster_ids: Mutex::new(HashMap::new()),
                 kube_writes_total: AtomicU64::new(0),

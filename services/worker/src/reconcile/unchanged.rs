@@ -49,6 +49,11 @@ impl Converged {
             Some(j) => by_di.insert(id, (j, Instant::now())),
             None => by_di.remove(&id),
         };
+        // DIs that moved to another worker (or went) are never recorded again: what is older
+        // than AT_MOST is of no use, and goes now and then.
+        if by_di.len().is_multiple_of(1024) {
+            by_di.retain(|_, (_, at)| at.elapsed() < AT_MOST);
+        }
     }
 }
 
