@@ -252,8 +252,8 @@ impl Store {
     /// ([`worker_register`]) and `worker_id` itself. A worker alone, or one that claims
     /// before it has registered, counts itself in; when a worker joins or dies, only its share
     /// moves, and a lease held meanwhile keeps any DI to one pass at a time. A DI overdue by a
-    /// minute (its check, or a change a customer asked for) is anyone's: its owner is stuck or
-    /// has more work than it can do.
+    /// minute (its check; or a change a customer asked for over a minute ago, with no pass over
+    /// the DI in the last minute) is anyone's: its owner is stuck or has more than it can do.
     pub async fn work_claim(
         &self,
         worker_id: &str,
@@ -295,8 +295,9 @@ impl Store {
                         OR ((d.status <> 'error' OR w.retrying)
                             AND isfinite(w.next_check_after)
                             AND w.next_check_after <= now() - interval '60 seconds')
-                        OR EXISTS (SELECT 1 FROM outbox o WHERE o.di_id = w.di_id AND o.requested
-                                   AND o.seq > w.seen_seq AND o.created_at <= now() - interval '60 seconds'))
+                        OR (EXISTS (SELECT 1 FROM outbox o WHERE o.di_id = w.di_id AND o.requested
+                                    AND o.seq > w.seen_seq AND o.created_at <= now() - interval '60 seconds')
+                            AND (w.checked_at IS NULL OR w.checked_at <= now() - interval '60 seconds')))
                  ORDER BY w.next_check_after
                  LIMIT $3
                  FOR UPDATE OF w SKIP LOCKED

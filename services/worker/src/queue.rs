@@ -154,17 +154,18 @@ impl Queue {
                 let session = HolderSession::of(&mut conn).await?;
                 // Known to the others from now on: they leave this worker its share of the
                 // clusters (see `Store::work_claim`).
-                if !*draining.borrow() {
+                let registered = !*draining.borrow();
+                if registered {
                     region_store::worker_register(&mut conn, &self.worker_id, session).await?;
                 }
-                Ok::<_, region_store::StoreError>((conn, session))
+                Ok::<_, region_store::StoreError>((conn, session, registered))
             }
             .await;
             match opened {
-                Ok((mut conn, session)) => {
+                Ok((mut conn, session, registered)) => {
                     *self.session.lock().expect("session") = Some(session);
                     tracing::debug!(pid = session.pid, "worker session open");
-                    self.hold_session(&mut conn, session, &mut draining, &mut stop)
+                    self.hold_session(&mut conn, session, registered, &mut draining, &mut stop)
                         .await;
                     if *stop.borrow() {
                         return;
@@ -186,36 +187,40 @@ impl Queue {
     /// still works, until `stop` or until the session is lost (returns then). Once `draining`
     /// (the worker stops claiming and lets its passes finish), the registration is withdrawn
     /// and the session only kept: the others take this worker's share at once, its leases
-    /// stay its own.
+    /// stay its own. Only a session that no longer answers is given up: a statement that fails
+    /// on a session that still answers (a database refusing writes) keeps it and its leases.
     async fn hold_session(
         &self,
         conn: &mut sqlx::PgConnection,
         session: HolderSession,
+        mut registered: bool,
         draining: &mut watch::Receiver<bool>,
         stop: &mut watch::Receiver<bool>,
     ) {
-        let mut withdrawn = *draining.borrow();
+        // `registered`: whether the others may count this worker in, from its registration as
+        // the session opened until its withdrawal has gone through (retried until it has).
+        let mut stopping = *draining.borrow();
         loop {
-            // A claim loop whose stop was dropped is stopping too.
-            let mut drain = false;
             tokio::select! {
                 _ = tokio::time::sleep(HEARTBEAT) => {}
                 _ = stop.changed() => return,
-                changed = draining.changed(), if !withdrawn => drain = changed.is_err() || *draining.borrow(),
-            }
-            if !withdrawn && drain {
-                withdrawn = true;
-                if let Err(e) =
-                    region_store::worker_deregister(conn, &self.worker_id, session).await
-                {
-                    tracing::warn!(error = %e, "withdrawing the worker's registration failed");
+                // A claim loop whose stop was dropped is stopping too.
+                changed = draining.changed(), if !stopping => {
+                    stopping = changed.is_err() || *draining.borrow();
                 }
-                continue;
             }
-            let said = if withdrawn {
-                conn.ping().await.map(|_| true).map_err(Into::into)
-            } else {
+            let said = if !stopping {
                 region_store::worker_heartbeat(conn, &self.worker_id, session).await
+            } else if registered {
+                region_store::worker_deregister(conn, &self.worker_id, session)
+                    .await
+                    .map(|()| {
+                        registered = false;
+                        true
+                    })
+            } else {
+                // Withdrawn: the session stays for the leases, as long as it answers.
+                conn.ping().await.map(|()| true).map_err(Into::into)
             };
             match said {
                 Ok(true) => {}
@@ -228,8 +233,11 @@ impl Queue {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "the worker's database session was lost; opening another");
-                    return;
+                    if let Err(lost) = conn.ping().await {
+                        tracing::warn!(error = %lost, "the worker's database session was lost; opening another");
+                        return;
+                    }
+                    tracing::warn!(error = %e, "the worker's heartbeat failed; trying again");
                 }
             }
         }

@@ -630,6 +630,44 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
     assert!(with_late.iter().any(|c| c.di_id == late));
     assert_eq!(with_late.len(), a.len() + 1);
     release_all(with_late).await;
+    // So is one of b's with a change a customer asked for over a minute ago and no pass since;
+    // a change as old that a pass has just seen past is not (the pass ran long).
+    let changed = b[1].di_id;
+    sqlx::query(
+        "INSERT INTO outbox (di_id, kind, requested, created_at)
+         VALUES ($1, 'token', true, now() - interval '2 minutes')",
+    )
+    .bind(changed)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE work_items SET next_check_after = now() + interval '1 hour' WHERE di_id = $1",
+    )
+    .bind(changed)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let fresh_pass = s
+        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
+        .await
+        .unwrap();
+    assert!(
+        !fresh_pass.iter().any(|c| c.di_id == changed),
+        "b looked at it just now"
+    );
+    release_all(fresh_pass).await;
+    sqlx::query("UPDATE work_items SET checked_at = now() - interval '2 minutes' WHERE di_id = $1")
+        .bind(changed)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let with_changed = s
+        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
+        .await
+        .unwrap();
+    assert!(with_changed.iter().any(|c| c.di_id == changed));
+    release_all(with_changed).await;
     // A worker that begins to stop withdraws: its share is the others' at once, while its
     // session (and the leases of the passes it lets finish) lives on.
     region_store::worker_deregister(&mut conns[1], "b", sessions[1])
