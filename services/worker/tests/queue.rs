@@ -551,10 +551,13 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
         conns.push(conn);
         sessions.push(session);
     }
-    let a = s
-        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
-        .await
-        .unwrap();
+    // Worker a's claims, in its session.
+    let claim_a = || async {
+        s.work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
+            .await
+            .unwrap()
+    };
+    let a = claim_a().await;
     let b = s
         .work_claim_in_session("b", Some(sessions[1]), LEASE, 100)
         .await
@@ -581,10 +584,7 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
             .await
             .unwrap();
     }
-    let again = s
-        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
-        .await
-        .unwrap();
+    let again = claim_a().await;
     assert_eq!(vpcs(&again), vpcs(&a));
     let release_all = |claims: Vec<region_store::Claim>| {
         let s = s.clone();
@@ -603,10 +603,7 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
         .execute(&pool)
         .await
         .unwrap();
-    let hung = s
-        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
-        .await
-        .unwrap();
+    let hung = claim_a().await;
     assert_eq!(hung.len(), 40, "b's share taken while b is silent");
     release_all(hung).await;
     assert!(
@@ -614,19 +611,13 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
             .await
             .unwrap()
     );
-    let back = s
-        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
-        .await
-        .unwrap();
+    let back = claim_a().await;
     assert_eq!(vpcs(&back), vpcs(&a), "b's share is b's again");
     release_all(back).await;
     // A DI of b's overdue by a minute (b stuck, or with more than it can do) is anyone's.
     let late = b[0].di_id;
     age(&pool, late, Duration::from_secs(61)).await;
-    let with_late = s
-        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
-        .await
-        .unwrap();
+    let with_late = claim_a().await;
     assert!(with_late.iter().any(|c| c.di_id == late));
     assert_eq!(with_late.len(), a.len() + 1);
     release_all(with_late).await;
@@ -648,10 +639,7 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
     .execute(&pool)
     .await
     .unwrap();
-    let fresh_pass = s
-        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
-        .await
-        .unwrap();
+    let fresh_pass = claim_a().await;
     assert!(
         !fresh_pass.iter().any(|c| c.di_id == changed),
         "b looked at it just now"
@@ -662,10 +650,7 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
         .execute(&pool)
         .await
         .unwrap();
-    let with_changed = s
-        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
-        .await
-        .unwrap();
+    let with_changed = claim_a().await;
     assert!(with_changed.iter().any(|c| c.di_id == changed));
     release_all(with_changed).await;
     // A worker that begins to stop withdraws: its share is the others' at once, while its
@@ -673,10 +658,7 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
     region_store::worker_deregister(&mut conns[1], "b", sessions[1])
         .await
         .unwrap();
-    let drained = s
-        .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
-        .await
-        .unwrap();
+    let drained = claim_a().await;
     assert_eq!(drained.len(), 40, "b's share taken while b drains");
     release_all(drained).await;
     region_store::worker_register(&mut conns[1], "b", sessions[1])
@@ -685,10 +667,7 @@ async fn workers_share_the_clusters_and_a_dead_workers_share_moves(pool: PgPool)
     use sqlx::Connection;
     conns.pop().unwrap().close().await.unwrap();
     let all = test_support::eventually(Duration::from_secs(10), "b's share moved to a", || async {
-        let got = s
-            .work_claim_in_session("a", Some(sessions[0]), LEASE, 100)
-            .await
-            .unwrap();
+        let got = claim_a().await;
         if got.len() == 40 {
             return Some(got);
         }
