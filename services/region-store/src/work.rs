@@ -288,15 +288,15 @@ impl Store {
                  WHERE d.gone_at IS NULL
                    AND {free}
                    AND (((d.status <> 'error' OR w.retrying) AND w.next_check_after <= now())
-                        OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)
+                        OR w.requested_seq > w.seen_seq)
                    AND ($1 = (SELECT l.worker_id FROM live l
                               ORDER BY hashtext(l.worker_id || '/' || d.vpc_uuid::text) DESC, l.worker_id
                               LIMIT 1)
                         OR ((d.status <> 'error' OR w.retrying)
                             AND isfinite(w.next_check_after)
                             AND w.next_check_after <= now() - interval '60 seconds')
-                        OR (EXISTS (SELECT 1 FROM outbox o WHERE o.di_id = w.di_id AND o.requested
-                                    AND o.seq > w.seen_seq AND o.created_at <= now() - interval '60 seconds')
+                        OR (w.requested_seq > w.seen_seq
+                            AND w.requested_since <= now() - interval '60 seconds'
                             AND (w.checked_at IS NULL OR w.checked_at <= now() - interval '60 seconds')))
                  ORDER BY w.next_check_after
                  LIMIT $3
@@ -333,7 +333,7 @@ impl Store {
 
     /// The queue's depth: DIs due and free to claim, and DIs under a live lease. `ready` uses
     /// the same conditions as [`Store::work_claim`]. One pass over `work_items` (a row per live
-    /// DI) with an index lookup in `outbox` per row, so cheap enough to sample every few seconds.
+    /// DI), cheap enough to sample every few seconds.
     pub async fn work_depth(&self) -> Result<WorkDepth> {
         let free = lease_free();
         let (ready, leased): (i64, i64) = sqlx::query_as(&format!(
@@ -341,7 +341,7 @@ impl Store {
                  count(*) FILTER (
                      WHERE {free}
                        AND (((d.status <> 'error' OR w.retrying) AND w.next_check_after <= now())
-                            OR coalesce((SELECT max(o.seq) FROM outbox o WHERE o.di_id = w.di_id AND o.requested), 0) > w.seen_seq)),
+                            OR w.requested_seq > w.seen_seq)),
                  count(*) FILTER (WHERE NOT {free})
              FROM work_items w JOIN dedicated_inferences d ON d.id = w.di_id
              WHERE d.gone_at IS NULL"
