@@ -169,34 +169,7 @@ impl Worker {
     /// Connects to the store, builds the DigitalOcean client, opens the metrics listener and
     /// starts claiming work.
     pub async fn start(config: Config) -> anyhow::Result<WorkerHandle> {
-        // As in central and regional: a broken connection fails its query, the pass is retried,
-        // and the pool replaces the connection. A pass waits for a connection as long as sqlx's
-        // default, 30 s.
-        let pool =
-            common::db::pool_options(config.db_max_connections.max(2), Duration::from_secs(30))
-                .connect(&config.database_url)
-                .await?;
-        let sealer = Sealer::from_keys(&config.seal_key, &config.seal_open_keys)
-            .map_err(|_| anyhow::anyhow!("a seal key is not a valid base64 key"))?;
-        let store = Store::new(pool.clone(), sealer);
-        let cloud = DoClient::with_options(
-            &config.do_api_url,
-            &config.do_token,
-            DoClientOptions {
-                retry: config.cloud_retry.clone(),
-                ..DoClientOptions::default()
-            },
-        )?;
-        let reconciler = Reconciler::new(store.clone(), cloud, config.settings.clone())
-            .with_kube_options(KubeClientOptions {
-                retry: config.cloud_retry.clone(),
-                ..KubeClientOptions::default()
-            });
-        reconciler
-            .register_rendering()
-            .await
-            .map_err(|e| anyhow::anyhow!("registering the worker's rendering: {e}"))?;
-        tracing::info!(rendering = %reconciler.rendering(), "rendering registered");
+        let (pool, store, reconciler) = connect(&config).await?;
         let metrics_listener = tokio::net::TcpListener::bind(config.metrics_listen)
             .await
             .map_err(|e| anyhow::anyhow!("metrics listener on {}: {e}", config.metrics_listen))?;
@@ -245,6 +218,39 @@ impl Worker {
             shared,
         })
     }
+}
+
+/// The worker's connections: its database pool, its store over that pool, and the reconciler
+/// with its clients to the cloud, its rendering registered in the store.
+async fn connect(config: &Config) -> anyhow::Result<(sqlx::PgPool, Store, Reconciler)> {
+    // As in central and regional: a broken connection fails its query, the pass is retried,
+    // and the pool replaces the connection. A pass waits for a connection as long as sqlx's
+    // default, 30 s.
+    let pool = common::db::pool_options(config.db_max_connections.max(2), Duration::from_secs(30))
+        .connect(&config.database_url)
+        .await?;
+    let sealer = Sealer::from_keys(&config.seal_key, &config.seal_open_keys)
+        .map_err(|_| anyhow::anyhow!("a seal key is not a valid base64 key"))?;
+    let store = Store::new(pool.clone(), sealer);
+    let cloud = DoClient::with_options(
+        &config.do_api_url,
+        &config.do_token,
+        DoClientOptions {
+            retry: config.cloud_retry.clone(),
+            ..DoClientOptions::default()
+        },
+    )?;
+    let reconciler = Reconciler::new(store.clone(), cloud, config.settings.clone())
+        .with_kube_options(KubeClientOptions {
+            retry: config.cloud_retry.clone(),
+            ..KubeClientOptions::default()
+        });
+    reconciler
+        .register_rendering()
+        .await
+        .map_err(|e| anyhow::anyhow!("registering the worker's rendering: {e}"))?;
+    tracing::info!(rendering = %reconciler.rendering(), "rendering registered");
+    Ok((pool, store, reconciler))
 }
 
 impl WorkerHandle {
@@ -407,7 +413,6 @@ async fn run_pass(shared: &Shared, claim: Claim) {
         _ = lost.notified() => None,
     };
     drop(keep);
-    let cfg = &shared.config;
     let retry = matches!(&outcome, Some(Err(e)) if e.is_transient());
     let next = match outcome {
         // The renewal said the lease is gone, or a write was refused for want of it: the
@@ -420,46 +425,9 @@ async fn run_pass(shared: &Shared, claim: Claim) {
             let _ = shared.queue.release_to_retry(&claim, Duration::ZERO).await;
             return;
         }
-        Some(Ok(pass)) => {
-            shared.attempts.lock().expect("attempts").remove(&id);
-            shared.stats.lock().expect("stats").passes += 1;
-            tracing::debug!(di = %id, status = ?pass.status, waiting = ?pass.waiting,
-                do_writes = pass.do_writes, kube_writes = pass.kube_writes, "pass");
-            let unchanged_for = watch_progress(shared, &store, id, &pass).await;
-            match (&pass.waiting, unchanged_for) {
-                (Some(_), Some(unchanged)) => poll_delay(unchanged, cfg.poll_min, pass.next_check),
-                _ => pass.next_check,
-            }
-        }
+        Some(Ok(pass)) => after_pass(shared, &store, id, &pass).await,
         Some(Err(ReconcileError::Transient(why) | ReconcileError::CredentialsRefused(why))) => {
-            let attempt = {
-                let mut a = shared.attempts.lock().expect("attempts");
-                let n = a.entry(id).or_insert(0);
-                *n += 1;
-                *n
-            };
-            shared.stats.lock().expect("stats").transient_failures += 1;
-            tracing::warn!(di = %id, attempt, error = %why, "transient failure; will retry");
-            let rec = shared
-                .store
-                .dedicated_inference_any(id)
-                .await
-                .ok()
-                .filter(|r| !r.gone);
-            let pass = Pass {
-                status: rec.as_ref().map(|r| r.status),
-                version: rec
-                    .as_ref()
-                    .and_then(|r| r.pending_spec.as_ref().or(r.spec.as_ref()))
-                    .map(|s| s.version),
-                waiting: Some(Waiting::Retrying),
-                next_check: Duration::ZERO,
-                do_writes: 0,
-                kube_writes: 0,
-                platform_update: false,
-            };
-            watch_progress(shared, &store, id, &pass).await;
-            queue::backoff(attempt, cfg.backoff_base, cfg.backoff_max)
+            after_transient_failure(shared, &store, id, &why).await
         }
         Some(Err(ReconcileError::Permanent {
             reason,
@@ -472,7 +440,7 @@ async fn run_pass(shared: &Shared, claim: Claim) {
             if let Err(e) = store.error_set(id, version, &reason, &message).await {
                 tracing::warn!(di = %id, error = %e, "recording the error failed");
             }
-            cfg.settings.resync
+            shared.config.settings.resync
         }
     };
     let released = if retry {
@@ -486,6 +454,66 @@ async fn run_pass(shared: &Shared, claim: Claim) {
             tracing::warn!(di = %id, error = %e, "releasing the lease failed; it will expire")
         }
     }
+}
+
+/// After a pass that ended: when to look again. A DI waiting on something that has not moved
+/// for a while is looked at less often, up to the pass's own limit.
+async fn after_pass(
+    shared: &Shared,
+    store: &region_store::Store,
+    id: Uuid,
+    pass: &Pass,
+) -> Duration {
+    shared.attempts.lock().expect("attempts").remove(&id);
+    shared.stats.lock().expect("stats").passes += 1;
+    tracing::debug!(di = %id, status = ?pass.status, waiting = ?pass.waiting,
+        do_writes = pass.do_writes, kube_writes = pass.kube_writes, "pass");
+    let unchanged_for = watch_progress(shared, store, id, pass).await;
+    match (&pass.waiting, unchanged_for) {
+        (Some(_), Some(unchanged)) => {
+            poll_delay(unchanged, shared.config.poll_min, pass.next_check)
+        }
+        _ => pass.next_check,
+    }
+}
+
+/// After a pass that failed transiently: the DI's progress says it is retrying (so that a
+/// failure that lasts becomes a stall the customer hears of), and the next try backs off.
+async fn after_transient_failure(
+    shared: &Shared,
+    store: &region_store::Store,
+    id: Uuid,
+    why: &str,
+) -> Duration {
+    let attempt = {
+        let mut a = shared.attempts.lock().expect("attempts");
+        let n = a.entry(id).or_insert(0);
+        *n += 1;
+        *n
+    };
+    shared.stats.lock().expect("stats").transient_failures += 1;
+    tracing::warn!(di = %id, attempt, error = %why, "transient failure; will retry");
+    let rec = shared
+        .store
+        .dedicated_inference_any(id)
+        .await
+        .ok()
+        .filter(|r| !r.gone);
+    let pass = Pass {
+        status: rec.as_ref().map(|r| r.status),
+        version: rec
+            .as_ref()
+            .and_then(|r| r.pending_spec.as_ref().or(r.spec.as_ref()))
+            .map(|s| s.version),
+        waiting: Some(Waiting::Retrying),
+        next_check: Duration::ZERO,
+        do_writes: 0,
+        kube_writes: 0,
+        platform_update: false,
+    };
+    watch_progress(shared, store, id, &pass).await;
+    let cfg = &shared.config;
+    queue::backoff(attempt, cfg.backoff_base, cfg.backoff_max)
 }
 
 /// Gathers a burst of watch events (a rollout's pods) into one statement.

@@ -13,6 +13,7 @@ use region_store::{Endpoints, PassInputs, StoreError};
 use serde_json::Value;
 
 use super::endpoint::access_tokens;
+use super::kube_objects::ObjectsWritten;
 use super::ledger::Ledger;
 use super::{Pass, ReconcileError, Reconciler, Result};
 use crate::plan::step::{self, Begin, Verdict, Written};
@@ -70,32 +71,13 @@ impl Reconciler {
             Ok(at) => at,
             Err(wait) => return Ok(wait),
         };
-        let since_last_pass = c
-            .inputs
-            .since_last_pass_ms
-            .map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
-        let cached = step::reads_cache(
-            c.resync,
-            at.trusted,
-            self.fleet_moving(&c),
-            since_last_pass,
-            s.cache_margin,
-        );
+        let cached = self.reads_cache(&c, &at);
         let judged = self.judged(&c, &at, cached);
         if judged.is_some_and(|j| self.converged.on(rec.id, j)) {
             metrics::observed("unchanged");
             return Ok(Pass::new(c.status, s.resync));
         }
-        let observed = match self
-            .observe(&at, rec.id, &names::namespace(&rec.id), cached)
-            .await
-        {
-            Err(e) if at.trusted => {
-                self.distrust_cluster(&at.name, &at.cluster_id);
-                return Err(e);
-            }
-            r => r?,
-        };
+        let observed = self.observe_reached(&at, rec, cached).await?;
         let (models, scaled) = self.scale(&c, &at.kube, &observed).await?;
         let mut desired = self.desired(&c, &models, &observed)?;
         let restarts_held = !plan::fleet::restarts(&desired, &observed).is_empty();
@@ -110,35 +92,10 @@ impl Reconciler {
         let objects = self
             .apply_objects(&mut c.ledger, &at, &desired, &observed, !cached)
             .await?;
-        let writes = pool_writes + objects.changed + objects.deleted;
-        let unseen = step::unseen_writes(
-            c.pending.is_some(),
-            objects.changed_judged,
-            objects.changed - objects.changed_judged + pool_writes + objects.deleted,
-        );
-        let assessment = plan::assess(&rec.id, &desired, &objects.over(&observed));
-        self.record_accelerators(
-            rec.id,
-            spec,
-            &assessment.accelerators,
-            &c.inputs.accelerators,
-        )
-        .await?;
-        let load_failure = c.pending.and_then(|_| {
-            plan::load_failure(&desired, &observed, SystemTime::from(spec.created_at))
-        });
-        let verdict = step::verdict(Written {
-            status: c.status,
-            pending: c.pending,
-            writes: unseen,
-            assessment: &assessment,
-            load_failure: load_failure.as_ref(),
-            recorded: (
-                rec.public_endpoint_fqdn.as_deref(),
-                rec.private_endpoint_fqdn.as_deref(),
-            ),
-        });
-        let clean = writes == 0
+        let (verdict, assessment) = self
+            .judge(&c, &desired, &observed, &objects, pool_writes)
+            .await?;
+        let clean = pool_writes + objects.changed + objects.deleted == 0
             && pools_held.is_empty()
             && !restarts_held
             && matches!(
@@ -156,6 +113,83 @@ impl Reconciler {
         }
         self.conclude(&c, verdict, &assessment, &pools_held, pass)
             .await
+    }
+
+    /// Whether this pass may read the DI's objects from the cluster's watch cache rather than
+    /// list them (see [`step::reads_cache`]).
+    fn reads_cache(&self, c: &Converging<'_>, at: &Reached) -> bool {
+        let since_last_pass = c
+            .inputs
+            .since_last_pass_ms
+            .map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
+        step::reads_cache(
+            c.resync,
+            at.trusted,
+            self.fleet_moving(c),
+            since_last_pass,
+            self.settings.cache_margin,
+        )
+    }
+
+    /// The DI's objects in the cluster. A cluster reached without asking DigitalOcean that
+    /// does not answer is asked about again by the next pass.
+    async fn observe_reached(
+        &self,
+        at: &Reached,
+        rec: &Record,
+        cached: bool,
+    ) -> Result<Vec<Value>> {
+        match self
+            .observe(at, rec.id, &names::namespace(&rec.id), cached)
+            .await
+        {
+            Err(e) if at.trusted => {
+                self.distrust_cluster(&at.name, &at.cluster_id);
+                Err(e)
+            }
+            r => r,
+        }
+    }
+
+    /// What the objects as applied say of the DI: the assessment (its accelerators recorded)
+    /// and the step's verdict on it.
+    async fn judge(
+        &self,
+        c: &Converging<'_>,
+        desired: &[Value],
+        observed: &[Value],
+        objects: &ObjectsWritten,
+        pool_writes: u64,
+    ) -> Result<(Verdict, Assessment)> {
+        let (rec, spec) = (c.rec, c.spec);
+        let unseen = step::unseen_writes(
+            c.pending.is_some(),
+            objects.changed_judged,
+            objects.changed - objects.changed_judged + pool_writes + objects.deleted,
+        );
+        let assessment = plan::assess(&rec.id, desired, &objects.over(observed));
+        self.record_accelerators(
+            rec.id,
+            spec,
+            &assessment.accelerators,
+            &c.inputs.accelerators,
+        )
+        .await?;
+        let load_failure = c
+            .pending
+            .and_then(|_| plan::load_failure(desired, observed, SystemTime::from(spec.created_at)));
+        let verdict = step::verdict(Written {
+            status: c.status,
+            pending: c.pending,
+            writes: unseen,
+            assessment: &assessment,
+            load_failure: load_failure.as_ref(),
+            recorded: (
+                rec.public_endpoint_fqdn.as_deref(),
+                rec.private_endpoint_fqdn.as_deref(),
+            ),
+        });
+        Ok((verdict, assessment))
     }
 
     /// The status change a pass starts with, and what it reads from the store.
