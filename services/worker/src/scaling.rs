@@ -232,41 +232,13 @@ pub async fn decide_all(
             });
             continue;
         };
-        let remembered = recall.newest(model_id, recorded).or_else(|| {
-            recorded_memory(recorded, model_id).or_else(|| {
-                let unreadable = recorded.iter().any(|r| r.model_id == model_id && r.autoscaler.is_some());
-                if unreadable {
-                    tracing::warn!(model = %model_id, "autoscaler memory unreadable; starting again");
-                }
-                None
-            })
-        });
+        let remembered = remembered_memory(recall, recorded, model_id);
         let carried = remembered.as_ref().map_or(scale, |m| m.wanted);
         if !steady {
-            let wanted = carried.clamp(policy.min.max(1), policy.max.max(1));
-            out.push(Scaled {
-                model_id,
-                wanted,
-                // Kept with its old version: the first steady look starts from this count.
-                memory: remembered.map(|m| Memory { wanted, ..m }),
-                memory_news: true,
-                decision: None,
-                in_flight: BTreeMap::new(),
-            });
+            out.push(rolling_out(model_id, &policy, carried, remembered));
             continue;
         }
-        let memory = match remembered {
-            Some(m) if m.version == spec.version => m,
-            // A new version starts from the count it rolled out with, and from the servers'
-            // last counters (the same servers may serve on: their history is not new load).
-            other => {
-                let start = carried.clamp(policy.min, policy.max.max(policy.min));
-                Memory {
-                    last: other.map(|m| m.last).unwrap_or_default(),
-                    ..Memory::start(spec.version, start, now_ms)
-                }
-            }
-        };
+        let memory = steady_memory(remembered, spec.version, &policy, carried, now_ms);
         let seen = look(kube, ns, observed, &model_id).await;
         let outcome = autoscale::decide(&policy, &memory, &seen, now_ms, scale_down_window);
         let memory_news = recorded_memory(recorded, model_id)
@@ -281,6 +253,69 @@ pub async fn decide_all(
         });
     }
     out
+}
+
+/// The memory deployment `model_id` carries on from: this worker's newest while it grew from
+/// the record ([`Recall`]), else the recorded one (an unreadable one is warned of and dropped).
+fn remembered_memory(
+    recall: &Recall,
+    recorded: &[DeploymentReplicas],
+    model_id: Uuid,
+) -> Option<Memory> {
+    recall.newest(model_id, recorded).or_else(|| {
+        recorded_memory(recorded, model_id).or_else(|| {
+            let unreadable = recorded
+                .iter()
+                .any(|r| r.model_id == model_id && r.autoscaler.is_some());
+            if unreadable {
+                tracing::warn!(model = %model_id, "autoscaler memory unreadable; starting again");
+            }
+            None
+        })
+    })
+}
+
+/// While the DI is not steady, an autoscaled deployment keeps its `carried` count, within the
+/// bounds and at least one; its servers are not looked at.
+fn rolling_out(
+    model_id: Uuid,
+    policy: &Policy,
+    carried: u32,
+    remembered: Option<Memory>,
+) -> Scaled {
+    let wanted = carried.clamp(policy.min.max(1), policy.max.max(1));
+    Scaled {
+        model_id,
+        wanted,
+        // Kept with its old version: the first steady look starts from this count.
+        memory: remembered.map(|m| Memory { wanted, ..m }),
+        memory_news: true,
+        decision: None,
+        in_flight: BTreeMap::new(),
+    }
+}
+
+/// The memory a steady look decides from: the remembered one if it is of the spec's `version`,
+/// else a new start.
+fn steady_memory(
+    remembered: Option<Memory>,
+    version: i32,
+    policy: &Policy,
+    carried: u32,
+    now_ms: i64,
+) -> Memory {
+    match remembered {
+        Some(m) if m.version == version => m,
+        // A new version starts from the count it rolled out with, and from the servers'
+        // last counters (the same servers may serve on: their history is not new load).
+        other => {
+            let start = carried.clamp(policy.min, policy.max.max(policy.min));
+            Memory {
+                last: other.map(|m| m.last).unwrap_or_default(),
+                ..Memory::start(version, start, now_ms)
+            }
+        }
+    }
 }
 
 fn in_flight(seen: &Look) -> BTreeMap<String, f64> {
