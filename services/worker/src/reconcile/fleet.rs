@@ -5,7 +5,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use region_store::{SlotState, Take};
+use region_store::{FleetSlot, SlotState, Take};
 use serde_json::Value;
 
 use super::converge::Converging;
@@ -129,24 +129,8 @@ impl Reconciler {
         if !c.resync || self.slot(c) != Slot::Rolling {
             return Ok(None);
         }
-        let since = SystemTime::UNIX_EPOCH
-            + Duration::from_millis(u64::try_from(slot.started_ms).unwrap_or(0));
-        let failure = plan::load_failure(desired, observed, since)
-            .map(|f| f.to_string())
-            .or_else(|| fleet::start_failure(observed));
-        let settled = matches!(verdict, Verdict::Settled { .. });
-        let timeout =
-            i64::try_from(self.settings.fleet_slot_timeout.as_millis()).unwrap_or(i64::MAX);
-        let end = fleet::slot_end(
-            settled,
-            !fleet::restarts(desired, observed).is_empty(),
-            fleet::serves(desired),
-            failure.as_deref(),
-            c.inputs.now_ms - slot.started_ms,
-            timeout,
-        );
         let id = c.rec.id;
-        match end {
+        match self.fleet_slot_end(c, slot, desired, observed, verdict) {
             SlotEnd::Rolling => Ok(None),
             SlotEnd::Failed(why) => {
                 tracing::warn!(di = %id, rendering = %self.rendering, %why, "fleet rollout: the DI cannot serve the new rendering; halting the rollout");
@@ -159,31 +143,69 @@ impl Reconciler {
                 metrics::fleet_slot("done");
                 Ok(None)
             }
-            SlotEnd::Probe => {
-                let url = assessment
-                    .public_endpoint
-                    .as_ref()
-                    .or(assessment.private_endpoint.as_ref());
-                let Some(url) = url else {
-                    return Ok(Some(
-                        pass.clone()
-                            .wait(Waiting::EndpointAddress, self.settings.poll),
-                    ));
-                };
-                let retired = c.inputs.retired_probe_token.as_deref();
-                let probed = self.probe(url, &c.inputs.cas, &c.inputs.probe_token, retired);
-                if let Err(why) = probed.await {
-                    let wait = Waiting::Probe {
-                        url: url.clone(),
-                        why,
-                    };
-                    return Ok(Some(pass.clone().wait(wait, self.settings.poll)));
-                }
-                self.store.fleet_done(id, &self.rendering).await?;
-                metrics::fleet_slot("done");
-                tracing::info!(di = %id, rendering = %self.rendering, "fleet rollout: the DI serves the new rendering");
-                Ok(None)
-            }
+            SlotEnd::Probe => self.fleet_probe(c, assessment, pass).await,
         }
+    }
+
+    /// Where the rolling `slot` stands this pass ([`fleet::slot_end`]): from whether the DI
+    /// settled, still restarts, serves or fails, and how long the slot has run.
+    fn fleet_slot_end(
+        &self,
+        c: &Converging<'_>,
+        slot: &FleetSlot,
+        desired: &[Value],
+        observed: &[Value],
+        verdict: &Verdict,
+    ) -> SlotEnd {
+        let since = SystemTime::UNIX_EPOCH
+            + Duration::from_millis(u64::try_from(slot.started_ms).unwrap_or(0));
+        let failure = plan::load_failure(desired, observed, since)
+            .map(|f| f.to_string())
+            .or_else(|| fleet::start_failure(observed));
+        let settled = matches!(verdict, Verdict::Settled { .. });
+        let timeout =
+            i64::try_from(self.settings.fleet_slot_timeout.as_millis()).unwrap_or(i64::MAX);
+        fleet::slot_end(
+            settled,
+            !fleet::restarts(desired, observed).is_empty(),
+            fleet::serves(desired),
+            failure.as_deref(),
+            c.inputs.now_ms - slot.started_ms,
+            timeout,
+        )
+    }
+
+    /// Ends the settled DI's slot done once it answers the probe at its endpoint; until then the
+    /// pass waits for it.
+    async fn fleet_probe(
+        &self,
+        c: &Converging<'_>,
+        assessment: &Assessment,
+        pass: &Pass,
+    ) -> Result<Option<Pass>> {
+        let id = c.rec.id;
+        let url = assessment
+            .public_endpoint
+            .as_ref()
+            .or(assessment.private_endpoint.as_ref());
+        let Some(url) = url else {
+            return Ok(Some(
+                pass.clone()
+                    .wait(Waiting::EndpointAddress, self.settings.poll),
+            ));
+        };
+        let retired = c.inputs.retired_probe_token.as_deref();
+        let probed = self.probe(url, &c.inputs.cas, &c.inputs.probe_token, retired);
+        if let Err(why) = probed.await {
+            let wait = Waiting::Probe {
+                url: url.clone(),
+                why,
+            };
+            return Ok(Some(pass.clone().wait(wait, self.settings.poll)));
+        }
+        self.store.fleet_done(id, &self.rendering).await?;
+        metrics::fleet_slot("done");
+        tracing::info!(di = %id, rendering = %self.rendering, "fleet rollout: the DI serves the new rendering");
+        Ok(None)
     }
 }
