@@ -24,48 +24,9 @@ impl Reconciler {
         ledger: &mut Ledger<'_>,
     ) -> Result<std::result::Result<(String, KubeClient), Pass>> {
         let poll = self.settings.poll;
-        // A new VPC's cluster is recorded nowhere yet: then none exists, and the region's
-        // clusters are not listed (a list for every new VPC made filling a region quadratic).
-        // One known by id, or recorded, is looked for as before.
-        let known = self
-            .cluster_ids
-            .lock()
-            .expect("cluster ids")
-            .contains_key(name);
-        let found = if known || self.store.ledger_cluster_recorded(name).await? {
-            self.find_cluster(name, false).await?
-        } else {
-            None
-        };
-        let cluster = match found {
-            Some(c) => c,
-            None => {
-                ledger.record(LEDGER_CLUSTER, name, "", None).await?;
-                let c = match self.create_cluster(name, rec).await {
-                    Ok(c) => c,
-                    // Another DI of the VPC (or a retried attempt) created it first: look again
-                    // at the next check, not after a failure's backoff.
-                    Err(e) if e.is_already_exists() => {
-                        let wait = Waiting::Cluster {
-                            name: name.to_string(),
-                            state: ClusterWait::BeingCreated,
-                        };
-                        return Ok(Err(pass.clone().wait(wait, poll)));
-                    }
-                    Err(e) => return Err(e.into()),
-                };
-                self.cluster_ids
-                    .lock()
-                    .expect("cluster ids")
-                    .insert(name.to_string(), c.id.clone());
-                // Nobody can be retiring a cluster this pass just made.
-                ledger.use_cluster(name, &c.id).await?;
-                let wait = Waiting::Cluster {
-                    name: name.to_string(),
-                    state: ClusterWait::Creating,
-                };
-                return Ok(Err(pass.clone().wait(wait, poll)));
-            }
+        let Some(cluster) = self.existing_cluster(name).await? else {
+            let creating = self.start_creating_cluster(name, rec, pass, ledger).await?;
+            return Ok(Err(creating));
         };
         if !ledger.use_cluster(name, &cluster.id).await? {
             // The last DI of the VPC is deleting it: once it is going, a new one is made.
@@ -84,6 +45,60 @@ impl Reconciler {
             return Ok(Err(pass.clone().wait(wait, poll)));
         }
         Ok(Ok((cluster.id.clone(), self.kube_for(&cluster.id).await?)))
+    }
+
+    /// The VPC's cluster `name`, if there is one (one being deleted does not count).
+    async fn existing_cluster(&self, name: &str) -> Result<Option<Cluster>> {
+        // A new VPC's cluster is recorded nowhere yet: then none exists, and the region's
+        // clusters are not listed (a list for every new VPC made filling a region quadratic).
+        // One known by id, or recorded, is looked for as before.
+        let known = self
+            .cluster_ids
+            .lock()
+            .expect("cluster ids")
+            .contains_key(name);
+        if known || self.store.ledger_cluster_recorded(name).await? {
+            self.find_cluster(name, false).await
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Creates the VPC's cluster `name`, recorded in the ledger first; returns the pass that
+    /// waits for it to run.
+    async fn start_creating_cluster(
+        &self,
+        name: &str,
+        rec: &Record,
+        pass: &Pass,
+        ledger: &mut Ledger<'_>,
+    ) -> Result<Pass> {
+        let poll = self.settings.poll;
+        ledger.record(LEDGER_CLUSTER, name, "", None).await?;
+        let c = match self.create_cluster(name, rec).await {
+            Ok(c) => c,
+            // Another DI of the VPC (or a retried attempt) created it first: look again
+            // at the next check, not after a failure's backoff.
+            Err(e) if e.is_already_exists() => {
+                let wait = Waiting::Cluster {
+                    name: name.to_string(),
+                    state: ClusterWait::BeingCreated,
+                };
+                return Ok(pass.clone().wait(wait, poll));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        self.cluster_ids
+            .lock()
+            .expect("cluster ids")
+            .insert(name.to_string(), c.id.clone());
+        // Nobody can be retiring a cluster this pass just made.
+        ledger.use_cluster(name, &c.id).await?;
+        let wait = Waiting::Cluster {
+            name: name.to_string(),
+            state: ClusterWait::Creating,
+        };
+        Ok(pass.clone().wait(wait, poll))
     }
 
     /// The cluster `name` as the last pass that reached it left it: its id and a client, when
