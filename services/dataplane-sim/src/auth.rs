@@ -14,13 +14,11 @@
 //!   none able to read the Secret), the request fails with `statusOnError` (Envoy's default
 //!   403), unless `failOpen`.
 
-use std::sync::Arc;
-
 use endpoint_auth::TokenHashes;
 use serde_json::Value;
 
-use crate::objects::{deleting, find, gateway_policy, labels_match, ns_of, pod_ready, s};
-use crate::routing::{ingress_admits, Source};
+use crate::objects::{deleting, find, gateway_policy, labels_match, ns_of, pod_ready, s, Objects};
+use crate::routing::{ingress_admits_in, Source};
 
 /// How the gateway treats a request before routing it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -56,7 +54,7 @@ const DEFAULT_SECRET: &str = "access-tokens";
 /// The authentication of Gateway `gw` in namespace `ns`, whose pods carry `gateway_pods`
 /// labels, and a note of what is wrong, if anything.
 pub fn authentication(
-    objs: &[Arc<Value>],
+    objs: &Objects,
     ns: &str,
     gw: &str,
     gateway_pods: &Value,
@@ -130,7 +128,7 @@ pub(crate) fn accepted(policy: &Value) -> Option<bool> {
 
 /// The hashes the ready, reachable replicas behind backend `b` read; `None` if there are none.
 fn service_hashes(
-    objs: &[Arc<Value>],
+    objs: &Objects,
     ns: &str,
     b: &Value,
     gateway_pods: &Value,
@@ -151,14 +149,12 @@ fn service_hashes(
         .iter()
         .find(|p| p["port"].as_i64() == Some(port))
         .map(|p| p["targetPort"].as_i64().unwrap_or(port))?;
-    objs.iter()
-        .map(Arc::as_ref)
+    // The Service may be in another namespace than the gateway: its pods are in its own.
+    objs.in_namespace(ns_of(svc), "Pod")
+        .iter()
+        .copied()
         .filter(|p| {
-            p["kind"] == "Pod"
-                && ns_of(p) == ns_of(svc)
-                && !deleting(p)
-                && pod_ready(p)
-                && labels_match(selector, p.pointer("/metadata/labels"))
+            !deleting(p) && pod_ready(p) && labels_match(selector, p.pointer("/metadata/labels"))
         })
         .filter(|p| {
             let from = Source::Pod {
@@ -166,14 +162,14 @@ fn service_hashes(
                 labels: gateway_pods,
             };
             let labels = p.pointer("/metadata/labels").cloned().unwrap_or_default();
-            ingress_admits(objs, ns_of(p), &labels, target, from)
+            ingress_admits_in(objs, ns_of(p), &labels, target, from)
         })
         .find_map(|p| pod_hashes(objs, p))
 }
 
 /// What one endpoint-auth pod reads: the Secret its `--secret` argument names, in its own
 /// namespace, if its ServiceAccount may watch it.
-fn pod_hashes(objs: &[Arc<Value>], pod: &Value) -> Option<TokenHashes> {
+fn pod_hashes(objs: &Objects, pod: &Value) -> Option<TokenHashes> {
     let ns = ns_of(pod);
     let args: Vec<&str> = pod
         .pointer("/spec/containers/0/args")
@@ -197,14 +193,15 @@ fn pod_hashes(objs: &[Arc<Value>], pod: &Value) -> Option<TokenHashes> {
 
 /// Whether a RoleBinding of `ns` grants ServiceAccount `account` a Role that lets it get,
 /// list and watch Secret `secret` (as the service's watch needs).
-fn may_watch_secret(objs: &[Arc<Value>], ns: &str, account: &str, secret: &str) -> bool {
+fn may_watch_secret(objs: &Objects, ns: &str, account: &str, secret: &str) -> bool {
     let has = |v: &Value, x: &str| {
         v.as_array()
             .is_some_and(|a| a.iter().any(|e| e == x || e == "*"))
     };
-    objs.iter()
-        .map(Arc::as_ref)
-        .filter(|b| b["kind"] == "RoleBinding" && ns_of(b) == ns && !deleting(b))
+    objs.in_namespace(ns, "RoleBinding")
+        .iter()
+        .copied()
+        .filter(|b| !deleting(b))
         .filter(|b| {
             b["subjects"].as_array().is_some_and(|ss| {
                 ss.iter().any(|x| {
@@ -241,6 +238,7 @@ pub(crate) mod tests {
     use super::*;
     use base64::Engine;
     use serde_json::json;
+    use std::sync::Arc;
 
     use crate::data_plane::token_hash;
 
@@ -279,7 +277,7 @@ pub(crate) mod tests {
     }
 
     fn auth(objs: &[Arc<Value>]) -> Authentication {
-        authentication(objs, "di-1", "gw", &json!({GW_PODS: "gw"})).0
+        authentication(&Objects::new(objs), "di-1", "gw", &json!({GW_PODS: "gw"})).0
     }
 
     fn edit(objs: &mut [Arc<Value>], kind: &str, f: impl Fn(&mut Value)) {
@@ -377,6 +375,43 @@ pub(crate) mod tests {
             break_it(&mut objs);
             assert_eq!(answers(&auth(&objs)), None, "{what}");
         }
+    }
+
+    /// A policy whose backendRef names another namespace: the Service, its pods, what they may
+    /// read and the NetworkPolicies that admit the gateway are that namespace's.
+    #[test]
+    fn an_authorization_service_of_another_namespace_is_asked_there() {
+        let mut objs = objects("auth", "tok");
+        edit(&mut objs, "SecurityPolicy", |p| {
+            p["metadata"]["namespace"] = json!("di-1");
+            p["spec"]["extAuth"]["http"]["backendRefs"][0]["namespace"] = json!("auth");
+        });
+        assert!(answers(&auth(&objs)).is_some());
+        // Its namespace admits its own pods only: not the gateway of di-1.
+        let policy = |from: Value| {
+            Arc::new(
+                json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": {"name": "auth", "namespace": "auth"},
+                "spec": {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": [{"from": [from]}]}}),
+            )
+        };
+        let gateway = json!({"matchLabels": {GW_PODS: "gw"}});
+        let mut own = objs.clone();
+        own.push(policy(json!({"podSelector": gateway})));
+        assert_eq!(answers(&auth(&own)), None);
+        // Admitting di-1's gateway by the namespace's name label (the API server sets it).
+        let mut named = objs.clone();
+        named.push(policy(json!({"podSelector": gateway,
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "di-1"}}})));
+        assert!(answers(&auth(&named)).is_some());
+        // By a label of the Namespace object (cluster-scoped: it has no namespace).
+        let mut labelled = objs.clone();
+        labelled.push(policy(json!({"podSelector": gateway,
+            "namespaceSelector": {"matchLabels": {"team": "a"}}})));
+        assert_eq!(answers(&auth(&labelled)), None);
+        labelled.push(Arc::new(json!({"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "di-1", "labels": {"team": "a"}}})));
+        assert!(answers(&auth(&labelled)).is_some());
     }
 
     #[test]

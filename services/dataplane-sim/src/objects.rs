@@ -1,8 +1,10 @@
-//! Reading a cluster's objects (JSON, as the simulated API server stores them): lookups by kind
-//! and name, labels and selectors, readiness, and what a pod's containers run (command lines,
-//! flags, the model a vLLM pod serves). Routing, the serving model, the endpoint picker and the
-//! pods' metrics all read the cluster through these.
+//! Reading a cluster's objects (JSON, as the simulated API server stores them): a snapshot
+//! filed by namespace, kind and name ([`Objects`]), lookups in it, labels and selectors,
+//! readiness, and what a pod's containers run (command lines, flags, the model a vLLM pod
+//! serves). Routing, the serving model, the endpoint picker and the pods' metrics all read the
+//! cluster through these.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
@@ -30,22 +32,83 @@ pub(crate) fn deleting(v: &Value) -> bool {
         .is_some_and(|t| !t.is_null())
 }
 
+/// A cluster's objects (a snapshot, in the API server's order), filed once by namespace, kind
+/// and name, so that a lookup reads only the objects of the kind it wants in the namespace it
+/// looks in. The cloud controller derives the wiring of every load balancer of a cluster from
+/// one snapshot, and a cluster holds many DIs, one namespace each: a lookup scanning the whole
+/// snapshot made a pass cost the square of the cluster's DIs.
+pub struct Objects<'a> {
+    /// Namespace → kind → its objects.
+    filed: HashMap<&'a str, HashMap<&'a str, Kind<'a>>>,
+}
+
+/// The objects of one kind in one namespace, in snapshot order, and by name (the cluster-scoped
+/// ones, Nodes and Namespaces, are as many as the cluster's nodes and DIs).
+#[derive(Default)]
+struct Kind<'a> {
+    all: Vec<&'a Value>,
+    by_name: HashMap<&'a str, Vec<&'a Value>>,
+}
+
+impl<'a> Objects<'a> {
+    pub fn new(all: &'a [Arc<Value>]) -> Objects<'a> {
+        let mut filed: HashMap<_, HashMap<_, Kind>> = HashMap::new();
+        for o in all {
+            // Every lookup names a kind: an object without one is never found.
+            if let Some(kind) = o["kind"].as_str() {
+                let k = filed.entry(ns_of(o)).or_default().entry(kind).or_default();
+                k.all.push(o);
+                k.by_name.entry(name_of(o)).or_default().push(o);
+            }
+        }
+        Objects { filed }
+    }
+
+    fn kind(&self, ns: &str, kind: &str) -> Option<&Kind<'a>> {
+        self.filed.get(ns)?.get(kind)
+    }
+
+    /// The objects of `kind` in namespace `ns`, in snapshot order. Cluster-scoped objects
+    /// (Nodes, Namespaces) have no namespace: they are filed under `default`, as [`ns_of`]
+    /// reads them.
+    pub fn in_namespace(&self, ns: &str, kind: &str) -> &[&'a Value] {
+        self.kind(ns, kind).map_or(&[], |k| &k.all)
+    }
+
+    /// Those of them in API `group`, but for those being deleted.
+    pub fn live(
+        &self,
+        ns: &str,
+        kind: &str,
+        group: &'static str,
+    ) -> impl Iterator<Item = &'a Value> + '_ {
+        self.in_namespace(ns, kind)
+            .iter()
+            .copied()
+            .filter(move |o| group_of(o) == group && !deleting(o))
+    }
+
+    /// Those of them named `name`, whatever their API group and even if being deleted.
+    pub fn named(&self, ns: &str, kind: &str, name: &str) -> &[&'a Value] {
+        self.kind(ns, kind)
+            .and_then(|k| k.by_name.get(name))
+            .map_or(&[], Vec::as_slice)
+    }
+}
+
 /// The object of `kind` in API `group` (`""` for the core API) named `ns`/`name`, unless it is
 /// being deleted.
 pub fn find<'a>(
-    objs: &'a [Arc<Value>],
+    objs: &Objects<'a>,
     kind: &str,
     group: &str,
     ns: &str,
     name: &str,
 ) -> Option<&'a Value> {
-    objs.iter().map(Arc::as_ref).find(|o| {
-        o["kind"] == kind
-            && group_of(o) == group
-            && ns_of(o) == ns
-            && name_of(o) == name
-            && !deleting(o)
-    })
+    objs.named(ns, kind, name)
+        .iter()
+        .copied()
+        .find(|o| group_of(o) == group && !deleting(o))
 }
 
 pub(crate) fn labels_match(selector: &Map<String, Value>, labels: Option<&Value>) -> bool {
@@ -82,20 +145,11 @@ pub(crate) fn flag_value(args: &[String], name: &str) -> Option<String> {
 
 /// The Envoy Gateway policy of `kind` (`gateway.envoyproxy.io`) in `ns` whose `targetRefs`
 /// name Gateway `gw`, unless it is being deleted.
-pub fn gateway_policy<'a>(
-    objs: &'a [Arc<Value>],
-    kind: &str,
-    ns: &str,
-    gw: &str,
-) -> Option<&'a Value> {
-    objs.iter().map(Arc::as_ref).find(|o| {
-        o["kind"] == kind
-            && group_of(o) == "gateway.envoyproxy.io"
-            && ns_of(o) == ns
-            && !deleting(o)
-            && o.pointer("/spec/targetRefs")
-                .and_then(Value::as_array)
-                .is_some_and(|ts| ts.iter().any(|t| t["kind"] == "Gateway" && t["name"] == gw))
+pub fn gateway_policy<'a>(objs: &Objects<'a>, kind: &str, ns: &str, gw: &str) -> Option<&'a Value> {
+    objs.live(ns, kind, "gateway.envoyproxy.io").find(|o| {
+        o.pointer("/spec/targetRefs")
+            .and_then(Value::as_array)
+            .is_some_and(|ts| ts.iter().any(|t| t["kind"] == "Gateway" && t["name"] == gw))
     })
 }
 
@@ -135,7 +189,7 @@ fn container_args(pod_spec: &Value) -> Vec<Vec<String>> {
         .unwrap_or_default()
 }
 
-fn owner<'a>(objs: &'a [Arc<Value>], obj: &Value, kind: &str, group: &str) -> Option<&'a Value> {
+fn owner<'a>(objs: &Objects<'a>, obj: &Value, kind: &str, group: &str) -> Option<&'a Value> {
     let refs = obj.pointer("/metadata/ownerReferences")?.as_array()?;
     let r = refs.iter().find(|r| r["kind"] == kind)?;
     find(objs, kind, group, ns_of(obj), r["name"].as_str()?)
@@ -143,7 +197,7 @@ fn owner<'a>(objs: &'a [Arc<Value>], obj: &Value, kind: &str, group: &str) -> Op
 
 /// The served model of a pod: its own containers' (a pod keeps the model it was started with,
 /// whatever its Deployment says now), else its owning Deployment's (through its ReplicaSet).
-pub(crate) fn pod_model(objs: &[Arc<Value>], pod: &Value) -> Option<String> {
+pub(crate) fn pod_model(objs: &Objects, pod: &Value) -> Option<String> {
     let from = |spec: Option<&Value>| {
         spec.map(container_args)
             .unwrap_or_default()

@@ -18,15 +18,13 @@
 //! extension puts its ext_proc filter after the custom response filter. The simulation takes
 //! the answer in which it does; the worker's design holds with either (see its README).
 
-use std::sync::Arc;
-
 use axum::body::Body;
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 use serde_json::Value;
 
 use crate::auth::accepted;
-use crate::objects::gateway_policy;
+use crate::objects::{gateway_policy, Objects};
 
 /// One `responseOverride` entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,11 +132,7 @@ impl ResponseOverride {
 }
 
 /// The overrides of Gateway `gw` in namespace `ns`, and a note of what is wrong, if anything.
-pub fn overrides(
-    objs: &[Arc<Value>],
-    ns: &str,
-    gw: &str,
-) -> (Vec<ResponseOverride>, Option<String>) {
+pub fn overrides(objs: &Objects, ns: &str, gw: &str) -> (Vec<ResponseOverride>, Option<String>) {
     let policy = gateway_policy(objs, "BackendTrafficPolicy", ns, gw);
     let Some(policy) = policy else {
         return (Vec::new(), None);
@@ -203,6 +197,12 @@ mod tests {
     use super::*;
     use axum::response::IntoResponse;
     use serde_json::json;
+    use std::sync::Arc;
+
+    /// The overrides of Gateway `ns`/`gw` in a cluster holding `policy` alone.
+    fn of(policy: Arc<Value>, ns: &str, gw: &str) -> (Vec<ResponseOverride>, Option<String>) {
+        overrides(&Objects::new(&[policy]), ns, gw)
+    }
 
     fn policy(accepted: &str) -> Arc<Value> {
         Arc::new(json!({
@@ -232,7 +232,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_accepted_override_rewrites_only_the_answers_it_matches() {
-        let (list, note) = overrides(&[policy("True")], "di", "gw");
+        let (list, note) = of(policy("True"), "di", "gw");
         assert_eq!((list.len(), note), (1, None));
         let r = apply(&list, answer(StatusCode::SERVICE_UNAVAILABLE, Some("cold")));
         assert_eq!(r.status(), 503);
@@ -263,9 +263,9 @@ mod tests {
 
     #[test]
     fn a_policy_not_accepted_or_on_another_gateway_changes_nothing() {
-        let (list, note) = overrides(&[policy("False")], "di", "gw");
+        let (list, note) = of(policy("False"), "di", "gw");
         assert!(list.is_empty() && note.is_some());
-        assert!(overrides(&[policy("True")], "di", "other").0.is_empty());
-        assert!(overrides(&[policy("True")], "elsewhere", "gw").0.is_empty());
+        assert!(of(policy("True"), "di", "other").0.is_empty());
+        assert!(of(policy("True"), "elsewhere", "gw").0.is_empty());
     }
 }

@@ -43,7 +43,7 @@
 //! on the cloud controller's next look at the cluster (within its idle interval).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 use serde_json::Value;
 
@@ -295,7 +295,7 @@ pub struct PoolSpec {
 /// when the pool has no reachable picker, `Err` when the chain breaks where the real picker's
 /// pod could not start (its ConfigMap or key missing).
 pub fn epp_config_text(
-    objs: &[Arc<Value>],
+    objs: &objects::Objects,
     ns: &str,
     pool: &Value,
 ) -> Result<Option<String>, String> {
@@ -314,12 +314,14 @@ pub fn epp_config_text(
     let Some(selector) = svc.pointer("/spec/selector").and_then(Value::as_object) else {
         return Ok(None);
     };
-    let deployment = objs.iter().map(Arc::as_ref).find(|o| {
-        o["kind"] == "Deployment"
-            && objects::ns_of(o) == ns
-            && !objects::deleting(o)
-            && objects::labels_match(selector, o.pointer("/spec/template/metadata/labels"))
-    });
+    let deployment = objs
+        .in_namespace(ns, "Deployment")
+        .iter()
+        .copied()
+        .find(|o| {
+            !objects::deleting(o)
+                && objects::labels_match(selector, o.pointer("/spec/template/metadata/labels"))
+        });
     let Some(spec) = deployment.and_then(|d| d.pointer("/spec/template/spec")) else {
         return Ok(None);
     };
@@ -407,7 +409,7 @@ fn parse_cached(text: &str) -> Result<PickerConfig, String> {
 /// The [`PoolSpec`] of InferencePool `pool` (a missing picker is round robin; a broken or
 /// unparsable configuration is also reported in `problems`).
 pub fn pool_spec(
-    objs: &[Arc<Value>],
+    objs: &objects::Objects,
     ns: &str,
     pool: Option<&Value>,
     name: &str,

@@ -19,7 +19,6 @@
 //! so that is the source a policy must admit on the proxied port.
 
 use std::fmt::Write as _;
-use std::sync::Arc;
 
 use serde_json::{Map, Value};
 use sim_kube::{PodProxy, ProxyRequest, ProxyResponse};
@@ -38,8 +37,10 @@ impl PodProxy for PodMetrics {
         if r.method != "GET" || r.path.trim_end_matches('/') != "/metrics" {
             return None;
         }
-        let objs = &r.objects;
-        if !konnectivity_admitted(r) {
+        // Filed once: each of the lookups below reads only the pod's namespace (and the
+        // cluster-scoped objects), not every object of the cluster.
+        let objs = &objects::Objects::new(&r.objects);
+        if !konnectivity_admitted(r, objs) {
             return Some(ProxyResponse {
                 status: 503,
                 content_type: "text/plain".into(),
@@ -69,7 +70,7 @@ pub const KONNECTIVITY_LABEL: (&str, &str) = ("k8s-app", "konnectivity-agent");
 /// Whether the pod's NetworkPolicies admit the Konnectivity agents on the proxied port (a port
 /// name is looked up in the pod's containers; none named: the pod's first port, as the API
 /// server does).
-fn konnectivity_admitted(r: &ProxyRequest) -> bool {
+fn konnectivity_admitted(r: &ProxyRequest, objs: &objects::Objects) -> bool {
     let ports: Vec<&Value> = r
         .pod
         .pointer("/spec/containers")
@@ -100,18 +101,22 @@ fn konnectivity_admitted(r: &ProxyRequest) -> bool {
         ns: KONNECTIVITY_NAMESPACE,
         labels: &agent,
     };
-    crate::routing::ingress_admits(&r.objects, &r.namespace, &labels, port, from)
+    crate::routing::ingress_admits_in(objs, &r.namespace, &labels, port, from)
 }
 
-fn inference_pools<'a>(objs: &'a [Arc<Value>], ns: &'a str) -> impl Iterator<Item = &'a Value> {
-    objs.iter().map(Arc::as_ref).filter(move |o| {
-        o["kind"] == "InferencePool"
-            && o["apiVersion"]
+fn inference_pools<'o, 'a>(
+    objs: &'o objects::Objects<'a>,
+    ns: &str,
+) -> impl Iterator<Item = &'a Value> + 'o {
+    objs.in_namespace(ns, "InferencePool")
+        .iter()
+        .copied()
+        .filter(|o| {
+            o["apiVersion"]
                 .as_str()
                 .is_some_and(|v| v.starts_with(INFERENCE_GROUP))
-            && objects::ns_of(o) == ns
-            && !objects::deleting(o)
-    })
+                && !objects::deleting(o)
+        })
 }
 
 /// The string labels of `selector` (`matchLabels`, or a plain map as in older pools).
@@ -129,7 +134,7 @@ fn pool_selector(pool: &Value) -> Option<Map<String, Value>> {
 
 /// The pools whose endpoint picker this pod is: their `endpointPickerRef` Service selects it,
 /// or it was started with `--pool-name <pool>`.
-fn picker_pools<'a>(objs: &'a [Arc<Value>], ns: &'a str, pod: &Value) -> Vec<&'a Value> {
+fn picker_pools<'a>(objs: &objects::Objects<'a>, ns: &str, pod: &Value) -> Vec<&'a Value> {
     let labels = pod.pointer("/metadata/labels");
     let named: Vec<String> = pod
         .pointer("/spec/containers")
@@ -154,7 +159,7 @@ fn picker_pools<'a>(objs: &'a [Arc<Value>], ns: &'a str, pod: &Value) -> Vec<&'a
         .collect()
 }
 
-fn is_model_server(objs: &[Arc<Value>], ns: &str, pod: &Value) -> bool {
+fn is_model_server(objs: &objects::Objects, ns: &str, pod: &Value) -> bool {
     let labels = pod.pointer("/metadata/labels");
     inference_pools(objs, ns)
         .filter_map(pool_selector)
@@ -163,7 +168,7 @@ fn is_model_server(objs: &[Arc<Value>], ns: &str, pod: &Value) -> bool {
 }
 
 /// The EPP's gauges for each of its pools.
-fn epp_metrics_text(objs: &[Arc<Value>], ns: &str, pools: &[&Value]) -> String {
+fn epp_metrics_text(objs: &objects::Objects, ns: &str, pools: &[&Value]) -> String {
     let mut queue = String::new();
     let mut ready = String::new();
     let mut avg_queue = String::new();
@@ -178,12 +183,11 @@ fn epp_metrics_text(objs: &[Arc<Value>], ns: &str, pools: &[&Value]) -> String {
             .unwrap_or_else(|| format!("{ns}/{name}"));
         let ready_pods: Vec<&Value> = match pool_selector(pool) {
             Some(sel) => objs
+                .in_namespace(ns, "Pod")
                 .iter()
-                .map(Arc::as_ref)
+                .copied()
                 .filter(|o| {
-                    o["kind"] == "Pod"
-                        && objects::ns_of(o) == ns
-                        && objects::labels_match(&sel, o.pointer("/metadata/labels"))
+                    objects::labels_match(&sel, o.pointer("/metadata/labels"))
                         && objects::pod_ready(o)
                 })
                 .collect(),

@@ -8,7 +8,10 @@
 //! the Gateway → a backendRef of kind `InferencePool` → the pool's `spec.selector.matchLabels` →
 //! ready Pods. Requests are authenticated as the SecurityPolicy on the Gateway says
 //! ([`crate::auth`]).
-//! Everything here is a pure function of JSON objects.
+//! Everything here is a pure function of JSON objects, read through the snapshot's filing by
+//! namespace ([`Objects`]): what a Service's wiring reads is in its own namespace, but for what
+//! a reference names in another (a certificate Secret, an authorization Service) and the
+//! cluster-scoped Namespaces a NetworkPolicy's peers select.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,9 +22,7 @@ use serde_json::{Map, Value};
 use crate::data_plane::{
     Backend, EndpointConfig, PoolRoute, Route, ROUTE_IDLE_FLOOR, ROUTE_TIMEOUT, STREAM_IDLE_TIMEOUT,
 };
-use crate::objects::{
-    deleting, find, group_of, labels_match, name_of, ns_of, pod_model, pod_ready, s,
-};
+use crate::objects::{find, labels_match, name_of, ns_of, pod_model, pod_ready, s, Objects};
 
 /// Selector label that ties a Service to the Gateway it fronts.
 pub const GATEWAY_NAME_LABEL: &str = "gateway.networking.k8s.io/gateway-name";
@@ -66,7 +67,7 @@ fn selects(selector: &Value, labels: Option<&Value>) -> bool {
     sim_kube::LabelSelector::from_object(selector).matches_labels(labels)
 }
 
-fn peer_admits(objs: &[Arc<Value>], ns: &str, peer: &Value, from: Source) -> bool {
+fn peer_admits(objs: &Objects, ns: &str, peer: &Value, from: Source) -> bool {
     let has = |k: &str| peer.get(k).is_some_and(|v| !v.is_null());
     match from {
         // An address block names sources outside the cluster (Cilium, DOKS's CNI, never
@@ -82,9 +83,10 @@ fn peer_admits(objs: &[Arc<Value>], ns: &str, peer: &Value, from: Source) -> boo
             let ns_ok = match peer.get("namespaceSelector").filter(|v| !v.is_null()) {
                 None => from_ns == ns,
                 Some(sel) => {
+                    // Namespaces are cluster-scoped: filed under `default`.
                     let ns_labels = objs
-                        .iter()
-                        .find(|o| o["kind"] == "Namespace" && name_of(o) == from_ns)
+                        .named("default", "Namespace", from_ns)
+                        .first()
                         .and_then(|n| n.pointer("/metadata/labels").cloned())
                         .unwrap_or_else(
                             || serde_json::json!({"kubernetes.io/metadata.name": from_ns}),
@@ -117,7 +119,9 @@ fn port_admits(p: &Value, port: i64) -> bool {
 
 /// Whether the NetworkPolicies of namespace `ns` let `from` open a TCP connection to `port` of
 /// a pod there with `labels`: a pod no ingress policy selects admits everything; a selected
-/// pod admits what at least one of those policies' rules allows (port and peer).
+/// pod admits what at least one of those policies' rules allows (port and peer). `objs` is a
+/// plain list of objects (a test's, read from a cluster's API); [`ingress_admits_in`] reads a
+/// filed snapshot.
 pub fn ingress_admits(
     objs: &[Arc<Value>],
     ns: &str,
@@ -125,17 +129,23 @@ pub fn ingress_admits(
     port: i64,
     from: Source,
 ) -> bool {
+    ingress_admits_in(&Objects::new(objs), ns, labels, port, from)
+}
+
+/// [`ingress_admits`], reading a filed snapshot.
+pub fn ingress_admits_in(
+    objs: &Objects,
+    ns: &str,
+    labels: &Value,
+    port: i64,
+    from: Source,
+) -> bool {
     let policies: Vec<&Value> = objs
-        .iter()
-        .map(Arc::as_ref)
+        .live(ns, "NetworkPolicy", "networking.k8s.io")
         .filter(|o| {
-            o["kind"] == "NetworkPolicy"
-                && group_of(o) == "networking.k8s.io"
-                && ns_of(o) == ns
-                && !deleting(o)
-                && o.pointer("/spec/policyTypes")
-                    .and_then(Value::as_array)
-                    .is_none_or(|ts| ts.iter().any(|t| t == "Ingress"))
+            o.pointer("/spec/policyTypes")
+                .and_then(Value::as_array)
+                .is_none_or(|ts| ts.iter().any(|t| t == "Ingress"))
                 && selects(&o["spec"]["podSelector"], Some(labels))
         })
         .collect();
@@ -154,7 +164,7 @@ pub fn ingress_admits(
 }
 
 /// Derives the endpoint configuration for LoadBalancer Service `svc` from the cluster's objects.
-pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
+pub fn wire(svc: &Value, objs: &Objects) -> Wiring {
     let ns = ns_of(svc).to_string();
     let mut w = Wiring::default();
     let Some(gw_name) = s(
@@ -195,7 +205,7 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
     // does not admit it leaves connections unanswered (no TLS handshake completes).
     let gateway_pods = serde_json::json!({ GATEWAY_NAME_LABEL: gw_name });
     let listener_port = listener["port"].as_i64().unwrap_or(0);
-    if !ingress_admits(objs, &ns, &gateway_pods, listener_port, Source::Outside) {
+    if !ingress_admits_in(objs, &ns, &gateway_pods, listener_port, Source::Outside) {
         w.problems.push(format!(
             "network policy in {ns} denies the load balancer the gateway's port {listener_port}"
         ));
@@ -235,12 +245,10 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
         }
     }
     // The first HTTPRoute attached to this gateway (and listener, if it names one).
-    let attached = objs.iter().map(Arc::as_ref).filter(|o| {
-        o["kind"] == "HTTPRoute"
-            && group_of(o) == "gateway.networking.k8s.io"
-            && ns_of(o) == ns
-            && !deleting(o)
-            && o.pointer("/spec/parentRefs")
+    let attached = objs
+        .live(&ns, "HTTPRoute", "gateway.networking.k8s.io")
+        .filter(|o| {
+            o.pointer("/spec/parentRefs")
                 .and_then(Value::as_array)
                 .is_some_and(|ps| {
                     ps.iter().any(|p| {
@@ -252,7 +260,7 @@ pub fn wire(svc: &Value, objs: &[Arc<Value>]) -> Wiring {
                                 .is_none_or(|sn| sn == listener_name)
                     })
                 })
-    });
+        });
     let mut routes: Vec<&Value> = attached.collect();
     // Gateway API precedence between routes: oldest first, then by name.
     routes.sort_by_key(|r| {
@@ -406,7 +414,7 @@ pub fn gateway_duration(text: &str) -> Option<Duration> {
 /// The ready pods of InferencePool `pool_name` that the gateway may reach, with their models;
 /// what is missing or denied goes to `problems`.
 fn pool_endpoints(
-    objs: &[Arc<Value>],
+    objs: &Objects,
     ns: &str,
     pool_name: &str,
     gateway: Source,
@@ -432,13 +440,10 @@ fn pool_endpoints(
         return (Vec::new(), Arc::new(spec));
     };
     let pods: Vec<&Value> = objs
+        .in_namespace(ns, "Pod")
         .iter()
-        .map(Arc::as_ref)
-        .filter(|o| {
-            o["kind"] == "Pod"
-                && ns_of(o) == ns
-                && labels_match(&selector, o.pointer("/metadata/labels"))
-        })
+        .copied()
+        .filter(|o| labels_match(&selector, o.pointer("/metadata/labels")))
         .collect();
     // The gateway connects to each pod on the pool's target port, subject to the namespace's
     // NetworkPolicies: a pod they do not admit it to is no endpoint.
@@ -449,7 +454,7 @@ fn pool_endpoints(
     let (reachable, denied): (Vec<&&Value>, Vec<&&Value>) =
         pods.iter().filter(|p| pod_ready(p)).partition(|p| {
             let labels = p.pointer("/metadata/labels").unwrap_or(&Value::Null);
-            ingress_admits(objs, ns, labels, target_port, gateway)
+            ingress_admits_in(objs, ns, labels, target_port, gateway)
         });
     if !denied.is_empty() {
         problems.push(format!(
@@ -550,7 +555,7 @@ mod tests {
 
     #[test]
     fn full_chain() {
-        let w = wire(&svc(), &objects());
+        let w = wire(&svc(), &Objects::new(&objects()));
         assert!(w.problems.is_empty(), "{:?}", w.problems);
         assert_eq!(w.config.tls, Some(("CERT".into(), "KEY".into())));
         assert!(
@@ -581,7 +586,7 @@ mod tests {
         };
         objs.push(pod("vllm-old", "org/small"));
         objs.push(pod("vllm-new", "big"));
-        let w = wire(&svc(), &objs);
+        let w = wire(&svc(), &Objects::new(&objs));
         assert_eq!(
             without_serving(&w.config.route),
             Route::Pool {
@@ -615,7 +620,7 @@ mod tests {
             "metadata": {"name": "vllm-2-a", "namespace": "di-1", "labels": {"app": "vllm-2"}},
             "spec": {"containers": [{"name": "vllm", "args": ["--model", "small"]}]},
             "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})));
-        let w = wire(&svc(), &objs);
+        let w = wire(&svc(), &Objects::new(&objs));
         assert!(w.problems.is_empty(), "{:?}", w.problems);
         assert_eq!(
             without_serving(&w.config.route),
@@ -676,7 +681,7 @@ mod tests {
             Route::Pool { endpoints, .. } => endpoints[0].serving.clone(),
             _ => panic!("no pool"),
         };
-        let w = wire(&svc(), &objs);
+        let w = wire(&svc(), &Objects::new(&objs));
         assert!(w.problems.is_empty(), "{:?}", w.problems);
         let b = backend(&w);
         let pool = b.pool.as_ref().unwrap();
@@ -710,7 +715,7 @@ mod tests {
                 }
             })
             .collect();
-        let w = wire(&svc(), &broken);
+        let w = wire(&svc(), &Objects::new(&broken));
         assert!(backend(&w).pool.unwrap().picker.is_none());
         assert!(
             w.problems.iter().any(|p| p.contains("endpoint picker")),
@@ -718,16 +723,40 @@ mod tests {
             w.problems
         );
         // No picker at all (its Service gone): round robin, and nothing to report.
-        let w = wire(
-            &svc(),
-            &objs
-                .iter()
-                .filter(|o| o["kind"] != "Service" || o["metadata"]["name"] == "auth")
-                .cloned()
-                .collect::<Vec<_>>(),
-        );
+        let without_picker: Vec<Arc<Value>> = objs
+            .iter()
+            .filter(|o| o["kind"] != "Service" || o["metadata"]["name"] == "auth")
+            .cloned()
+            .collect();
+        let w = wire(&svc(), &Objects::new(&without_picker));
         assert!(w.problems.is_empty(), "{:?}", w.problems);
         assert!(backend(&w).pool.unwrap().picker.is_none());
+    }
+
+    /// A listener's certificate named in another namespace is read there, not from a Secret of
+    /// the same name in the gateway's.
+    #[test]
+    fn a_certificate_of_another_namespace_is_read_there() {
+        let mut objs = objects();
+        for gw in objs.iter_mut().filter(|o| o["kind"] == "Gateway") {
+            let cert = &mut Arc::make_mut(gw)["spec"]["listeners"][1]["tls"]["certificateRefs"][0];
+            cert["namespace"] = json!("certs");
+        }
+        let w = wire(&svc(), &Objects::new(&objs));
+        assert_eq!(w.config.tls, None);
+        assert!(
+            w.problems
+                .contains(&"certificate secret certs/tls not found".to_string()),
+            "{:?}",
+            w.problems
+        );
+        objs.push(Arc::new(
+            json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tls", "namespace": "certs"},
+                   "type": "kubernetes.io/tls", "data": {"tls.crt": b64("SHARED"), "tls.key": b64("KEY")}}),
+        ));
+        let w = wire(&svc(), &Objects::new(&objs));
+        assert!(w.problems.is_empty(), "{:?}", w.problems);
+        assert_eq!(w.config.tls, Some(("SHARED".into(), "KEY".into())));
     }
 
     #[test]
@@ -759,7 +788,7 @@ mod tests {
     /// sets a request timeout (then at least an hour); the picker's queue TTL is its default.
     #[test]
     fn pools_carry_the_gateways_idle_limit_and_the_pickers_ttl() {
-        let w = wire(&svc(), &objects());
+        let w = wire(&svc(), &Objects::new(&objects()));
         let Route::Pool { pools, .. } = &w.config.route else {
             panic!("{:?}", w.config.route)
         };
@@ -777,7 +806,7 @@ mod tests {
                     *o = Arc::new(route);
                 }
             }
-            let w = wire(&svc(), &objs);
+            let w = wire(&svc(), &Objects::new(&objs));
             let Route::Pool { pools, .. } = &w.config.route else {
                 panic!("{:?}", w.config.route)
             };
@@ -792,32 +821,32 @@ mod tests {
     fn missing_pieces_degrade_like_a_gateway() {
         let mut objs = objects();
         objs.retain(|o| o["kind"] != "HTTPRoute");
-        let w = wire(&svc(), &objs);
+        let w = wire(&svc(), &Objects::new(&objs));
         assert_eq!(w.config.route, Route::None);
         assert!(w.config.tls.is_some());
 
         let mut objs = objects();
         objs.retain(|o| o["kind"] != "Pod");
-        let w = wire(&svc(), &objs);
+        let w = wire(&svc(), &Objects::new(&objs));
         assert!(
             matches!(w.config.route, Route::Pool { ref endpoints, .. } if endpoints.is_empty())
         );
 
         let mut objs = objects();
         objs.retain(|o| o["metadata"]["name"] != "tls");
-        let w = wire(&svc(), &objs);
+        let w = wire(&svc(), &Objects::new(&objs));
         assert!(w.config.tls.is_none());
         assert!(w.problems.iter().any(|p| p.contains("certificate")));
 
         let mut objs = objects();
         objs.retain(|o| o["kind"] != "SecurityPolicy");
-        let w = wire(&svc(), &objs);
+        let w = wire(&svc(), &Objects::new(&objs));
         assert_eq!(w.config.auth, crate::auth::Authentication::Open);
         assert!(w.problems.iter().any(|p| p.contains("not authenticated")));
 
         let mut other = svc();
         other["spec"]["selector"] = json!({"app": "x"});
-        assert_eq!(wire(&other, &objects()).config.tls, None);
+        assert_eq!(wire(&other, &Objects::new(&objects())).config.tls, None);
     }
 
     fn policy(name: &str, spec: Value) -> Arc<Value> {
@@ -856,7 +885,7 @@ mod tests {
         let with = |extra: &[Arc<Value>]| {
             let mut objs = objects();
             objs.extend(extra.iter().cloned());
-            wire(&svc(), &objs)
+            wire(&svc(), &Objects::new(&objs))
         };
         // Default deny alone: the load balancer reaches nothing.
         let w = with(std::slice::from_ref(&deny));

@@ -258,7 +258,7 @@ fn quantity(v: &Value) -> Option<u32> {
 
 impl ReplicaSpec {
     /// Derives a pod's serving facts from it and its node.
-    pub fn of_pod(objs: &[Arc<Value>], pod: &Value) -> ReplicaSpec {
+    pub fn of_pod(objs: &objects::Objects, pod: &Value) -> ReplicaSpec {
         let containers = pod
             .pointer("/spec/containers")
             .and_then(Value::as_array)
@@ -1466,7 +1466,7 @@ pub fn start(
 /// replica's, or, while no endpoint routes to it (or the serving model is off and it has none),
 /// a freshly started vLLM's (zero counters, for the model it serves). `objs` are the cluster's
 /// objects (the pod's Deployment and node describe the replica).
-pub fn pod_metrics_text(objs: &[Arc<Value>], pod: &Value) -> String {
+pub fn pod_metrics_text(objs: &objects::Objects, pod: &Value) -> String {
     let spec = ReplicaSpec::of_pod(objs, pod);
     match spec.uid.as_deref().and_then(replica_by_uid) {
         Some(r) => r.metrics_text(),

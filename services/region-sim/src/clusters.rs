@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use dataplane_sim::data_plane::{Endpoint, Route};
+use dataplane_sim::objects::Objects;
 use dataplane_sim::routing;
 use region_sim_base::front::{Front, SiteId};
 use serde_json::{json, Value};
@@ -837,6 +838,9 @@ async fn reconcile(shared: &Arc<Shared>, id: &str, side: &ClusterSide) -> anyhow
         .collect();
     let lbs: Vec<ServiceLb> = services.iter().map(|o| service_lb(o)).collect();
     let statuses = shared.world.lb_sync(id, &lbs);
+    // Filed by namespace once for all the Services' wirings, each of which reads its own
+    // namespace: a cluster holds many DIs.
+    let filed = Objects::new(&objs);
 
     // Each load balancer's endpoint serves at the load balancer's address; endpoints for
     // services that are gone go away with their load balancer.
@@ -873,7 +877,7 @@ async fn reconcile(shared: &Arc<Shared>, id: &str, side: &ClusterSide) -> anyhow
             let Some(slot) = eps.get_mut(&key) else {
                 continue;
             };
-            let wiring = routing::wire(svc, &objs);
+            let wiring = routing::wire(svc, &filed);
             let mut problems = wiring.problems;
             if let Err(e) = slot.endpoint.update(wiring.config) {
                 problems.push(format!("TLS certificate rejected: {e}"));

@@ -583,6 +583,7 @@ async fn admin_pod_metrics(
         return (StatusCode::NOT_FOUND, format!("cluster {id} not found\n")).into_response();
     };
     let objs: Vec<Arc<Value>> = objs.iter().cloned().map(Arc::new).collect();
+    let objs = dataplane_sim::objects::Objects::new(&objs);
     let Some(pod) = dataplane_sim::objects::find(&objs, "Pod", "", &ns, &name) else {
         return (
             StatusCode::NOT_FOUND,
