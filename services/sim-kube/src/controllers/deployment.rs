@@ -106,10 +106,9 @@ fn reconcile(store: &Store, snap: &Snapshot, key: &Key, d: &Value) {
     let template = &spec["template"];
     let hash = template_hash(template);
     let pods: Vec<&Value> = snap
-        .of_kind("Pod")
-        .filter(|(k, p)| {
-            k.ns == key.ns
-                && !is_deleting(p)
+        .in_namespace("Pod", &key.ns)
+        .filter(|(_, p)| {
+            !is_deleting(p)
                 && p.pointer("/metadata/ownerReferences")
                     .and_then(Value::as_array)
                     .is_some_and(|refs| {

@@ -42,12 +42,11 @@ pub fn run(store: &Store, snap: &Snapshot) {
             continue;
         }
         let mut remaining = 0;
-        for (k, o) in snap.all() {
-            if k.ns == nskey.name && TYPES[k.rt].namespaced {
-                remaining += 1;
-                if !is_deleting(o) {
-                    delete(store, k);
-                }
+        let namespaced = (0..TYPES.len()).filter(|&rt| TYPES[rt].namespaced);
+        for (k, o) in namespaced.flat_map(|rt| snap.of_type_in(rt, &nskey.name)) {
+            remaining += 1;
+            if !is_deleting(o) {
+                delete(store, k);
             }
         }
         if remaining == 0 {

@@ -24,6 +24,10 @@ pub use scheduler::complete_node;
 
 /// Objects as of the start of a pass, parsed (most are already: the objects of a cluster whose
 /// controllers are busy are in use).
+///
+/// Ordered by type, then namespace, then name, so the objects of a kind, or of a kind in one
+/// namespace, are a range: a controller looking at one object's kin reads those, not every
+/// object of a cluster that may hold many DIs.
 pub(crate) struct Snapshot {
     objects: BTreeMap<Key, Arc<Value>>,
 }
@@ -32,9 +36,22 @@ impl Snapshot {
     pub fn of_kind(&self, kind: &str) -> impl Iterator<Item = (&Key, &Value)> + '_ {
         let rt = index_of(kind);
         self.objects
-            .iter()
-            .filter(move |(k, _)| k.rt == rt)
+            .range(Key::new(rt, "", "")..)
+            .take_while(move |(k, _)| k.rt == rt)
             .map(|(k, v)| (k, v.as_ref()))
+    }
+    /// The objects of type `rt` in namespace `ns`, in name order.
+    pub fn of_type_in(&self, rt: usize, ns: &str) -> impl Iterator<Item = (&Key, &Value)> + '_ {
+        let from = Key::new(rt, ns, "");
+        let ns = from.ns.clone();
+        self.objects
+            .range(from..)
+            .take_while(move |(k, _)| k.rt == rt && k.ns == ns)
+            .map(|(k, v)| (k, v.as_ref()))
+    }
+    /// The objects of `kind` in namespace `ns`, in name order.
+    pub fn in_namespace(&self, kind: &str, ns: &str) -> impl Iterator<Item = (&Key, &Value)> + '_ {
+        self.of_type_in(index_of(kind), ns)
     }
     pub fn get(&self, kind: &str, ns: &str, name: &str) -> Option<&Value> {
         self.objects

@@ -6,6 +6,8 @@
 //! Addresses are only assigned while empty: the crate that wires the simulated
 //! data plane may overwrite them through `/status`, and that must stick.
 
+use std::collections::HashMap;
+
 use tokio::time::Instant;
 
 use serde_json::{json, Value};
@@ -14,7 +16,7 @@ use super::{is_deleting, set_condition, uid, Snapshot, Timers};
 use crate::managed::Scope;
 use crate::ops;
 use crate::resources::{GATEWAY_GROUP, INFERENCE_GROUP};
-use crate::store::Store;
+use crate::store::{Key, Store};
 use crate::ClusterConfig;
 
 const CCM: &str = "cloud-controller-manager";
@@ -151,7 +153,46 @@ fn attached_listeners<'a>(
         .collect()
 }
 
+/// The HTTPRoutes (not being deleted) under each (namespace, name) that `targets` names for
+/// them, in snapshot order, each once: filed once per pass, so that a Gateway or pool looks at
+/// the routes that name it rather than at every route of the cluster.
+fn routes_by<'s>(
+    snap: &'s Snapshot,
+    targets: impl Fn(&'s Key, &'s Value) -> Vec<(&'s str, &'s str)>,
+) -> HashMap<(&'s str, &'s str), Vec<(&'s Key, &'s Value)>> {
+    let mut by: HashMap<_, Vec<(&Key, &Value)>> = HashMap::new();
+    for (rk, route) in snap.of_kind("HTTPRoute") {
+        if is_deleting(route) {
+            continue;
+        }
+        for target in targets(rk, route) {
+            let routes = by.entry(target).or_default();
+            if routes.last().is_none_or(|(k, _)| *k != rk) {
+                routes.push((rk, route));
+            }
+        }
+    }
+    by
+}
+
+fn parent_refs(route: &Value) -> impl Iterator<Item = &Value> {
+    route
+        .pointer("/spec/parentRefs")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+}
+
 fn gateways(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &ClusterConfig) {
+    // By the Gateway their parentRefs name (a parentRef may name another namespace's).
+    let routes_by_parent = routes_by(snap, |rk, route| {
+        parent_refs(route)
+            .map(|p| {
+                let ns = p["namespace"].as_str().unwrap_or(&rk.ns);
+                (ns, p["name"].as_str().unwrap_or_default())
+            })
+            .collect()
+    });
     for (key, gw) in snap.of_kind("Gateway") {
         if is_deleting(gw) {
             continue;
@@ -186,23 +227,20 @@ fn gateways(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &Cluste
             .flatten()
         {
             let lname = l["name"].as_str().unwrap_or_default();
-            let attached = snap
-                .of_kind("HTTPRoute")
+            let attached = routes_by_parent
+                .get(&(key.ns.as_str(), key.name.as_str()))
+                .into_iter()
+                .flatten()
                 .filter(|(rk, r)| {
-                    !is_deleting(r)
-                        && r.pointer("/spec/parentRefs")
-                            .and_then(Value::as_array)
-                            .into_iter()
-                            .flatten()
-                            .any(|p| {
-                                parent_gateway(snap, &rk.ns, p).is_some_and(|(ns, g)| {
-                                    ns == key.ns
-                                        && g["metadata"]["name"] == key.name.as_str()
-                                        && attached_listeners(gw, &key.ns, &rk.ns, p)
-                                            .iter()
-                                            .any(|al| al["name"] == lname)
-                                })
-                            })
+                    parent_refs(r).any(|p| {
+                        parent_gateway(snap, &rk.ns, p).is_some_and(|(ns, g)| {
+                            ns == key.ns
+                                && g["metadata"]["name"] == key.name.as_str()
+                                && attached_listeners(gw, &key.ns, &rk.ns, p)
+                                    .iter()
+                                    .any(|al| al["name"] == lname)
+                        })
+                    })
                 })
                 .count();
             let missing_cert = l
@@ -374,11 +412,7 @@ fn routes(store: &Store, snap: &Snapshot) {
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
-        let parents: Vec<Value> = route
-            .pointer("/spec/parentRefs")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
+        let parents: Vec<Value> = parent_refs(route)
             .map(|pref| {
                 let mut conds = old
                     .iter()
@@ -407,6 +441,16 @@ fn routes(store: &Store, snap: &Snapshot) {
 }
 
 fn pools(store: &Store, snap: &Snapshot) {
+    // By the pool their backendRefs name (a backendRef may name another namespace's).
+    let routes_by_pool = routes_by(snap, |rk, route| {
+        backend_refs(route)
+            .filter(|b| b["group"] == INFERENCE_GROUP && b["kind"] == "InferencePool")
+            .filter_map(|b| {
+                let ns = b["namespace"].as_str().unwrap_or(&rk.ns);
+                Some((ns, b["name"].as_str()?))
+            })
+            .collect()
+    });
     for (key, pool) in snap.of_kind("InferencePool") {
         if is_deleting(pool) {
             continue;
@@ -414,25 +458,12 @@ fn pools(store: &Store, snap: &Snapshot) {
         let generation = pool["metadata"]["generation"].as_i64();
         // Gateways whose accepted routes send traffic to this pool.
         let mut gws: Vec<(String, String)> = Vec::new();
-        for (rk, route) in snap.of_kind("HTTPRoute") {
-            if is_deleting(route) {
-                continue;
-            }
-            let targets_pool = backend_refs(route).any(|b| {
-                b["group"] == INFERENCE_GROUP
-                    && b["kind"] == "InferencePool"
-                    && b["name"] == key.name.as_str()
-                    && b["namespace"].as_str().unwrap_or(&rk.ns) == key.ns
-            });
-            if !targets_pool {
-                continue;
-            }
-            for pref in route
-                .pointer("/spec/parentRefs")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-            {
+        let targeting = routes_by_pool
+            .get(&(key.ns.as_str(), key.name.as_str()))
+            .into_iter()
+            .flatten();
+        for (rk, route) in targeting {
+            for pref in parent_refs(route) {
                 if let Some((ns, gw)) = parent_gateway(snap, &rk.ns, pref) {
                     if attached_listeners(gw, &ns, &rk.ns, pref).is_empty() {
                         continue;

@@ -749,20 +749,27 @@ async fn reqwest_free_get(base: &str, path: &str) -> String {
     out
 }
 
+/// The API resources of Gateways, HTTPRoutes and InferencePools.
+fn gateway_resources() -> (ApiResource, ApiResource, ApiResource) {
+    let gvk = |g: &str, k: &str, p: &str| {
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(g, "v1", k), p)
+    };
+    (
+        gvk("gateway.networking.k8s.io", "Gateway", "gateways"),
+        gvk("gateway.networking.k8s.io", "HTTPRoute", "httproutes"),
+        gvk(
+            "inference.networking.k8s.io",
+            "InferencePool",
+            "inferencepools",
+        ),
+    )
+}
+
 #[tokio::test]
 async fn gateway_route_and_pool_as_dynamic_objects() {
     let (cluster, client) = start().await;
     make_ns(&client, "di-9").await;
-    let gvk = |g: &str, k: &str, p: &str| {
-        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(g, "v1", k), p)
-    };
-    let gw_ar = gvk("gateway.networking.k8s.io", "Gateway", "gateways");
-    let route_ar = gvk("gateway.networking.k8s.io", "HTTPRoute", "httproutes");
-    let pool_ar = gvk(
-        "inference.networking.k8s.io",
-        "InferencePool",
-        "inferencepools",
-    );
+    let (gw_ar, route_ar, pool_ar) = gateway_resources();
     let gws: Api<DynamicObject> = Api::namespaced_with(client.clone(), "di-9", &gw_ar);
     let routes: Api<DynamicObject> = Api::namespaced_with(client.clone(), "di-9", &route_ar);
     let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), "di-9", &pool_ar);
@@ -915,6 +922,155 @@ async fn gateway_route_and_pool_as_dynamic_objects() {
         api_code(pools.create(&PostParams::default(), &bad).await),
         422
     );
+    cluster.shutdown().await;
+}
+
+/// Routes of another namespace attach to a Gateway whose listener admits them (a parentRef
+/// naming the Gateway's namespace, counted once however many of its refs name the Gateway),
+/// and the pools they send to, by a backendRef naming the pool's namespace, list that Gateway.
+#[tokio::test]
+async fn routes_of_another_namespace_attach_where_a_listener_admits_them() {
+    let (cluster, client) = start().await;
+    make_ns(&client, "di-9").await;
+    make_ns(&client, "team").await;
+    let (gw_ar, route_ar, pool_ar) = gateway_resources();
+    let pp = PatchParams::apply("di-worker").force();
+    let apply = |ns: &str, ar: &ApiResource, name: &str, spec: serde_json::Value| {
+        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, ar);
+        let obj = DynamicObject::new(name, ar).data(json!({ "spec": spec }));
+        let (name, pp) = (name.to_string(), pp.clone());
+        async move { api.patch(&name, &pp, &Patch::Apply(&obj)).await.unwrap() }
+    };
+    apply(
+        "di-9",
+        &gw_ar,
+        "inference",
+        json!({
+            "gatewayClassName": "istio",
+            "listeners": [
+                {"name": "https", "port": 443, "protocol": "HTTPS"},
+                {"name": "shared", "port": 8443, "protocol": "HTTPS",
+                 "allowedRoutes": {"namespaces": {"from": "All"}}},
+            ]
+        }),
+    )
+    .await;
+    apply(
+        "di-9",
+        &pool_ar,
+        "llama",
+        json!({
+            "selector": {"matchLabels": {"llm-d.ai/model": "llama"}},
+            "targetPorts": [{"number": 8000}]
+        }),
+    )
+    .await;
+    let to_pool = |ns: Option<&str>| {
+        let mut b = json!({"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "llama"});
+        if let Some(ns) = ns {
+            b["namespace"] = json!(ns);
+        }
+        json!([{"backendRefs": [b]}])
+    };
+    apply(
+        "di-9",
+        &route_ar,
+        "own",
+        json!({
+            "parentRefs": [{"name": "inference"}],
+            "rules": [{"backendRefs": [{"name": "elsewhere"}]}]
+        }),
+    )
+    .await;
+    apply(
+        "team",
+        &route_ar,
+        "guest",
+        json!({
+            "parentRefs": [{"name": "inference", "namespace": "di-9", "sectionName": "shared"},
+                           {"name": "inference", "namespace": "di-9"}],
+            "rules": to_pool(Some("di-9"))
+        }),
+    )
+    .await;
+    // Naming the pool without its namespace: a pool of `team`, which has none.
+    apply(
+        "team",
+        &route_ar,
+        "lost",
+        json!({
+            "parentRefs": [{"name": "inference", "namespace": "di-9"}],
+            "rules": to_pool(None)
+        }),
+    )
+    .await;
+
+    // What the controllers write once they have seen every route (eventually: the first
+    // passes may write before the last route is applied).
+    let gws: Api<DynamicObject> = Api::namespaced_with(client.clone(), "di-9", &gw_ar);
+    let attached = || async {
+        let g = gws.get("inference").await.unwrap();
+        let ls = g.data["status"]["listeners"].as_array().cloned()?;
+        let counts: Vec<(String, i64)> = ls
+            .iter()
+            .map(|l| {
+                (
+                    l["name"].as_str().unwrap().into(),
+                    l["attachedRoutes"].as_i64().unwrap(),
+                )
+            })
+            .collect();
+        (counts == [("https".into(), 1), ("shared".into(), 3)]).then_some(())
+    };
+    eventually(
+        Duration::from_secs(5),
+        "https: 1 route, shared: 3",
+        attached,
+    )
+    .await;
+    let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), "di-9", &pool_ar);
+    let gateway = json!({"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                         "name": "inference", "namespace": "di-9"});
+    let pool_parents = || async {
+        let p = pools.get("llama").await.unwrap();
+        let parents: Vec<_> = p.data["status"]["parents"]
+            .as_array()?
+            .iter()
+            .map(|p| p["parentRef"].clone())
+            .collect();
+        (parents == [gateway.clone()]).then_some(())
+    };
+    eventually(
+        Duration::from_secs(5),
+        "the pool's one parent",
+        pool_parents,
+    )
+    .await;
+    let routes: Api<DynamicObject> = Api::namespaced_with(client.clone(), "team", &route_ar);
+    let resolved = |name: &'static str, want: bool| {
+        let routes = routes.clone();
+        async move || {
+            let r = routes.get(name).await.unwrap();
+            let cs = r.data["status"]["parents"][0]["conditions"]
+                .as_array()?
+                .clone();
+            cs.iter()
+                .any(|c| c["type"] == "ResolvedRefs" && (c["status"] == "True") == want)
+                .then_some(())
+        }
+    };
+    eventually(
+        Duration::from_secs(5),
+        "guest resolved",
+        resolved("guest", true),
+    )
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "lost unresolved",
+        resolved("lost", false),
+    )
+    .await;
     cluster.shutdown().await;
 }
 
