@@ -5,8 +5,6 @@
 
 use serde_json::Value;
 
-/// Whether an apply changed the object: its `resourceVersion` moved, and not only because a
-/// controller wrote its status (or another manager's bookkeeping) between our get and our apply.
 /// Annotation holding a digest of the configuration last applied, so that a field dropped from
 /// the desired object (which a server-side apply would remove) still counts as a difference.
 const APPLIED_HASH: &str = "inference.digitalocean.com/applied-hash";
@@ -55,6 +53,8 @@ fn contains(live: &Value, desired: &Value) -> bool {
     }
 }
 
+/// Whether an apply changed the object: its `resourceVersion` moved, and not only because a
+/// controller wrote its status (or another manager's bookkeeping) between our get and our apply.
 pub(super) fn changed(before: &Value, after: &Value, manager: &str) -> bool {
     let rv = |v: &Value| v.pointer("/metadata/resourceVersion").cloned();
     if rv(before) == rv(after) {

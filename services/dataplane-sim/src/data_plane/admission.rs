@@ -174,8 +174,8 @@ pub(super) async fn admit(
 /// What Envoy does with a request before routing it, under the Gateway's SecurityPolicy
 /// ([`Authentication`]): a refusal is endpoint-auth's own answer (401 in OpenAI's error shape),
 /// relayed as Envoy relays a denied check; Envoy's own answers have plain-text bodies.
-// The refusal is the answer the caller relays with `?`, as `route` does its own: boxing it would
-// only add an allocation per refused request.
+// The refusal is the answer the caller relays with `?`: boxing it would only add an allocation
+// per refused request.
 #[allow(clippy::result_large_err)]
 fn authenticate(auth: &Authentication, headers: &HeaderMap) -> Result<(), Response> {
     let envoy = |code: u16, body: &'static str| {
@@ -223,7 +223,6 @@ fn no_healthy_upstream() -> Response {
     )
 }
 
-/// `30 s`, `0.5 s`.
 /// Waits, counted as held for `pool`, until the route has a ready backend (its backends), the
 /// picker's queue TTL or the gateway's idle timeout passes, or the endpoint shuts down (the
 /// answer). Wakes only on configuration

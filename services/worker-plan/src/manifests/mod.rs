@@ -11,17 +11,10 @@ use uuid::Uuid;
 use super::model::{Model, PlanError};
 use super::names;
 
-// Each concern in a file of its own, beside this one rather than under `manifests/`:
-// `tests/no_io.rs` reads the files of `src/` (not its subdirectories).
-#[path = "manifests_endpoint_auth.rs"]
 mod endpoint_auth;
-#[path = "manifests_endpoint_picker.rs"]
 mod endpoint_picker;
-#[path = "manifests_model_server.rs"]
 mod model_server;
-#[path = "manifests_networking.rs"]
 mod networking;
-#[path = "manifests_routing.rs"]
 mod routing;
 
 pub use endpoint_auth::endpoint_auth_manifests;
