@@ -265,7 +265,6 @@ impl CentralStore {
         Ok(())
     }
 
-    /// As [`CentralStore::create_drive_begin`] for the keyed operation of `key`, while it has no
     /// The region refused the create: nothing exists there, so nothing may remain here.
     pub async fn create_abort(&self, di_id: Uuid) -> Result<()> {
         let mut tx = self.pool.begin().await?;

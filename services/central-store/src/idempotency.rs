@@ -156,6 +156,7 @@ impl CentralStore {
         Ok(())
     }
 
+    /// As [`CentralStore::create_drive_begin`] for the keyed operation of `key`, while it has no
     /// answer yet.
     pub async fn operation_drive_begin(
         &self,

@@ -144,7 +144,17 @@ fn secret(value: Option<String>, var: &str) -> anyhow::Result<String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let _telemetry = common::telemetry::init("worker");
-    let args = Args::parse();
+    let config = config_from(Args::parse())?;
+    tracing::info!(?config, "starting");
+    let worker = Worker::start(config).await?;
+    common::telemetry::shutdown_signal().await;
+    tracing::info!("shutting down; finishing running passes");
+    worker.shutdown().await;
+    Ok(())
+}
+
+/// The worker's configuration from its arguments, secrets read from their files where given.
+fn config_from(args: Args) -> anyhow::Result<Config> {
     let do_token = secret(args.do_token, "DO_TOKEN")?;
     let seal_key = secret(args.seal_key, "SEAL_KEY")?;
     let seal_open_keys = match args.seal_open_keys {
@@ -198,10 +208,5 @@ async fn main() -> anyhow::Result<()> {
     };
     config.settings.fleet_slot_timeout = Duration::from_secs(args.fleet_slot_timeout_secs.max(1));
     config.metrics_listen = args.metrics_listen;
-    tracing::info!(?config, "starting");
-    let worker = Worker::start(config).await?;
-    common::telemetry::shutdown_signal().await;
-    tracing::info!("shutting down; finishing running passes");
-    worker.shutdown().await;
-    Ok(())
+    Ok(config)
 }

@@ -6,6 +6,10 @@
 //! address of its own. The API servers run in process (`sim-kube` without a listener): the
 //! front's HTTPS handler calls them directly, and so does the cloud controller, so the region
 //! opens no connection to itself.
+//!
+//! Here: the clusters, their tokens and credentials. Beside it: each cluster's API server
+//! (`kube`), its certificates (`pki`), the front's handler in front of it (`proxy`), and the
+//! cloud controller's LoadBalancer work (`cloud_controller`).
 
 use common::clock::Clock;
 use std::collections::{BTreeMap, HashMap};

@@ -1,5 +1,7 @@
-//! The workers' side of the store: the work queue with leases, stall tracking, and the teardown
-//! ledger of external resources.
+//! The workers' side of the store: worker sessions (`workers`), the work queue with leases
+//! (`queue`), what a pass reads in one statement and the replicas it records (`pass_inputs`),
+//! stall tracking (`stalls`), and the teardown ledger of external resources (`ledger`). This
+//! module only re-exports.
 
 mod ledger;
 mod pass_inputs;

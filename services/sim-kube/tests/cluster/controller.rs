@@ -100,7 +100,8 @@ async fn controller_reconciles_and_settles() {
     })
     .await;
     // The reconciler's own apply of an unchanged Secret writes nothing, so the
-    // controller is not re-triggered forever.
+    // controller is not re-triggered forever. Real time (see the test's head): the runs that
+    // the last change started end within the first wait; none may follow in the second.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let runs = ctx.runs.load(Ordering::SeqCst);
     tokio::time::sleep(Duration::from_secs(3)).await;

@@ -1,5 +1,10 @@
 //! Every Kubernetes object of one dedicated inference for one spec version, as JSON ready for
 //! server-side apply, in apply order.
+//!
+//! Here: the input, the object keys, the apply and teardown order and the access-token Secret.
+//! Beside it, one file per part: the model server (`model_server`), the endpoint picker
+//! (`endpoint_picker`), endpoint-auth and its policy (`endpoint_auth`), the route and pool
+//! (`routing`), and the load balancers and network policies (`networking`).
 
 use std::time::Duration;
 
