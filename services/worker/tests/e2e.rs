@@ -1092,3 +1092,56 @@ async fn a_scale_down_keeps_the_busy_model_server_and_its_stream() {
     w.shutdown().await;
     env.sim.shutdown().await;
 }
+
+/// A worker told to stop (SIGTERM in production) lets the pass it is running finish, gives the
+/// DI's lease back and withdraws from the workers' roster, so another worker takes the DI at
+/// once: not when the lease runs out, nor when the stopped worker counts as silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_worker_finishes_its_pass_and_hands_the_di_on_at_once() {
+    let env = env_with(None).await;
+    let (rec, _token) = env.create(1).await;
+    // Slow DigitalOcean answers: the first pass (find or make the VPC's cluster) takes seconds,
+    // so the stop comes while it runs.
+    env.sim.set_faults(region_sim::FaultConfig {
+        do_api: region_sim::ApiFaults {
+            latency_ms: 1000,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let mut config = env.config();
+    // A lease that outlasts the test: only a release can free the DI in time.
+    config.lease = Duration::from_secs(600);
+    let stopping_id = config.worker_id.clone();
+    let stopping = Worker::start(config).await.unwrap();
+    until(
+        Duration::from_secs(30),
+        "the first pass running",
+        || async { work_item(&env, rec.id).await.0.is_some() },
+    )
+    .await;
+    let (holder, _, checked) = work_item(&env, rec.id).await;
+    assert_eq!(holder.as_deref(), Some(stopping_id.as_str()));
+    assert_eq!(checked, None, "no pass has finished yet");
+
+    stopping.shutdown().await;
+    let (holder, lease, checked) = work_item(&env, rec.id).await;
+    assert_eq!((holder, lease), (None, None), "the lease was given back");
+    assert!(
+        checked.is_some(),
+        "the running pass finished and was recorded"
+    );
+    let roster: i64 =
+        region_store::sqlx::query_scalar("SELECT count(*) FROM workers WHERE worker_id = $1")
+            .bind(&stopping_id)
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
+    assert_eq!(roster, 0, "the stopped worker withdrew");
+
+    env.sim.set_faults(region_sim::FaultConfig::default());
+    let next = env.worker().await;
+    env.wait_active(rec.id, 1).await;
+    next.shutdown().await;
+    env.sim.shutdown().await;
+}
