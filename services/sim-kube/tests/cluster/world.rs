@@ -504,7 +504,9 @@ async fn a_failed_load_crash_loops_with_back_off_until_a_load_succeeds() {
         let client = client.clone();
         async move {
             let p = pods_of(&client, "m").await.into_iter().next()?;
-            let cs = container_status(&p);
+            // A pod has no container statuses until its node reports them, as on a real
+            // cluster: the kubelet writes them once it runs the pod.
+            let cs = p.status.as_ref()?.container_statuses.as_ref()?.first()?;
             let waiting = cs.state.as_ref()?.waiting.as_ref()?;
             (waiting.reason.as_deref() == Some("CrashLoopBackOff")).then_some(p)
         }
