@@ -190,6 +190,11 @@ pub fn create(
     if rt.status && rt.kind != "Node" {
         body.as_object_mut().map(|m| m.remove("status"));
     }
+    // kube-apiserver's pod strategy (`PrepareForCreate`) starts every Pod Pending, with its QoS
+    // class; the scheduler and the kubelet write the rest.
+    if rt.kind == "Pod" {
+        body["status"] = json!({"phase": "Pending", "qosClass": qos_class(&body)});
+    }
     body["metadata"]["uid"] = json!(uuid::Uuid::new_v4().to_string());
     body["metadata"]["creationTimestamp"] = json!(now_rfc3339());
     if body.get("spec").is_some() {
@@ -221,6 +226,29 @@ pub fn create(
         changed: true,
         removed: false,
     })
+}
+
+/// The QoS class kube-apiserver gives a Pod (`GetPodQOS`): BestEffort when no container
+/// requests or limits CPU or memory, Guaranteed when every container limits both and requests
+/// what it limits (a request left out defaults to the limit), Burstable otherwise. Quantities
+/// are compared as written.
+fn qos_class(pod: &Value) -> &'static str {
+    let (mut any, mut guaranteed) = (false, true);
+    for list in ["containers", "initContainers"] {
+        for c in pod["spec"][list].as_array().into_iter().flatten() {
+            for resource in ["cpu", "memory"] {
+                let limit = c["resources"]["limits"].get(resource);
+                let request = c["resources"]["requests"].get(resource).or(limit);
+                any |= request.is_some();
+                guaranteed &= limit.is_some() && request == limit;
+            }
+        }
+    }
+    match (any, guaranteed) {
+        (false, _) => "BestEffort",
+        (true, true) => "Guaranteed",
+        (true, false) => "Burstable",
+    }
 }
 
 fn assign_cluster_ip(store: &Store, svc: &mut Value) {

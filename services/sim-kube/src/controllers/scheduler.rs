@@ -320,7 +320,6 @@ pub fn run(store: &Store, snap: &Snapshot, timers: &mut Timers, config: &Cluster
                     st["podIP"] = json!(pod_ip);
                     st["podIPs"] = json!([{"ip": pod_ip}]);
                     st["startTime"] = json!(now);
-                    st["qosClass"] = json!("Burstable");
                     let conds = &mut st["conditions"];
                     set_condition(conds, "PodScheduled", "True", "", "", None, false);
                     set_condition(conds, "Initialized", "True", "", "", None, false);

@@ -170,6 +170,48 @@ async fn scale_subresource_and_secret_string_data() {
     cluster.shutdown().await;
 }
 
+/// A Pod is Pending from the moment it is created, with the QoS class its resources give it,
+/// as kube-apiserver creates it: a reader never sees a Pod without a status.
+#[tokio::test]
+async fn a_new_pod_is_pending_with_its_qos_class() {
+    let (cluster, client) = start().await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let cases = [
+        ("none", json!({}), "BestEffort"),
+        (
+            "limits",
+            json!({"limits": {"cpu": "1", "memory": "1Gi"}}),
+            "Guaranteed",
+        ),
+        (
+            "less",
+            json!({"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}),
+            "Burstable",
+        ),
+        (
+            "gpu-only",
+            json!({"limits": {"nvidia.com/gpu": "1"}}),
+            "BestEffort",
+        ),
+    ];
+    for (name, resources, class) in cases {
+        let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"containers": [{"name": "c", "image": "x", "resources": resources}]},
+            "status": {"phase": "Running"}});
+        let made = pods
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(pod).unwrap(),
+            )
+            .await
+            .unwrap();
+        let status = made.status.expect("a status from creation");
+        assert_eq!(status.phase.as_deref(), Some("Pending"), "{name}");
+        assert_eq!(status.qos_class.as_deref(), Some(class), "{name}");
+    }
+    cluster.shutdown().await;
+}
+
 #[tokio::test]
 async fn validation_errors_are_kubernetes_statuses() {
     let (cluster, client) = start().await;
