@@ -51,7 +51,7 @@ use crate::objects;
 use crate::serving::{block_hashes, Lru, Replica};
 
 /// The llm-d router chart's default configuration ("approximate" prefix-cache aware), which is
-/// what the worker writes (`services/worker-plan/src/manifests.rs`): queue and KV-utilisation
+/// what the worker writes (`services/worker-plan/src/manifests/endpoint_picker.rs`): queue and KV-utilisation
 /// scorers with weight 2, the prefix-cache scorer with weight 3.
 pub const LLM_D_DEFAULT_CONFIG: &str = "\
 apiVersion: llm-d.ai/v1alpha1
